@@ -1,0 +1,11 @@
+"""traceml: a torchrun drop-in that tells you why PyTorch training is slow.
+
+``import traceml`` is cheap: it imports neither torch, zmq nor rich.
+"""
+
+from __future__ import annotations
+
+from traceml.api import init, trace_step
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "init", "trace_step"]

@@ -1,0 +1,5 @@
+"""``python -m traceml`` works like ``traceml``."""
+
+from traceml.cli import entry
+
+entry()

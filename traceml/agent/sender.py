@@ -1,0 +1,112 @@
+"""Batched, never-blocking ZeroMQ PUSH to the collector (agent and system
+sampler side).
+
+One background thread owns the socket: it is created lazily in that thread,
+never used across fork, sends with ``NOBLOCK`` under a bounded high-water
+mark, and closes with a short bounded linger at exit (ZeroMQ's default linger
+would hang the process when the collector is gone).  Every envelope carries
+this sender's sequence number and its sent/dropped counts, so the collector
+can count gaps and the summary can report both.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from traceml import protocol
+from traceml.protocol import Envelope, Sender
+
+SEND_HWM = 1000
+EXIT_LINGER_MS = 1000
+
+# Called by the thread each flush: returns (kind, payload) messages to send.
+Producer = Callable[[], list[tuple[str, dict[str, Any]]]]
+
+
+class BatchSender:
+    """A daemon thread that sends whatever the producers return, periodically."""
+
+    def __init__(self, endpoint: str, session_id: str, identity: Sender,
+                 interval_s: float, producers: list[Producer],
+                 final_producers: list[Producer] | None = None) -> None:
+        self.endpoint = endpoint
+        self.session_id = session_id
+        self.identity = identity
+        self.interval_s = interval_s
+        self.producers = producers
+        self.final_producers = final_producers or []
+        self.num_sent = 0
+        self.num_dropped = 0
+        self._seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
+        self._socket: Any = None
+        self._context: Any = None
+        self._warned = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 3.0) -> None:
+        """Flush what is left and close; bounded in time."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            self._open()
+            self.send(protocol.KIND_HELLO, {"t": time.time()})
+            while not self._stop.wait(self.interval_s):
+                self._flush(self.producers)
+            self._flush(self.producers + self.final_producers)
+        except Exception as exc:  # fail open: telemetry stops, training goes on
+            self._warn(f"telemetry sender stopped: {exc!r}")
+        finally:
+            self._close()
+
+    def _open(self) -> None:
+        self._context = zmq.Context()
+        sock = self._context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        self._socket = sock
+
+    def _close(self) -> None:
+        if self._socket is not None:
+            self._socket.setsockopt(zmq.LINGER, EXIT_LINGER_MS)
+            self._socket.close()
+            self._socket = None
+        if self._context is not None:
+            self._context.term()
+            self._context = None
+
+    def _flush(self, producers: list[Producer]) -> None:
+        for produce in producers:
+            for kind, payload in produce():
+                self.send(kind, payload)
+
+    def send(self, kind: str, payload: dict[str, Any]) -> None:
+        env = Envelope(
+            session_id=self.session_id, kind=kind, sender=self.identity, seq=self._seq,
+            sent_at=time.time(), payload=payload,
+            num_sent=self.num_sent, num_dropped=self.num_dropped,
+        )
+        self._seq += 1
+        try:
+            self._socket.send(protocol.encode(env), zmq.NOBLOCK)
+            self.num_sent += 1
+        except zmq.Again:
+            self.num_dropped += 1
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            print(f"traceml: warning: {message}", file=sys.stderr)

@@ -1,0 +1,49 @@
+"""The ``traceml`` command line (launcher side): dispatch to subcommands."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from traceml.errors import UsageError
+
+USAGE = """usage: traceml <command> [options]
+
+commands:
+  run      launch a training script like torchrun and trace every rank
+
+Run 'traceml <command> --help' for a command's options."""
+
+
+def _run(argv: Sequence[str]) -> int:
+    from traceml.launcher import args, launch
+
+    return launch.run(args.parse("run", argv))
+
+
+COMMANDS = {"run": _run}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        import traceml
+
+        print(f"traceml {traceml.__version__}")
+        return 0
+    command = COMMANDS.get(argv[0])
+    try:
+        if command is None:
+            raise UsageError(f"traceml: unknown command {argv[0]!r} "
+                             f"(choose from {', '.join(COMMANDS)}; see 'traceml --help')")
+        return command(argv[1:])
+    except UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return exc.exit_code
+
+
+def entry() -> None:
+    sys.exit(main())

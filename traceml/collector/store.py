@@ -1,0 +1,136 @@
+"""The session's SQLite store: ``logs/<session>/telemetry.sqlite`` (collector
+writes; offline analysis reads).
+
+WAL journal, batched transactions.  One table per message kind; a new kind
+adds a table and a handler without touching the transport.  Fields a sender
+sends that this version does not know are kept as JSON in ``extra``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from traceml.protocol import STEP_FIELDS, Sender
+
+STORE_FILENAME = "telemetry.sqlite"
+SCHEMA_VERSION = 1
+
+STEP_COLUMNS: tuple[str, ...] = STEP_FIELDS
+_STEP_INT = {"step", "num_input", "num_forward", "num_backward", "num_optimizer",
+             "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes"}
+
+_DDL = [
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS senders (
+        sender_id TEXT PRIMARY KEY, role TEXT NOT NULL, host TEXT NOT NULL,
+        pid INTEGER NOT NULL, node_rank INTEGER NOT NULL, rank INTEGER,
+        local_rank INTEGER, world_size INTEGER, restart INTEGER NOT NULL,
+        first_seen REAL NOT NULL, last_seen REAL NOT NULL,
+        num_messages INTEGER NOT NULL DEFAULT 0, num_gaps INTEGER NOT NULL DEFAULT 0,
+        last_seq INTEGER NOT NULL DEFAULT -1, num_sent INTEGER NOT NULL DEFAULT 0,
+        num_dropped INTEGER NOT NULL DEFAULT 0, said_bye INTEGER NOT NULL DEFAULT 0)""",
+    "CREATE TABLE IF NOT EXISTS steps (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
+    "node_rank INTEGER NOT NULL, "
+    + ", ".join(f"{c} {'INTEGER' if c in _STEP_INT else 'REAL'}" for c in STEP_COLUMNS)
+    + ", extra TEXT, PRIMARY KEY (rank, restart, step))",
+    "CREATE TABLE IF NOT EXISTS rejected (reason TEXT PRIMARY KEY, count INTEGER NOT NULL)",
+]
+
+
+@dataclass
+class SenderState:
+    """What the collector keeps per sender between messages."""
+
+    sender: Sender
+    first_seen: float
+    last_seen: float
+    num_messages: int = 0
+    num_gaps: int = 0
+    last_seq: int = -1
+    num_sent: int = 0
+    num_dropped: int = 0
+    said_bye: bool = False
+
+
+class StoreWriter:
+    """Appends to the store; the caller decides when to commit."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        for ddl in _DDL:
+            self.db.execute(ddl)
+        self.set_meta({"store_schema_version": SCHEMA_VERSION})
+        self.db.execute("BEGIN")
+
+    def commit(self) -> None:
+        self.db.execute("COMMIT")
+        self.db.execute("BEGIN")
+
+    def close(self) -> None:
+        self.db.execute("COMMIT")
+        self.db.close()
+
+    def set_meta(self, values: dict[str, Any]) -> None:
+        self.db.executemany(
+            "INSERT INTO meta (key, value) VALUES (?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+            [(k, orjson.dumps(v).decode()) for k, v in values.items()],
+        )
+
+    def add_steps(self, sender: Sender, fields: Sequence[str], rows: Iterable[Sequence[Any]]) -> int:
+        known = [i for i, f in enumerate(fields) if f in STEP_COLUMNS]
+        unknown = [i for i, f in enumerate(fields) if f not in STEP_COLUMNS]
+        cols = ["rank", "restart", "node_rank"] + [fields[i] for i in known] + ["extra"]
+        sql = (f"INSERT OR REPLACE INTO steps ({', '.join(cols)}) "
+               f"VALUES ({', '.join('?' * len(cols))})")
+        prefix = (sender.rank, sender.restart, sender.node_rank)
+        batch = [
+            prefix + tuple(row[i] for i in known)
+            + ((orjson.dumps({fields[i]: row[i] for i in unknown}).decode() if unknown else None),)
+            for row in rows
+        ]
+        self.db.executemany(sql, batch)
+        return len(batch)
+
+    def save_sender(self, s: SenderState) -> None:
+        p = s.sender
+        self.db.execute(
+            "INSERT OR REPLACE INTO senders VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (p.sender_id, p.role, p.host, p.pid, p.node_rank, p.rank, p.local_rank,
+             p.world_size, p.restart, s.first_seen, s.last_seen, s.num_messages, s.num_gaps,
+             s.last_seq, s.num_sent, s.num_dropped, int(s.said_bye)),
+        )
+
+    def save_rejected(self, counts: dict[str, int]) -> None:
+        self.db.executemany("INSERT OR REPLACE INTO rejected VALUES (?, ?)", list(counts.items()))
+
+
+class StoreReader:
+    """Read-only access for reports (no torch needed)."""
+
+    def __init__(self, path: str) -> None:
+        self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        self.db.row_factory = sqlite3.Row
+
+    def close(self) -> None:
+        self.db.close()
+
+    def meta(self) -> dict[str, Any]:
+        return {r["key"]: orjson.loads(r["value"]) for r in self.db.execute("SELECT * FROM meta")}
+
+    def steps(self) -> list[sqlite3.Row]:
+        return list(self.db.execute("SELECT * FROM steps ORDER BY rank, restart, step"))
+
+    def senders(self) -> list[sqlite3.Row]:
+        return list(self.db.execute("SELECT * FROM senders ORDER BY node_rank, rank"))
+
+    def rejected(self) -> dict[str, int]:
+        return {r["reason"]: r["count"] for r in self.db.execute("SELECT * FROM rejected")}

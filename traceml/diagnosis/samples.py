@@ -1,0 +1,231 @@
+"""The stored telemetry of one run, as the diagnosis reads it (offline analysis).
+
+Runs in the offline-analysis process (end-of-run summary, `traceml report`,
+tests). The collector's store reader builds a :class:`RunData` from SQLite;
+recorded test scenarios store one as JSON via :func:`to_jsonable` /
+:func:`from_jsonable`. "Not measured" is ``None`` throughout, a measured
+zero is ``0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, Union
+
+Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
+"""A JSON value as the standard library's ``json`` module reads and writes it."""
+
+RUNDATA_FORMAT = "traceml.rundata/1"
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One training step of one rank."""
+
+    rank: int
+    step: int  # 0-based per rank
+    input_ms: float
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    total_ms: float  # boundary to boundary
+    wait_ms: float  # total - four phases, clamped >= 0
+    peak_allocated_bytes: int | None = None  # CUDA device peak this step (None on CPU)
+    peak_reserved_bytes: int | None = None
+    rss_bytes: int | None = None  # host RSS of the rank at step end
+    gpu_ms: float | None = None  # reserved for GPU phase time; may be None
+    t: float | None = None  # unix seconds at step end; lets sample sections use the step window
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """Process telemetry of one rank, taken every sample interval."""
+
+    rank: int
+    node_rank: int
+    t: float  # unix seconds
+    cpu_pct: float  # process CPU %, 100 = one core
+    rss_bytes: int
+    host_ram_total_bytes: int
+    num_cpus: int
+    device_allocated_bytes: int | None = None
+    device_reserved_bytes: int | None = None
+    device_total_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One GPU of a node at one sample time."""
+
+    index: int
+    util_pct: float | None
+    mem_used_bytes: int | None
+    mem_total_bytes: int | None
+    temp_c: float | None
+    power_w: float | None
+
+
+@dataclass(frozen=True)
+class SystemSample:
+    """Host telemetry of one node, taken every sample interval."""
+
+    node_rank: int
+    host: str
+    t: float
+    cpu_pct: float  # host-wide, 0..100
+    ram_pct: float
+    ram_total_bytes: int
+    gpus: tuple[GpuSample, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node of the job and the global ranks it ran."""
+
+    node_rank: int
+    host: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """What was run, where, and how it ended."""
+
+    session_id: str
+    command: list[str]
+    started_at: float  # unix seconds
+    ended_at: float
+    exit_code: int | None
+    partial: bool
+    world_size: int
+    missing_ranks: tuple[int, ...]
+    nodes: tuple[NodeInfo, ...]
+    device: str  # "cpu" | "cuda"
+    versions: dict[str, str]  # traceml, torch, python
+    transport: dict[str, int]  # sent, dropped, gaps, rejected
+    mode: str = "run"  # "run" or "watch" (watch: no step sections measured)
+
+
+@dataclass(frozen=True)
+class RunData:
+    """Everything the diagnosis needs about one run."""
+
+    meta: RunMeta
+    steps: tuple[StepRow, ...]
+    process: tuple[ProcessSample, ...]
+    system: tuple[SystemSample, ...]
+
+
+_Row = TypeVar("_Row", StepRow, ProcessSample, GpuSample)
+
+
+def to_jsonable(run: RunData) -> dict[str, Json]:
+    """Encode a run as plain JSON data; rows are stored column-wise to stay small."""
+    meta = dataclasses.asdict(run.meta)
+    meta["missing_ranks"] = list(run.meta.missing_ranks)
+    meta["nodes"] = [
+        {"node_rank": n.node_rank, "host": n.host, "ranks": list(n.ranks)} for n in run.meta.nodes
+    ]
+    return {
+        "format": RUNDATA_FORMAT,
+        "meta": meta,
+        "steps": _encode_rows(StepRow, run.steps),
+        "process": _encode_rows(ProcessSample, run.process),
+        "system": [_encode_system(s) for s in run.system],
+    }
+
+
+def from_jsonable(obj: object) -> RunData:
+    """Decode what :func:`to_jsonable` wrote; raises ValueError on malformed input."""
+    top = _as_dict(obj, "run data")
+    if top.get("format") != RUNDATA_FORMAT:
+        raise ValueError(f"run data format is {top.get('format')!r}, expected {RUNDATA_FORMAT!r}")
+    return RunData(
+        meta=_decode_meta(_as_dict(top.get("meta"), "meta")),
+        steps=_decode_rows(StepRow, top.get("steps")),
+        process=_decode_rows(ProcessSample, top.get("process")),
+        system=tuple(_decode_system(s) for s in _as_list(top.get("system"), "system")),
+    )
+
+
+def _encode_rows(cls: type[_Row], rows: Sequence[_Row]) -> dict[str, Json]:
+    names = [f.name for f in dataclasses.fields(cls)]
+    return {
+        "fields": list(names),
+        "rows": [[getattr(row, name) for name in names] for row in rows],
+    }
+
+
+def _decode_rows(cls: type[_Row], obj: object) -> tuple[_Row, ...]:
+    table = _as_dict(obj, cls.__name__)
+    names = [_as_str(n, "field name") for n in _as_list(table.get("fields"), "fields")]
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(names) - known
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    out = []
+    for raw in _as_list(table.get("rows"), "rows"):
+        values = _as_list(raw, "row")
+        if len(values) != len(names):
+            raise ValueError(f"{cls.__name__}: row has {len(values)} values, expected {len(names)}")
+        kwargs: dict[str, Any] = dict(zip(names, values))
+        out.append(cls(**kwargs))
+    return tuple(out)
+
+
+def _encode_system(sample: SystemSample) -> dict[str, Json]:
+    return {
+        "node_rank": sample.node_rank,
+        "host": sample.host,
+        "t": sample.t,
+        "cpu_pct": sample.cpu_pct,
+        "ram_pct": sample.ram_pct,
+        "ram_total_bytes": sample.ram_total_bytes,
+        "gpus": _encode_rows(GpuSample, sample.gpus),
+    }
+
+
+def _decode_system(obj: object) -> SystemSample:
+    raw = _as_dict(obj, "system sample")
+    kwargs: dict[str, Any] = {k: v for k, v in raw.items() if k != "gpus"}
+    return SystemSample(**kwargs, gpus=_decode_rows(GpuSample, raw.get("gpus")))
+
+
+def _decode_meta(raw: dict[str, object]) -> RunMeta:
+    kwargs: dict[str, Any] = dict(raw)
+    kwargs["missing_ranks"] = tuple(_as_list(raw.get("missing_ranks"), "missing_ranks"))
+    kwargs["nodes"] = tuple(_decode_node(n) for n in _as_list(raw.get("nodes"), "nodes"))
+    return RunMeta(**kwargs)
+
+
+def _decode_node(obj: object) -> NodeInfo:
+    raw = _as_dict(obj, "node")
+    ranks = tuple(_as_int(r, "node rank") for r in _as_list(raw.get("ranks"), "node ranks"))
+    host = _as_str(raw.get("host"), "node host")
+    return NodeInfo(node_rank=_as_int(raw.get("node_rank"), "node_rank"), host=host, ranks=ranks)
+
+
+def _as_dict(obj: object, what: str) -> dict[str, object]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what}: expected an object, got {type(obj).__name__}")
+    return {str(k): v for k, v in obj.items()}
+
+
+def _as_list(obj: object, what: str) -> list[object]:
+    if not isinstance(obj, list):
+        raise ValueError(f"{what}: expected a list, got {type(obj).__name__}")
+    return list(obj)
+
+
+def _as_int(obj: object, what: str) -> int:
+    if not isinstance(obj, int) or isinstance(obj, bool):
+        raise ValueError(f"{what}: expected an integer, got {type(obj).__name__}")
+    return obj
+
+
+def _as_str(obj: object, what: str) -> str:
+    if not isinstance(obj, str):
+        raise ValueError(f"{what}: expected a string, got {type(obj).__name__}")
+    return obj

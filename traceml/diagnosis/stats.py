@@ -1,0 +1,136 @@
+"""Small statistics the rules and the report share (offline analysis).
+
+Runs in the offline-analysis process. Pure functions over floats:
+distributions of a per-step series, the median/worst of a per-rank metric,
+and the "median of the other ranks" reference that straggler rules use.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Worst = Literal["max", "min"]
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """One rank's per-step values of one metric: count, mean and quantiles.
+
+    Quantiles use linear interpolation between order statistics (numpy's default).
+    `traceml compare` uses them to tell a change from step-to-step noise.
+    """
+
+    count: int
+    mean: float
+    p10: float
+    p25: float
+    p50: float
+    p75: float
+    p90: float
+
+
+@dataclass(frozen=True)
+class MetricStat:
+    """A metric over ranks (or nodes, or GPUs): the median and the worst one.
+
+    ``median_rank`` is the rank whose value is the lower median; ``worst_rank``,
+    ``worst_node`` and ``worst_gpu`` locate the worst value (None where the
+    metric is not per rank, per node or per GPU).
+    """
+
+    median: float
+    worst: float
+    median_rank: int | None = None
+    worst_rank: int | None = None
+    worst_node: int | None = None
+    worst_gpu: int | None = None
+
+
+@dataclass(frozen=True)
+class Located:
+    """A value and where it was measured, the input of :func:`metric_stat`."""
+
+    value: float
+    rank: int | None = None
+    node: int | None = None
+    gpu: int | None = None
+
+
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of already sorted values, linearly interpolated."""
+    if not ordered:
+        raise ValueError("quantile of no values")
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def distribution(values: Sequence[float]) -> Distribution:
+    """Count, mean and p10/p25/p50/p75/p90 of a non-empty series."""
+    ordered = sorted(values)
+    return Distribution(
+        count=len(ordered),
+        mean=statistics.fmean(ordered),
+        p10=quantile(ordered, 0.10),
+        p25=quantile(ordered, 0.25),
+        p50=quantile(ordered, 0.50),
+        p75=quantile(ordered, 0.75),
+        p90=quantile(ordered, 0.90),
+    )
+
+
+def metric_stat(values: Sequence[Located], worst: Worst = "max") -> MetricStat | None:
+    """Median and worst of located values; None when there are none (not measured)."""
+    if not values:
+        return None
+    ordered = sorted(values, key=lambda v: v.value)
+    middle = ordered[(len(ordered) - 1) // 2]
+    bad = ordered[-1] if worst == "max" else ordered[0]
+    return MetricStat(
+        median=statistics.median(v.value for v in ordered),
+        worst=bad.value,
+        median_rank=middle.rank,
+        worst_rank=bad.rank,
+        worst_node=bad.node,
+        worst_gpu=bad.gpu,
+    )
+
+
+def medians_of_others(values: Mapping[int, float]) -> dict[int, float]:
+    """For every rank, the median of all *other* ranks' values: the straggler reference.
+
+    With 2 ranks this is the other rank; with many, one slow rank cannot drag its
+    own reference up. Needs at least 2 ranks; O(n log n) for large jobs.
+    """
+    if len(values) < 2:
+        raise ValueError("medians_of_others needs at least two ranks")
+    ordered = sorted(values.items(), key=lambda item: item[1])
+    vals = [v for _, v in ordered]
+    num_others = len(vals) - 1
+    out = {}
+    for pos, (rank, _) in enumerate(ordered):
+        def other(i: int, pos: int = pos) -> float:
+            return vals[i] if i < pos else vals[i + 1]
+
+        half = num_others // 2
+        out[rank] = other(half) if num_others % 2 else (other(half - 1) + other(half)) / 2
+    return out
+
+
+def thirds(values: Sequence[float]) -> tuple[float, float, float]:
+    """Medians of the early, middle and late thirds of a series (>= 3 values)."""
+    if len(values) < 3:
+        raise ValueError("thirds needs at least three values")
+    cut1, cut2 = len(values) // 3, (2 * len(values)) // 3
+    parts = (values[:cut1], values[cut1:cut2], values[cut2:])
+    early, middle, late = (statistics.median(p) for p in parts)
+    return early, middle, late
+
+
+def pct(part: float, whole: float) -> float | None:
+    """``part`` as a percentage of ``whole``; None when ``whole`` is not positive."""
+    return 100.0 * part / whole if whole > 0 else None

@@ -1,0 +1,284 @@
+"""Step Time rules: input-bound, wait-heavy, compute-bound, stragglers (offline analysis).
+
+Runs in the offline-analysis process. Works on per-rank phase distributions of
+the step window. Shares are the median over ranks of phase mean / step mean.
+
+Stragglers are found from the phase that differs, not from totals: under DDP
+fast ranks wait for a slow one inside backward's all-reduce, so step totals
+(and fast ranks' backward) equalise. A rank's excess is its phase mean minus
+the median of the *other* ranks (with 2 ranks: the other rank), as a share of
+the median step time. Compute excess is the larger of
+
+* forward+backward+optimizer excess, less the largest input excess of another
+  rank (under DDP the fast ranks' backward absorbs the slow loader's delay), and
+* forward+optimizer excess: these phases hold no DDP collective, so a rank that
+  is slow there stands out even when compute totals are equal.
+
+A rank slow inside backward under DDP cannot be told apart from its peers by
+phase times alone (they all wait for it); that needs GPU or collective timing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from traceml.diagnosis import thresholds
+from traceml.diagnosis.finding import Finding, format_ranks, grade, not_measured, order_findings
+from traceml.diagnosis.stats import Distribution, distribution, medians_of_others
+from traceml.diagnosis.window import StepWindow
+
+PHASES = ("total", "input", "forward", "backward", "optimizer", "compute", "wait")
+
+
+@dataclass(frozen=True)
+class RankStepTimes:
+    """One rank's per-step time distributions (ms) over the window."""
+
+    rank: int
+    node_rank: int | None
+    num_steps: int
+    total_ms: Distribution
+    input_ms: Distribution
+    forward_ms: Distribution
+    backward_ms: Distribution
+    optimizer_ms: Distribution
+    compute_ms: Distribution  # forward + backward + optimizer
+    wait_ms: Distribution
+
+    def mean(self, phase: str) -> float:
+        """Mean ms of one of PHASES."""
+        dist: Distribution = getattr(self, f"{phase}_ms")
+        return dist.mean
+
+    def share_pct(self, phase: str) -> float | None:
+        """Phase mean as % of the step mean; None for a zero-length step."""
+        total = self.total_ms.mean
+        return 100.0 * self.mean(phase) / total if total > 0 else None
+
+
+def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int, RankStepTimes]:
+    """Per-rank distributions of every phase; ranks without window steps are left out."""
+    out = {}
+    for rank, rows in window.by_rank.items():
+        if not rows:
+            continue
+        out[rank] = RankStepTimes(
+            rank=rank,
+            node_rank=node_of.get(rank),
+            num_steps=len(rows),
+            total_ms=distribution([r.total_ms for r in rows]),
+            input_ms=distribution([r.input_ms for r in rows]),
+            forward_ms=distribution([r.forward_ms for r in rows]),
+            backward_ms=distribution([r.backward_ms for r in rows]),
+            optimizer_ms=distribution([r.optimizer_ms for r in rows]),
+            compute_ms=distribution([r.forward_ms + r.backward_ms + r.optimizer_ms for r in rows]),
+            wait_ms=distribution([r.wait_ms for r in rows]),
+        )
+    return out
+
+
+def median_share_pct(times: Mapping[int, RankStepTimes], phase: str) -> float | None:
+    """Median over ranks of the phase's share of step time."""
+    shares = [s for t in times.values() if (s := t.share_pct(phase)) is not None]
+    return statistics.median(shares) if shares else None
+
+
+def median_mean_ms(times: Mapping[int, RankStepTimes], phase: str) -> float:
+    """Median over ranks of the phase mean."""
+    return statistics.median(t.mean(phase) for t in times.values())
+
+
+def input_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
+    """INPUT-BOUND: input share >= 10 % (crit >= 20 %)."""
+    return _share_rule(
+        times, "input", "INPUT_BOUND", "INPUT-BOUND",
+        (thresholds.INPUT_SHARE_WARN_PCT, thresholds.INPUT_SHARE_CRIT_PCT),
+        "Input (data loading) took {share:.1f}% of step time ({ms:.1f} of {step:.1f} ms, "
+        "median rank).",
+        "Feed the GPU faster: raise DataLoader num_workers, set pin_memory=True and "
+        "persistent_workers=True, or move preprocessing out of the training loop.",
+    )
+
+
+def wait_heavy(times: Mapping[int, RankStepTimes]) -> list[Finding]:
+    """WAIT-HEAVY: untraced time (total - phases) share >= 10 % (crit >= 20 %)."""
+    return _share_rule(
+        times, "wait", "WAIT_HEAVY", "WAIT-HEAVY",
+        (thresholds.WAIT_SHARE_WARN_PCT, thresholds.WAIT_SHARE_CRIT_PCT),
+        "Time outside input, forward, backward and optimizer took {share:.1f}% of step "
+        "time ({ms:.1f} of {step:.1f} ms, median rank).",
+        "Look for work between steps: host syncs (.item(), .cpu(), printing tensors), "
+        "logging, checkpointing or evaluation inside the loop; profile one step with "
+        "torch.profiler.",
+    )
+
+
+def _share_rule(
+    times: Mapping[int, RankStepTimes],
+    phase: str,
+    kind: str,
+    label: str,
+    levels: tuple[float, float],
+    why: str,
+    next_step: str,
+) -> list[Finding]:
+    share = median_share_pct(times, phase)
+    severity = grade(share, *levels) if share is not None else None
+    if share is None or severity is None:
+        return []
+    ranks = [r for r, t in times.items() if (s := t.share_pct(phase)) is not None and s >= levels[0]]
+    ranks.sort(key=lambda r: -(times[r].share_pct(phase) or 0.0))
+    ms, step = median_mean_ms(times, phase), median_mean_ms(times, "total")
+    evidence = {f"{phase}_share_pct": share, f"{phase}_ms": ms, "step_ms": step}
+    return [
+        Finding(kind, label, severity, why.format(share=share, ms=ms, step=step), next_step,
+                tuple(ranks), evidence)
+    ]
+
+
+def compute_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
+    """COMPUTE-BOUND (info): forward+backward+optimizer share >= 85 %.
+
+    The caller uses it only when no other Step Time rule fired."""
+    share = median_share_pct(times, "compute")
+    if share is None or share < thresholds.COMPUTE_SHARE_PCT:
+        return []
+    why = (
+        f"Forward, backward and optimizer took {share:.1f}% of step time "
+        f"({median_mean_ms(times, 'compute'):.1f} of {median_mean_ms(times, 'total'):.1f} ms, "
+        "median rank); input and wait are small."
+    )
+    next_step = (
+        "Expected for a healthy run. To go faster: bf16 autocast, torch.compile, fused "
+        "optimizers, or a larger batch; torch.profiler shows the heaviest operators."
+    )
+    return [Finding("COMPUTE_BOUND", "COMPUTE-BOUND", "info", why, next_step, (),
+                    {"compute_share_pct": share})]
+
+
+def balanced(times: Mapping[int, RankStepTimes]) -> Finding:
+    """BALANCED: no Step Time rule fired."""
+    shares = {p: median_share_pct(times, p) or 0.0 for p in ("input", "compute", "wait")}
+    why = (
+        f"No phase dominates and no rank straggles: input {shares['input']:.1f}%, "
+        f"compute {shares['compute']:.1f}%, wait {shares['wait']:.1f}% of step time."
+    )
+    next_step = "Nothing stands out; use torch.profiler for operator-level detail."
+    evidence = {f"{p}_share_pct": v for p, v in shares.items()}
+    return Finding("BALANCED", "BALANCED", "info", why, next_step, (), evidence)
+
+
+@dataclass(frozen=True)
+class Excess:
+    """How much of one rank's own work exceeds its reference (ms)."""
+
+    rank: int
+    what: str  # "input", "compute", "forward+optimizer" or "input+compute"
+    value_ms: float
+    reference_ms: float
+
+    @property
+    def excess_ms(self) -> float:
+        """Own time beyond the reference; negative when faster."""
+        return self.value_ms - self.reference_ms
+
+
+def own_excesses(times: Mapping[int, RankStepTimes]) -> dict[int, tuple[Excess, Excess]]:
+    """Every rank's (input, compute) excess over its reference (needs >= 2 ranks).
+
+    Input: against the median of the other ranks' input. Compute: the larger of
+    the compute and forward+optimizer excesses (see the module docstring)."""
+    inputs = {r: t.mean("input") for r, t in times.items()}
+    compute = {r: t.mean("compute") for r, t in times.items()}
+    local = {r: t.mean("forward") + t.mean("optimizer") for r, t in times.items()}
+    ref_input, ref_compute, ref_local = (medians_of_others(v) for v in (inputs, compute, local))
+    own_input = {r: Excess(r, "input", inputs[r], ref_input[r]) for r in times}
+    slow_loaders = sorted((max(0.0, e.excess_ms), r) for r, e in own_input.items())
+    out = {}
+    for r in times:
+        # The largest input excess of another rank: what DDP makes r wait for in backward.
+        absorbed = next(x for x, other in reversed(slow_loaders) if other != r)
+        by_total = Excess(r, "compute", compute[r], ref_compute[r] + absorbed)
+        by_local = Excess(r, "forward+optimizer", local[r], ref_local[r])
+        out[r] = (own_input[r], by_local if by_local.excess_ms > by_total.excess_ms else by_total)
+    return out
+
+
+_STRAGGLER_LABELS = {
+    "INPUT_STRAGGLER": "INPUT STRAGGLER",
+    "COMPUTE_STRAGGLER": "COMPUTE STRAGGLER",
+    "STRAGGLER": "STRAGGLER",
+}
+
+
+def stragglers(times: Mapping[int, RankStepTimes]) -> list[Finding]:
+    """INPUT STRAGGLER / COMPUTE STRAGGLER / STRAGGLER: with >= 2 ranks, a rank's own
+    input or compute exceeds its reference by >= 10 % of the median step (crit >= 20 %).
+    STRAGGLER: neither alone does, but both together do."""
+    step_ms = median_mean_ms(times, "total") if len(times) >= 2 else 0.0
+    if step_ms <= 0:
+        return []
+    limit_ms = thresholds.STRAGGLER_WARN_PCT * step_ms / 100.0
+    flagged: dict[str, list[Excess]] = {kind: [] for kind in _STRAGGLER_LABELS}
+    for rank, (own_input, own_compute) in sorted(own_excesses(times).items()):
+        if own_input.excess_ms >= limit_ms:
+            flagged["INPUT_STRAGGLER"].append(own_input)
+        if own_compute.excess_ms >= limit_ms:
+            flagged["COMPUTE_STRAGGLER"].append(own_compute)
+        both = max(0.0, own_input.excess_ms) + max(0.0, own_compute.excess_ms)
+        if max(own_input.excess_ms, own_compute.excess_ms) < limit_ms <= both:
+            value = own_input.value_ms + own_compute.value_ms
+            flagged["STRAGGLER"].append(Excess(rank, "input+compute", value, value - both))
+    return [_straggler(kind, found, step_ms) for kind, found in flagged.items() if found]
+
+
+def _straggler(kind: str, found: list[Excess], step_ms: float) -> Finding:
+    found = sorted(found, key=lambda e: -e.excess_ms)
+    worst = found[0]
+    excess_pct = 100.0 * worst.excess_ms / step_ms
+    severity = grade(excess_pct, thresholds.STRAGGLER_WARN_PCT, thresholds.STRAGGLER_CRIT_PCT)
+    ranks = tuple(e.rank for e in found)
+    why = (
+        f"r{worst.rank} {worst.what} was {worst.value_ms:.1f} ms vs {worst.reference_ms:.1f} ms "
+        f"on the other ranks (+{worst.excess_ms:.1f} ms, {excess_pct:.1f}% of the "
+        f"{step_ms:.1f} ms median step)."
+    )
+    if len(found) > 1:
+        why = why[:-1] + f"; slow too: {format_ranks(ranks[1:])}."
+    evidence = {
+        "rank": float(worst.rank),
+        "value_ms": worst.value_ms,
+        "reference_ms": worst.reference_ms,
+        "excess_ms": worst.excess_ms,
+        "step_ms": step_ms,
+        "excess_pct": excess_pct,
+    }
+    return Finding(kind, _STRAGGLER_LABELS[kind], severity or "warn", why,
+                   _straggler_next(kind, f"r{worst.rank}"), ranks, evidence)
+
+
+def _straggler_next(kind: str, rank: str) -> str:
+    if kind == "INPUT_STRAGGLER":
+        return (f"Check {rank}'s data path: its shard size, DataLoader num_workers, and storage "
+                "or preprocessing load on its node; every rank should load alike.")
+    if kind == "COMPUTE_STRAGGLER":
+        return (f"Check {rank}'s GPU and node (clocks, temperature, other processes) and its "
+                "batch shapes; uneven sequence lengths or rank-only work slow one rank.")
+    return f"Profile {rank} with torch.profiler: both its input and its compute run slower."
+
+
+def diagnose_step_time(
+    times: Mapping[int, RankStepTimes],
+    unmeasured_why: str = "No step was completed by every rank after warm-up.",
+) -> tuple[Finding, ...]:
+    """The Step Time findings, diagnosis first: stragglers, input-bound and wait-heavy
+    (most severe first); else COMPUTE-BOUND; else BALANCED."""
+    if not times:
+        return (not_measured("STEP TIME", unmeasured_why),)
+    rules: tuple[Callable[[Mapping[int, RankStepTimes]], list[Finding]], ...] = (
+        stragglers, input_bound, wait_heavy,
+    )
+    found = [f for rule in rules for f in rule(times)]
+    return order_findings(found or compute_bound(times), balanced(times))

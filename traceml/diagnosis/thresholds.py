@@ -1,0 +1,66 @@
+"""Every threshold the diagnosis rules use, named and documented (offline analysis).
+
+Runs in the offline-analysis process. Values marked "SPEC §7" are the
+specification's starting thresholds; the others are traceml's own choices,
+documented here and in docs/summary-schema.md. Percentages are 0..100.
+"""
+
+from __future__ import annotations
+
+MIB = 1024 * 1024
+
+# --- Window -------------------------------------------------------------------
+
+WARMUP_MAX_STEPS = 5
+"""At most this many of the first aligned steps are left out as warm-up."""
+
+WARMUP_FRACTION = 0.10
+"""...and at most this fraction of them: warm-up = min(5, floor(10 % of aligned steps)).
+Short runs (< 10 aligned steps) keep every step."""
+
+# --- Step Time (shares = median over ranks of phase mean / step mean) --------
+
+INPUT_SHARE_WARN_PCT = 10.0  # SPEC §7 INPUT-BOUND
+INPUT_SHARE_CRIT_PCT = 20.0  # SPEC §7
+WAIT_SHARE_WARN_PCT = 10.0  # SPEC §7 WAIT-HEAVY
+WAIT_SHARE_CRIT_PCT = 20.0  # SPEC §7
+COMPUTE_SHARE_PCT = 85.0  # SPEC §7 COMPUTE-BOUND (info), only when nothing else fired
+
+STRAGGLER_WARN_PCT = 10.0
+"""SPEC §7: a rank's own input or compute exceeds the reference rank's by this share
+of the median step time. The reference for rank r is the median of the *other*
+ranks, so with 2 ranks the reference is the other rank."""
+
+STRAGGLER_CRIT_PCT = 20.0  # SPEC §7
+
+# --- Step Memory --------------------------------------------------------------
+
+CREEP_MIN_GROWTH_BYTES = 256 * MIB  # SPEC §7: late - early >= max(256 MiB, 10 % of early)
+CREEP_MIN_GROWTH_PCT = 10.0  # SPEC §7
+CREEP_MIN_STEPS = 9
+"""Creep needs at least 3 steps in each third of the window; fewer steps: no verdict."""
+
+PRESSURE_WARN_PCT = 92.0  # SPEC §7 HIGH PRESSURE: device peak reserved / capacity
+PRESSURE_CRIT_PCT = 97.0  # SPEC §7
+IMBALANCE_SKEW_PCT = 20.0  # SPEC §7 IMBALANCE: (max - min) / max of ranks' peak reserved
+IMBALANCE_MIN_PRESSURE_PCT = 30.0  # SPEC §7: ...while the heaviest rank is this full
+
+# --- Process ------------------------------------------------------------------
+
+OVERHANG_RATIO = 1.5  # SPEC §7 RESERVED OVERHANG: peak reserved / peak allocated
+OVERHANG_MIN_RESERVED_PCT = 30.0  # SPEC §7: ...and peak reserved this share of the device
+HIGH_RSS_WARN_PCT = 80.0  # SPEC §7 HIGH RSS: a rank's peak RSS / host RAM
+HIGH_RSS_CRIT_PCT = 95.0  # traceml: an OOM kill is imminent
+
+HIGH_CPU_SHARE_PCT = 95.0
+"""traceml HIGH CPU: a rank's average CPU % reaches this share of its cores, where
+its cores = the node's CPUs / the ranks sampled on that node (100 % = one core).
+One rank on a 16-core host is flagged at >= 1520 %; 8 ranks on it at >= 190 %."""
+
+# --- System -------------------------------------------------------------------
+
+CPU_PRESSURE_PCT = 85.0  # SPEC §7: host CPU average over the samples
+RAM_PRESSURE_PCT = 85.0  # SPEC §7: host RAM, peak over the samples
+RAM_PRESSURE_CRIT_PCT = 95.0  # traceml
+LOW_GPU_UTIL_PCT = 30.0  # SPEC §7: a GPU's average utilization below this
+HIGH_GPU_TEMP_C = 85.0  # SPEC §7: a GPU's peak temperature at or above this

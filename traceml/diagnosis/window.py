@@ -1,0 +1,109 @@
+"""The analysis window: which steps and samples the diagnosis looks at (offline analysis).
+
+Runs in the offline-analysis process. The step window is the last
+``summary_window_rows`` steps that every rank present completed (aligned on
+the step index), after leaving out warm-up. Ranks that sent no steps at all
+(crashed before their first step, or their node never reported) are not
+waited for: they are listed as missing. Sample sections use the samples taken
+while the step window ran when steps carry end times, else all samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from traceml.diagnosis import thresholds
+from traceml.diagnosis.samples import ProcessSample, StepRow, SystemSample
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a section's diagnosis was computed over."""
+
+    window_rows: int  # the configured --summary-window-rows
+    ranks: tuple[int, ...]  # ranks whose data was used
+    missing_ranks: tuple[int, ...]  # ranks of the world with no data in this section
+    nodes: tuple[int, ...]  # node ranks whose data was used
+    num_nodes: int  # nodes of the job
+    num_steps: int | None = None  # aligned steps used per rank (step sections)
+    num_warmup_steps: int | None = None  # first aligned steps left out as warm-up
+    first_step: int | None = None
+    last_step: int | None = None
+    num_samples: int | None = None  # samples used (process and system sections)
+
+
+@dataclass(frozen=True)
+class StepWindow:
+    """Aligned per-rank steps: every rank holds the same step indices, ascending."""
+
+    by_rank: Mapping[int, tuple[StepRow, ...]]
+    steps: tuple[int, ...]
+    num_warmup_steps: int
+    window_rows: int
+    world_size: int
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Ranks in the window, ascending."""
+        return tuple(sorted(self.by_rank))
+
+    def scope(self, node_of: Mapping[int, int], num_nodes: int) -> Scope:
+        """The scope a step section reports."""
+        return Scope(
+            window_rows=self.window_rows,
+            ranks=self.ranks,
+            missing_ranks=missing(self.ranks, self.world_size),
+            nodes=tuple(sorted({node_of[r] for r in self.ranks if r in node_of})),
+            num_nodes=num_nodes,
+            num_steps=len(self.steps),
+            num_warmup_steps=self.num_warmup_steps,
+            first_step=self.steps[0] if self.steps else None,
+            last_step=self.steps[-1] if self.steps else None,
+        )
+
+    def time_span(self) -> tuple[float, float] | None:
+        """Unix seconds from the first window step's start to the last one's end,
+        when steps carry end times; None otherwise."""
+        rows = [row for rank_rows in self.by_rank.values() for row in rank_rows]
+        ends = [row.t for row in rows if row.t is not None]
+        if not rows or len(ends) < len(rows):
+            return None
+        starts = [row.t - row.total_ms / 1000.0 for row in rows if row.t is not None]
+        return min(starts), max(ends)
+
+
+def warmup_steps(num_aligned: int) -> int:
+    """How many of the first aligned steps are warm-up: min(5, floor(10 %))."""
+    return min(thresholds.WARMUP_MAX_STEPS, int(num_aligned * thresholds.WARMUP_FRACTION))
+
+
+def select_window(steps: Iterable[StepRow], window_rows: int, world_size: int) -> StepWindow:
+    """The last ``window_rows`` aligned steps after warm-up (see the module docstring)."""
+    per_rank: dict[int, dict[int, StepRow]] = {}
+    for row in steps:
+        per_rank.setdefault(row.rank, {})[row.step] = row  # a resent step replaces the first
+    common = sorted(set.intersection(*(set(s) for s in per_rank.values()))) if per_rank else []
+    warm = warmup_steps(len(common))
+    kept = common[warm:]
+    kept = kept[-window_rows:] if window_rows > 0 else []
+    by_rank = {rank: tuple(rows[s] for s in kept) for rank, rows in per_rank.items()}
+    return StepWindow(by_rank, tuple(kept), warm, window_rows, world_size)
+
+
+def missing(ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
+    """Ranks of the world not in ``ranks``."""
+    present = set(ranks)
+    return tuple(r for r in range(world_size) if r not in present)
+
+
+_Sample = TypeVar("_Sample", ProcessSample, SystemSample)
+
+
+def in_span(samples: Sequence[_Sample], span: tuple[float, float] | None) -> tuple[_Sample, ...]:
+    """Samples taken within ``span``; all of them when there is no span or none falls in it."""
+    if span is None:
+        return tuple(samples)
+    inside = tuple(s for s in samples if span[0] <= s.t <= span[1])
+    return inside or tuple(samples)

@@ -1,0 +1,93 @@
+"""The one place that reads and writes ``TRACEML_*`` environment variables.
+
+The launcher writes them into the environment it hands to torch's elastic
+agent (so every worker inherits them); the agent bootstrap inside a worker
+reads them.  Nothing else touches ``TRACEML_*`` variables, and the agent never
+writes into a user's ``os.environ``.
+
+Variables:
+
+``TRACEML_SESSION_ID``
+    Session this worker belongs to.  Its presence is what arms the agent.
+``TRACEML_ENDPOINT``
+    ZeroMQ address of the collector's PULL socket, e.g. ``tcp://127.0.0.1:29765``.
+``TRACEML_LAUNCHER_PID``
+    PID of the launcher whose elastic agent spawns the workers.  Only a process
+    whose parent is this PID is a training rank (DataLoader workers, compile
+    workers and unrelated subprocesses stay inert).
+``TRACEML_ARM_DIR``
+    Set with ``--no-python``: the worker command is not Python itself, so the
+    first Python process of each rank arms, claimed by an exclusive marker file
+    in this directory.
+``TRACEML_MODE``
+    ``run`` (full instrumentation) or ``watch`` (process telemetry only).
+``TRACEML_NODE_RANK``
+    Node rank of the launcher, as it knows it.
+``TRACEML_SAMPLE_INTERVAL``
+    Seconds between process telemetry samples.
+``TRACEML_FLUSH_INTERVAL``
+    Seconds between batched sends of step samples.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+PREFIX = "TRACEML_"
+
+
+@dataclass(frozen=True)
+class AgentEnv:
+    """What a worker needs to know to arm its agent."""
+
+    session_id: str
+    endpoint: str
+    launcher_pid: int
+    mode: str = "run"
+    node_rank: int = 0
+    sample_interval_s: float = 1.0
+    flush_interval_s: float = 0.5
+    arm_dir: str | None = None
+
+    def to_env(self) -> dict[str, str]:
+        env = {
+            "TRACEML_SESSION_ID": self.session_id,
+            "TRACEML_ENDPOINT": self.endpoint,
+            "TRACEML_LAUNCHER_PID": str(self.launcher_pid),
+            "TRACEML_MODE": self.mode,
+            "TRACEML_NODE_RANK": str(self.node_rank),
+            "TRACEML_SAMPLE_INTERVAL": repr(self.sample_interval_s),
+            "TRACEML_FLUSH_INTERVAL": repr(self.flush_interval_s),
+        }
+        if self.arm_dir is not None:
+            env["TRACEML_ARM_DIR"] = self.arm_dir
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> AgentEnv | None:
+        """Read the contract back; None when this process is not traced."""
+        session_id = environ.get("TRACEML_SESSION_ID")
+        if not session_id:
+            return None
+        return cls(
+            session_id=session_id,
+            endpoint=environ["TRACEML_ENDPOINT"],
+            launcher_pid=int(environ["TRACEML_LAUNCHER_PID"]),
+            mode=environ.get("TRACEML_MODE", "run"),
+            node_rank=int(environ.get("TRACEML_NODE_RANK", "0")),
+            sample_interval_s=float(environ.get("TRACEML_SAMPLE_INTERVAL", "1.0")),
+            flush_interval_s=float(environ.get("TRACEML_FLUSH_INTERVAL", "0.5")),
+            arm_dir=environ.get("TRACEML_ARM_DIR"),
+        )
+
+
+def current() -> AgentEnv | None:
+    """The contract of this process, read from ``os.environ``."""
+    return AgentEnv.from_env(os.environ)
+
+
+def without_traceml(environ: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``environ`` with every ``TRACEML_*`` variable removed."""
+    return {k: v for k, v in environ.items() if not k.startswith(PREFIX)}

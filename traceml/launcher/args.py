@@ -1,0 +1,151 @@
+"""``traceml run``/``watch`` argument parsing (launcher side).
+
+torchrun's options come from torch's own parser (``get_args_parser``), so every
+option of the installed torch works with its names, spellings, defaults and
+``PET_*`` fallbacks; traceml adds its own options to that parser.  The result
+is one `RunConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import secrets
+from collections.abc import Sequence
+from typing import NoReturn
+
+from torch.distributed import run as torchrun
+
+from traceml.config import DEFAULT_AGGREGATOR_PORT, MODES, SESSION_ID_RE, RunConfig
+from traceml.errors import UsageError
+
+# dest names of the options traceml adds; everything else belongs to torch.
+TRACEML_DESTS = (
+    "mode", "logs_dir", "session_id", "aggregator_host", "aggregator_port",
+    "aggregator_bind_host", "summary_window_rows", "sample_interval", "dashboard_port",
+    "html", "no_trace",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """torch's parser, but errors become one-line UsageErrors."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see '{self.prog} --help')")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text}")
+    return value
+
+
+def add_traceml_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("traceml options")
+    group.add_argument("--mode", choices=MODES, default="summary",
+                       help="What to show while training runs (default: summary, silent).")
+    group.add_argument("--logs-dir", "--logs_dir", dest="logs_dir", default="./logs",
+                       help="Where session folders are written (default: ./logs).")
+    group.add_argument("--session-id", "--session_id", dest="session_id", default=None,
+                       help="Session id, [A-Za-z0-9_.-] (default: generated; required "
+                            "with --nnodes > 1).")
+    group.add_argument("--aggregator-host", "--aggregator_host", dest="aggregator_host",
+                       default=None, help="Host of the collector that workers connect to.")
+    group.add_argument("--aggregator-port", "--aggregator_port", dest="aggregator_port",
+                       type=_port, default=None,
+                       help=f"Collector port (default {DEFAULT_AGGREGATOR_PORT}; a free port "
+                            "on a single node).")
+    group.add_argument("--aggregator-bind-host", "--aggregator_bind_host",
+                       dest="aggregator_bind_host", default=None,
+                       help="Address the collector binds (default 127.0.0.1 for one node, "
+                            "0.0.0.0 for several).")
+    group.add_argument("--summary-window-rows", "--summary_window_rows",
+                       dest="summary_window_rows", type=_positive_int, default=10000,
+                       help="Steps per rank the final summary analyses (default 10000).")
+    group.add_argument("--sample-interval", "--sample_interval", dest="sample_interval",
+                       type=_positive_float, default=1.0,
+                       help="Seconds between telemetry samples (default 1.0).")
+    group.add_argument("--dashboard-port", "--dashboard_port", dest="dashboard_port",
+                       type=_port, default=8765, help="Port of --mode=dashboard (default 8765).")
+    group.add_argument("--html", action="store_true",
+                       help="Also write final_summary.html.")
+    group.add_argument("--no-trace", "--no_trace", dest="no_trace", action="store_true",
+                       help="Launch the same way with no instrumentation (overhead baseline).")
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = torchrun.get_args_parser()
+    parser.__class__ = _Parser
+    parser.prog = prog
+    parser.description = (
+        "Launch a PyTorch training script exactly as torchrun would, and diagnose it. "
+        "Accepts every torchrun option."
+    )
+    add_traceml_options(parser)
+    return parser
+
+
+def new_session_id() -> str:
+    now = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{now}-{secrets.token_hex(3)}"
+
+
+def parse(command: str, argv: Sequence[str]) -> RunConfig:
+    """Parse ``traceml run|watch`` arguments into a RunConfig (UsageError on bad input)."""
+    ns = build_parser(f"traceml {command}").parse_args(list(argv))
+    try:
+        min_nodes, max_nodes = torchrun.parse_min_max_nnodes(ns.nnodes)
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(f"traceml {command}: bad --nnodes {ns.nnodes!r}: {exc}") from None
+    if ns.session_id is not None and not SESSION_ID_RE.match(ns.session_id):
+        raise UsageError(
+            f"traceml {command}: invalid --session-id {ns.session_id!r}: use letters, digits, "
+            "'_', '.' and '-' only"
+        )
+    if max_nodes > 1 and ns.session_id is None:
+        raise UsageError(
+            f"traceml {command}: --session-id is required with --nnodes {ns.nnodes}: "
+            "pass the same id on every node"
+        )
+    torch_ns = argparse.Namespace(
+        **{k: v for k, v in vars(ns).items() if k not in TRACEML_DESTS}
+    )
+    return RunConfig(
+        command=command,
+        mode=ns.mode,
+        logs_dir=ns.logs_dir,
+        session_id=ns.session_id or new_session_id(),
+        session_id_given=ns.session_id is not None,
+        aggregator_host=ns.aggregator_host,
+        aggregator_port=ns.aggregator_port,
+        aggregator_bind_host=ns.aggregator_bind_host,
+        summary_window_rows=ns.summary_window_rows,
+        sample_interval_s=ns.sample_interval,
+        dashboard_port=ns.dashboard_port,
+        html=ns.html,
+        no_trace=ns.no_trace,
+        training_script=ns.training_script,
+        training_script_args=tuple(ns.training_script_args),
+        module=bool(ns.module),
+        no_python=bool(ns.no_python),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=int(ns.node_rank),
+        argv=tuple(argv),
+        torch_args=torch_ns,
+    )

@@ -1,0 +1,95 @@
+"""Start, feed and stop the collector process (launcher side)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any
+
+import orjson
+import zmq
+
+from traceml import environment, protocol
+from traceml.collector.server import CollectorConfig
+from traceml.errors import UsageError
+from traceml.protocol import Envelope, Sender
+
+READY_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 15.0
+
+
+def _read_line(stream: IO[bytes], timeout_s: float) -> bytes:
+    """One line from a pipe, or b'' after the deadline."""
+    result: list[bytes] = []
+    reader = threading.Thread(target=lambda: result.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return result[0] if result else b""
+
+
+class CollectorProcess:
+    """Handle on the running collector: its port, a control socket, its exit."""
+
+    def __init__(self, config: CollectorConfig) -> None:
+        self.config = config
+        env = environment.without_traceml(os.environ)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "traceml.collector", config.to_json()],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env,
+        )
+        assert self.proc.stdout is not None
+        line = _read_line(self.proc.stdout, READY_TIMEOUT_S)
+        ready: dict[str, Any] = orjson.loads(line) if line.strip() else {}
+        if "port" not in ready:
+            self.proc.kill()
+            self.proc.wait()
+            reason = ready.get("error", "it did not start")
+            raise UsageError(f"traceml: collector failed: {reason}; pick another "
+                             "--aggregator-port or free that one")
+        self.port = int(ready["port"])
+        self._context = zmq.Context()
+        self._control = self._context.socket(zmq.PUSH)
+        self._control.setsockopt(zmq.LINGER, 2000)
+        self._control.setsockopt(zmq.SNDHWM, 100)
+        host = "127.0.0.1" if config.bind_host in ("0.0.0.0", "") else config.bind_host
+        self._control.connect(f"tcp://{host}:{self.port}")
+        self._identity = Sender(role="launcher", host=socket.gethostname(), pid=os.getpid(),
+                                node_rank=0)
+        self._seq = 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def control(self, op: str, **fields: Any) -> None:
+        env = Envelope(
+            session_id=self.config.session_id, kind=protocol.KIND_CONTROL,
+            sender=self._identity, seq=self._seq, sent_at=time.time(),
+            payload={"op": op, **fields},
+        )
+        self._seq += 1
+        try:
+            self._control.send(protocol.encode(env), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # collector gone; the launcher reports that at the end
+
+    def set_meta(self, **values: Any) -> None:
+        self.control("meta", values=values)
+
+    def stop(self) -> int | None:
+        """Ask the collector to drain and exit; returns its exit status (None: killed)."""
+        if self.alive():
+            self.control("end")
+        else:
+            self._control.setsockopt(zmq.LINGER, 0)
+        self._control.close()
+        self._context.term()
+        try:
+            return self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None

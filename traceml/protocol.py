@@ -1,0 +1,164 @@
+"""Wire messages between senders (agents, system samplers, the launcher) and
+the collector: versioned envelopes encoded with orjson.
+
+Shared by the agent, the launcher and the collector, so it imports only the
+standard library and orjson.  A message carries a batch: many steps or samples
+per envelope.  Payloads are columnar (``fields`` + ``rows``) so a sender can add
+a field (a new phase, say) without changing the transport: the collector stores
+the fields it knows and keeps the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from traceml.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+KIND_STEPS = "steps"
+KIND_PROCESS = "process"
+KIND_SYSTEM = "system"
+KIND_HELLO = "hello"
+KIND_BYE = "bye"
+KIND_CONTROL = "control"
+KINDS = frozenset({KIND_STEPS, KIND_PROCESS, KIND_SYSTEM, KIND_HELLO, KIND_BYE, KIND_CONTROL})
+
+# Column order of a step row as the agent sends it.  Growing this tuple is
+# backward compatible: the collector maps by name.
+STEP_FIELDS: tuple[str, ...] = (
+    "step",
+    "t_begin",
+    "input_ms",
+    "forward_ms",
+    "backward_ms",
+    "optimizer_ms",
+    "total_ms",
+    "wait_ms",
+    "num_input",
+    "num_forward",
+    "num_backward",
+    "num_optimizer",
+    "num_skipped",
+    "rss_bytes",
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+)
+
+
+@dataclass(frozen=True)
+class Sender:
+    """Who sent a message.  ``rank`` is None for node-level senders."""
+
+    role: str  # "rank" | "system" | "launcher"
+    host: str
+    pid: int
+    node_rank: int
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    restart: int = 0
+
+    @property
+    def sender_id(self) -> str:
+        who = f"r{self.rank}" if self.rank is not None else self.role
+        return f"{who}@n{self.node_rank}:{self.host}:{self.pid}:{self.restart}"
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One message on the wire."""
+
+    session_id: str
+    kind: str
+    sender: Sender
+    seq: int
+    sent_at: float
+    payload: dict[str, Any]
+    num_sent: int = 0  # messages this sender had sent before this one
+    num_dropped: int = 0  # messages this sender dropped (queue full)
+    version: int = PROTOCOL_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def encode(env: Envelope) -> bytes:
+    s = env.sender
+    return orjson.dumps(
+        {
+            "v": env.version,
+            "sid": env.session_id,
+            "kind": env.kind,
+            "from": [s.role, s.host, s.pid, s.node_rank, s.rank, s.local_rank,
+                     s.world_size, s.restart],
+            "seq": env.seq,
+            "at": env.sent_at,
+            "ns": env.num_sent,
+            "nd": env.num_dropped,
+            "p": env.payload,
+        }
+    )
+
+
+def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
+    """Decode one message; raise ProtocolError for anything malformed."""
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {max_bytes}")
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("not an envelope")
+    if obj.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {obj.get('v')!r}, expected {PROTOCOL_VERSION}")
+    try:
+        return _envelope_from(obj)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed envelope: {exc!r}") from None
+
+
+def _envelope_from(obj: dict[str, Any]) -> Envelope:
+    role, host, pid, node_rank, rank, local_rank, world_size, restart = obj["from"]
+    kind = obj["kind"]
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}")
+    payload = obj["p"]
+    if not isinstance(payload, dict):
+        raise TypeError("payload is not an object")
+    return Envelope(
+        session_id=str(obj["sid"]),
+        kind=kind,
+        sender=Sender(
+            role=str(role), host=str(host), pid=int(pid), node_rank=int(node_rank),
+            rank=None if rank is None else int(rank),
+            local_rank=None if local_rank is None else int(local_rank),
+            world_size=None if world_size is None else int(world_size),
+            restart=int(restart),
+        ),
+        seq=int(obj["seq"]),
+        sent_at=float(obj["at"]),
+        payload=payload,
+        num_sent=int(obj.get("ns", 0)),
+        num_dropped=int(obj.get("nd", 0)),
+    )
+
+
+def rows_payload(fields: tuple[str, ...], rows: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """A columnar batch payload."""
+    return {"fields": list(fields), "rows": rows}
+
+
+def iter_rows(payload: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """Fields and rows of a columnar payload; ProtocolError when malformed."""
+    fields = payload.get("fields")
+    rows = payload.get("rows")
+    if not isinstance(fields, list) or not isinstance(rows, list):
+        raise ProtocolError("payload without fields/rows")
+    for row in rows:
+        if not isinstance(row, list) or len(row) != len(fields):
+            raise ProtocolError("row does not match fields")
+    return [str(f) for f in fields], rows
