@@ -9,7 +9,8 @@ attribute check.
 Instrumented (SPEC R-AG-2):
 
 * ``_BaseDataLoaderIter.__next__`` — input.
-* ``Module.__call__`` — the outermost call with grad enabled is forward; not
+* ``Module.__call__`` — the outermost call with grad enabled is forward (a
+  parameter-free module such as a loss adds time, not a forward count); not
   while torch.compile traces (no graph breaks) nor inside backward (activation
   checkpointing recomputes forward there).  Without grad it is a possible
   evaluation pass.
@@ -73,6 +74,12 @@ def _wrap_next(probe: Probe) -> Callable[[Any], Any]:
     return make
 
 
+def _holds_parameters(module: Any) -> bool:
+    for _ in module.parameters():
+        return True
+    return False
+
+
 def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
     is_compiling = _compiling_check()
     grad_enabled = torch.is_grad_enabled
@@ -92,7 +99,9 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
             finally:
                 probe.mute -= 1
                 if timed:
-                    probe.exit()
+                    # A loss module's time is forward time, but only a module
+                    # with parameters counts as a forward pass.
+                    probe.exit(_holds_parameters(self))
         return __call__
     return make
 

@@ -33,9 +33,9 @@ class Probe:
         except Exception as exc:  # fail open: never break training
             self.on_error(exc)
 
-    def exit(self) -> None:
+    def exit(self, count: bool = True) -> None:
         try:
-            self.tracker.exit(self.clock())
+            self.tracker.exit(self.clock(), count)
         except Exception as exc:
             self.on_error(exc)
 

@@ -85,8 +85,8 @@ class StepTracker:
             self._on_training(now)
         self._stack.append([phase, now, 0.0])
 
-    def exit(self, now: float) -> None:
-        """The innermost phase ends."""
+    def exit(self, now: float, count: bool = True) -> None:
+        """The innermost phase ends; ``count=False`` adds its time but not a call."""
         if not self._stack:
             return
         phase, start, nested = self._stack.pop()
@@ -100,7 +100,7 @@ class StepTracker:
             return
         if self._open:
             self._acc[ip] += own
-            self._counts[ip] += 1
+            self._counts[ip] += count
 
     def optimizer_done(self, now: float, skipped: bool = False) -> None:
         """An optimizer (or GradScaler) step finished: the iteration is complete."""

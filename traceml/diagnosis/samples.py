@@ -138,7 +138,7 @@ def to_jsonable(run: RunData) -> dict[str, Json]:
 
 
 def from_jsonable(obj: object) -> RunData:
-    """Decode what :func:`to_jsonable` wrote; raises ValueError on malformed input."""
+    """Decode what :func:`to_jsonable` wrote; ValueError or TypeError on malformed input."""
     top = _as_dict(obj, "run data")
     if top.get("format") != RUNDATA_FORMAT:
         raise ValueError(f"run data format is {top.get('format')!r}, expected {RUNDATA_FORMAT!r}")
@@ -209,23 +209,23 @@ def _decode_node(obj: object) -> NodeInfo:
 
 def _as_dict(obj: object, what: str) -> dict[str, object]:
     if not isinstance(obj, dict):
-        raise ValueError(f"{what}: expected an object, got {type(obj).__name__}")
+        raise TypeError(f"{what}: expected an object, got {type(obj).__name__}")
     return {str(k): v for k, v in obj.items()}
 
 
 def _as_list(obj: object, what: str) -> list[object]:
     if not isinstance(obj, list):
-        raise ValueError(f"{what}: expected a list, got {type(obj).__name__}")
+        raise TypeError(f"{what}: expected a list, got {type(obj).__name__}")
     return list(obj)
 
 
 def _as_int(obj: object, what: str) -> int:
     if not isinstance(obj, int) or isinstance(obj, bool):
-        raise ValueError(f"{what}: expected an integer, got {type(obj).__name__}")
+        raise TypeError(f"{what}: expected an integer, got {type(obj).__name__}")
     return obj
 
 
 def _as_str(obj: object, what: str) -> str:
     if not isinstance(obj, str):
-        raise ValueError(f"{what}: expected a string, got {type(obj).__name__}")
+        raise TypeError(f"{what}: expected a string, got {type(obj).__name__}")
     return obj

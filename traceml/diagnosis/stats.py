@@ -89,7 +89,8 @@ def metric_stat(values: Sequence[Located], worst: Worst = "max") -> MetricStat |
         return None
     ordered = sorted(values, key=lambda v: v.value)
     middle = ordered[(len(ordered) - 1) // 2]
-    bad = ordered[-1] if worst == "max" else ordered[0]
+    pick = max if worst == "max" else min
+    bad = pick(values, key=lambda v: v.value)  # ties: the first given (lowest rank)
     return MetricStat(
         median=statistics.median(v.value for v in ordered),
         worst=bad.value,

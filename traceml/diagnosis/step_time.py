@@ -57,6 +57,21 @@ class RankStepTimes:
         total = self.total_ms.mean
         return 100.0 * self.mean(phase) / total if total > 0 else None
 
+    @property
+    def input_share_pct(self) -> float | None:
+        """Input mean as % of the step mean."""
+        return self.share_pct("input")
+
+    @property
+    def compute_share_pct(self) -> float | None:
+        """Forward+backward+optimizer mean as % of the step mean."""
+        return self.share_pct("compute")
+
+    @property
+    def wait_share_pct(self) -> float | None:
+        """Wait mean as % of the step mean."""
+        return self.share_pct("wait")
+
 
 def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int, RankStepTimes]:
     """Per-rank distributions of every phase; ranks without window steps are left out."""

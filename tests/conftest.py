@@ -1,0 +1,102 @@
+"""Shared fixtures: run the real CLI, read the real store, keep torch unpatched."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "e2e" / "scripts"
+
+
+def _torch_surface() -> dict[str, Any] | None:
+    if "torch" not in sys.modules:
+        return None
+    import torch
+    from torch.optim import optimizer as opt_mod
+    from torch.utils.data import dataloader
+
+    return {
+        "module_call": torch.nn.Module.__dict__["__call__"],
+        "backward": torch.Tensor.__dict__["backward"],
+        "autograd_backward": torch.autograd.backward,
+        "next": dataloader._BaseDataLoaderIter.__dict__["__next__"],
+        "pre_hooks": len(opt_mod._global_optimizer_pre_hooks),
+        "post_hooks": len(opt_mod._global_optimizer_post_hooks),
+    }
+
+
+@pytest.fixture(autouse=True)
+def torch_unpatched() -> Any:
+    """Every test leaves torch exactly as it found it."""
+    before = _torch_surface()
+    yield
+    after = _torch_surface()
+    if before is not None:
+        assert after == before, "a test left torch patched"
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    session_dir: Path
+    evidence_dir: Path
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    senders: list[dict[str, Any]] = field(default_factory=list)
+
+    def evidence(self) -> dict[int, dict[str, Any]]:
+        out = {}
+        for path in self.evidence_dir.glob("rank*.json"):
+            data = json.loads(path.read_text())
+            out[data["rank"]] = data
+        return out
+
+    def workers(self) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in self.evidence_dir.glob("worker-*.json")]
+
+    def steps_of(self, rank: int) -> list[dict[str, Any]]:
+        return [s for s in self.steps if s["rank"] == rank]
+
+
+def read_store(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    if not path.exists():
+        return [], []
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    db.row_factory = sqlite3.Row
+    try:
+        steps = [dict(r) for r in db.execute("SELECT * FROM steps ORDER BY rank, step")]
+        senders = [dict(r) for r in db.execute("SELECT * FROM senders")]
+    finally:
+        db.close()
+    return steps, senders
+
+
+def run_traceml(tmp_path: Path, *args: str, session: str = "s1", env: dict[str, str] | None = None,
+                timeout: float = 180, traceml_cmd: list[str] | None = None,
+                cwd: Path | None = None) -> RunResult:
+    evidence = tmp_path / "evidence"
+    evidence.mkdir(exist_ok=True)
+    full_env = dict(os.environ, EVIDENCE_DIR=str(evidence), OMP_NUM_THREADS="1")
+    full_env.update(env or {})
+    cmd = (traceml_cmd or [sys.executable, "-m", "traceml"]) + [
+        args[0], "--logs-dir", str(tmp_path / "logs"), "--session-id", session, *args[1:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=cwd or tmp_path)
+    session_dir = tmp_path / "logs" / session
+    steps, senders = read_store(session_dir / "telemetry.sqlite")
+    return RunResult(proc.returncode, proc.stdout, proc.stderr, session_dir, evidence,
+                     steps, senders)
+
+
+def script(name: str) -> str:
+    return str(SCRIPTS / name)

@@ -1,0 +1,183 @@
+"""Build the report: stored run -> window -> rules -> sections -> Report (offline analysis).
+
+Runs in the offline-analysis process (end of run, `traceml report`,
+`traceml.summary()`). Pure: the same RunData always gives the same Report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol, TypeVar
+
+from traceml.diagnosis.finding import severity_rank
+from traceml.diagnosis.process import diagnose_process, rank_process
+from traceml.diagnosis.samples import RunData
+from traceml.diagnosis.stats import Located, MetricStat, Worst, metric_stat
+from traceml.diagnosis.step_memory import diagnose_step_memory, rank_memory
+from traceml.diagnosis.step_time import (
+    PHASES,
+    RankStepTimes,
+    diagnose_step_time,
+    rank_step_times,
+)
+from traceml.diagnosis.system import diagnose_system, node_system
+from traceml.diagnosis.window import Scope, StepWindow, in_span, missing, select_window
+from traceml.report.model import SCHEMA_VERSION, Primary, Report, Section
+
+PRIMARY_ORDER = ("step_time", "step_memory", "system", "process")
+"""Section priority when two sections' diagnoses are equally severe."""
+
+
+def build_report(run: RunData, summary_window_rows: int) -> Report:
+    """The end-of-run report of ``run`` over its last ``summary_window_rows`` aligned steps."""
+    node_of = rank_nodes(run)
+    window = select_window(run.steps, summary_window_rows, run.meta.world_size)
+    sections = {
+        "step_time": step_time_section(run, window, node_of),
+        "step_memory": step_memory_section(run, window, node_of),
+        "process": process_section(run, window),
+        "system": system_section(run, window),
+    }
+    return Report(SCHEMA_VERSION, run.meta, choose_primary(sections), **sections)
+
+
+def choose_primary(sections: Mapping[str, Section]) -> Primary:
+    """The most severe actionable diagnosis (ties: PRIMARY_ORDER); else the first measured
+    diagnosis in PRIMARY_ORDER (a healthy run: Step Time's COMPUTE-BOUND or BALANCED)."""
+    actionable = [name for name in PRIMARY_ORDER if sections[name].diagnosis.actionable]
+    if actionable:
+        name = min(actionable, key=lambda n: severity_rank(sections[n].diagnosis.severity))
+    else:
+        measured = [n for n in PRIMARY_ORDER if sections[n].diagnosis.measured]
+        name = measured[0] if measured else PRIMARY_ORDER[0]
+    return Primary(name, sections[name].diagnosis)
+
+
+def rank_nodes(run: RunData) -> dict[int, int]:
+    """Global rank -> node rank, from the run's node list, then from process samples."""
+    node_of = {sample.rank: sample.node_rank for sample in run.process}
+    node_of.update({rank: node.node_rank for node in run.meta.nodes for rank in node.ranks})
+    return node_of
+
+
+def _num_nodes(run: RunData) -> int:
+    seen = {n.node_rank for n in run.meta.nodes} | {s.node_rank for s in run.system}
+    return len(seen)
+
+
+def _unmeasured_steps_why(run: RunData) -> str:
+    if run.meta.mode == "watch":
+        return "traceml watch records System and Process telemetry only, no steps."
+    if not run.steps:
+        return "No training step was recorded."
+    return "No step was completed by every rank after warm-up."
+
+
+def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, int]) -> Section:
+    """Step Time: per-rank phase distributions, shares and stragglers."""
+    times = rank_step_times(window, node_of)
+    rows = [times[r] for r in sorted(times)]
+    stats = {f"{phase}_ms": _rank_stat(rows, _phase_mean(phase)) for phase in PHASES}
+    for phase in ("input", "compute", "wait"):
+        stats[f"{phase}_share_pct"] = _rank_stat(rows, _phase_share(phase))
+    findings = diagnose_step_time(times, _unmeasured_steps_why(run))
+    return Section("step_time", findings, window.scope(node_of, _num_nodes(run)), stats,
+                   tuple(rows))
+
+
+def _phase_mean(phase: str) -> Callable[[RankStepTimes], float]:
+    return lambda times: times.mean(phase)
+
+
+def _phase_share(phase: str) -> Callable[[RankStepTimes], float | None]:
+    return lambda times: times.share_pct(phase)
+
+
+def step_memory_section(run: RunData, window: StepWindow, node_of: Mapping[int, int]) -> Section:
+    """Step Memory: per-rank peaks, capacity pressure and creep over the window."""
+    capacity: dict[int, int] = {}
+    for sample in run.process:
+        if sample.device_total_bytes is not None:
+            capacity[sample.rank] = max(capacity.get(sample.rank, 0), sample.device_total_bytes)
+    mem = rank_memory(window, capacity, node_of)
+    rows = [mem[r] for r in sorted(mem)]
+    stats = {
+        "peak_allocated_bytes": _rank_stat(rows, lambda m: m.peak_allocated_bytes),
+        "peak_reserved_bytes": _rank_stat(rows, lambda m: m.peak_reserved_bytes),
+        "pressure_pct": _rank_stat(rows, lambda m: m.pressure_pct),
+        "allocated_growth_bytes": _rank_stat(rows, lambda m: m.allocated_growth_bytes),
+        "rss_peak_bytes": _rank_stat(rows, lambda m: m.rss_peak_bytes),
+        "rss_growth_bytes": _rank_stat(rows, lambda m: m.rss_growth_bytes),
+    }
+    findings = diagnose_step_memory(mem, _unmeasured_steps_why(run))
+    return Section("step_memory", findings, window.scope(node_of, _num_nodes(run)), stats,
+                   tuple(rows))
+
+
+def process_section(run: RunData, window: StepWindow) -> Section:
+    """Process: per-rank CPU, RSS and device memory over the samples."""
+    samples = in_span(run.process, window.time_span())
+    procs = rank_process(samples)
+    rows = list(procs.values())
+    stats = {
+        "cpu_avg_pct": _rank_stat(rows, lambda p: p.cpu_avg_pct),
+        "cpu_share_pct": _rank_stat(rows, lambda p: p.cpu_share_pct),
+        "rss_peak_bytes": _rank_stat(rows, lambda p: p.rss_peak_bytes),
+        "rss_pct": _rank_stat(rows, lambda p: p.rss_pct),
+        "device_allocated_peak_bytes": _rank_stat(rows, lambda p: p.device_allocated_peak_bytes),
+        "device_reserved_peak_bytes": _rank_stat(rows, lambda p: p.device_reserved_peak_bytes),
+        "device_reserved_pct": _rank_stat(rows, lambda p: p.reserved_pct),
+    }
+    ranks = tuple(procs)
+    scope = Scope(window.window_rows, ranks, missing(ranks, run.meta.world_size),
+                  tuple(sorted({p.node_rank for p in rows})), _num_nodes(run),
+                  num_samples=len(samples))
+    return Section("process", diagnose_process(procs), scope, stats, tuple(rows))
+
+
+def system_section(run: RunData, window: StepWindow) -> Section:
+    """System: per-node CPU, RAM and the job's GPUs over the samples."""
+    samples = in_span(run.system, window.time_span())
+    nodes = node_system(samples, {n.node_rank: n.ranks for n in run.meta.nodes})
+    rows = list(nodes.values())
+    gpus = [g for node in rows for g in node.gpus]
+    stats = {
+        "cpu_avg_pct": _node_stat((n.cpu_avg_pct, n.node_rank, None) for n in rows),
+        "ram_peak_pct": _node_stat((n.ram_peak_pct, n.node_rank, None) for n in rows),
+        "gpu_util_avg_pct": _node_stat(((g.util_avg_pct, g.node_rank, g.index) for g in gpus),
+                                       worst="min"),
+        "gpu_temp_peak_c": _node_stat((g.temp_peak_c, g.node_rank, g.index) for g in gpus),
+        "gpu_mem_used_peak_bytes": _node_stat(
+            (g.mem_used_peak_bytes, g.node_rank, g.index) for g in gpus),
+        "gpu_power_avg_w": _node_stat((g.power_avg_w, g.node_rank, g.index) for g in gpus),
+    }
+    ranks = tuple(sorted(r for n in rows for r in n.ranks))
+    scope = Scope(window.window_rows, ranks, missing(ranks, run.meta.world_size),
+                  tuple(nodes), _num_nodes(run), num_samples=len(samples))
+    return Section("system", diagnose_system(nodes), scope, stats, tuple(rows))
+
+
+class _Ranked(Protocol):
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def node_rank(self) -> int | None: ...
+
+
+_Row = TypeVar("_Row", bound=_Ranked)
+
+
+def _rank_stat(rows: Sequence[_Row], value: Callable[[_Row], float | None]) -> MetricStat | None:
+    """Median and worst (highest) of a per-rank value; None when no rank measured it."""
+    located = [Located(v, row.rank, row.node_rank) for row in rows if (v := value(row)) is not None]
+    return metric_stat(located)
+
+
+def _node_stat(
+    values: Iterable[tuple[float | None, int, int | None]], worst: Worst = "max"
+) -> MetricStat | None:
+    """Median and worst of per-node (or per-GPU) values given as (value, node, gpu)."""
+    located = [Located(v, node=node, gpu=gpu) for v, node, gpu in values if v is not None]
+    return metric_stat(located, worst)
+

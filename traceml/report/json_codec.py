@@ -1,0 +1,171 @@
+"""final_summary.json: the report as JSON data, and its flat form for W&B/MLflow (offline analysis).
+
+Runs in the offline-analysis process. :func:`report_to_json` follows SPEC
+R-OUT-3 and docs/summary-schema.md; :func:`flatten_summary` turns such a
+document (freshly built or read from a file) into ``{"traceml/...": value}``.
+
+Times are ISO-8601 strings in UTC with milliseconds (``2026-01-31T12:00:00.000+00:00``).
+"Not measured" is ``null``; a measured zero is ``0``; non-finite numbers
+(an infinite ratio) are written as ``null`` because JSON has no infinity.
+A rank row is written with every field of its dataclass plus every
+property it defines (derived numbers such as ``pressure_pct``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from datetime import datetime, timezone
+
+from traceml.diagnosis.finding import Finding
+from traceml.diagnosis.samples import Json, RunMeta
+from traceml.diagnosis.stats import MetricStat
+from traceml.report.model import Primary, RankRow, Report, Section
+
+VERSION_KEYS = ("traceml", "torch", "python")
+TRANSPORT_KEYS = ("sent", "dropped", "gaps", "rejected")
+
+
+def report_to_json(report: Report) -> dict[str, Json]:
+    """The whole final_summary.json document."""
+    out: dict[str, Json] = {
+        "schema_version": report.schema_version,
+        "meta": meta_to_json(report.meta, report.duration_s),
+        "primary": primary_to_json(report.primary),
+    }
+    for section in report.sections:
+        out[section.name] = section_to_json(section)
+    return out
+
+
+def meta_to_json(meta: RunMeta, duration_s: float) -> dict[str, Json]:
+    """The ``meta`` object: what ran, where, how it ended, and the transport's counts."""
+    return {
+        "session_id": meta.session_id,
+        "command": list(meta.command),
+        "started_at": iso_utc(meta.started_at),
+        "ended_at": iso_utc(meta.ended_at),
+        "duration_s": round(duration_s, 3),
+        "exit_code": meta.exit_code,
+        "partial": meta.partial,
+        "missing_ranks": list(meta.missing_ranks),
+        "world_size": meta.world_size,
+        "nodes": [
+            {"node_rank": n.node_rank, "host": n.host, "ranks": list(n.ranks)} for n in meta.nodes
+        ],
+        "device": meta.device,
+        "mode": meta.mode,
+        "versions": {key: meta.versions.get(key) for key in VERSION_KEYS},
+        "transport": {key: meta.transport.get(key) for key in TRANSPORT_KEYS},
+    }
+
+
+def iso_utc(unix_s: float) -> str:
+    """Unix seconds as an ISO-8601 UTC string with milliseconds."""
+    return datetime.fromtimestamp(unix_s, tz=timezone.utc).isoformat(timespec="milliseconds")
+
+
+def primary_to_json(primary: Primary) -> dict[str, Json]:
+    """The verdict's finding, with the section it comes from."""
+    return {"section": primary.section, **finding_to_json(primary.finding)}
+
+
+def finding_to_json(finding: Finding) -> dict[str, Json]:
+    """One finding: kind, label, severity, why, next, ranks, nodes and evidence numbers."""
+    return {
+        "kind": finding.kind,
+        "label": finding.label,
+        "severity": finding.severity,
+        "why": finding.why,
+        "next": finding.next,
+        "ranks": list(finding.ranks),
+        "nodes": list(finding.nodes),
+        "evidence": {key: _number(value) for key, value in finding.evidence.items()},
+    }
+
+
+def section_to_json(section: Section) -> dict[str, Json]:
+    """One section: diagnosis, findings, scope, stats and per-rank rows."""
+    return {
+        "diagnosis": finding_to_json(section.diagnosis),
+        "findings": [finding_to_json(f) for f in section.findings],
+        "scope": _plain(section.scope),
+        "stats": {key: stat_to_json(stat) for key, stat in section.stats.items()},
+        "ranks": [row_to_json(row) for row in section.ranks],
+    }
+
+
+def stat_to_json(stat: MetricStat | None) -> Json:
+    """A metric's median and worst with their locations; null when not measured."""
+    return None if stat is None else _plain(stat)
+
+
+def row_to_json(row: RankRow) -> dict[str, Json]:
+    """A rank row: its fields, then its derived properties."""
+    out = _plain(row)
+    assert isinstance(out, dict)
+    for name, attr in vars(type(row)).items():
+        if isinstance(attr, property) and not name.startswith("_"):
+            out[name] = _plain(getattr(row, name))
+    return out
+
+
+def _plain(value: object) -> Json:
+    """Dataclasses, tuples and numbers as JSON data (non-finite floats as null)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, float):
+        return _number(value)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    raise TypeError(f"cannot write {type(value).__name__} to the summary")
+
+
+def _number(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def flatten_summary(summary: Mapping[str, Json]) -> dict[str, float | str]:
+    """``{"traceml/<section>/<metric>/median": 12.5, ...}`` for wandb.log / mlflow.
+
+    Keys: ``traceml/schema_version``, ``traceml/meta/{duration_s,world_size,exit_code,
+    partial,device,session_id}``, ``traceml/meta/transport/<count>``,
+    ``traceml/primary/{section,label,severity}``, and per section
+    ``traceml/<section>/{diagnosis,severity}`` and ``traceml/<section>/<stat>/{median,worst}``.
+    Not-measured values are left out; booleans become 0.0/1.0.
+    """
+    flat: dict[str, float | str] = {}
+    _put(flat, "traceml/schema_version", summary.get("schema_version"))
+    meta = _obj(summary.get("meta"))
+    for key in ("duration_s", "world_size", "exit_code", "partial", "device", "session_id"):
+        _put(flat, f"traceml/meta/{key}", meta.get(key))
+    for key, value in _obj(meta.get("transport")).items():
+        _put(flat, f"traceml/meta/transport/{key}", value)
+    primary = _obj(summary.get("primary"))
+    for key in ("section", "label", "severity"):
+        _put(flat, f"traceml/primary/{key}", primary.get(key))
+    for name in ("step_time", "step_memory", "process", "system"):
+        section = _obj(summary.get(name))
+        diagnosis = _obj(section.get("diagnosis"))
+        _put(flat, f"traceml/{name}/diagnosis", diagnosis.get("label"))
+        _put(flat, f"traceml/{name}/severity", diagnosis.get("severity"))
+        for stat_name, stat in _obj(section.get("stats")).items():
+            for part in ("median", "worst"):
+                _put(flat, f"traceml/{name}/{stat_name}/{part}", _obj(stat).get(part))
+    return flat
+
+
+def _obj(value: Json | None) -> Mapping[str, Json]:
+    return value if isinstance(value, dict) else {}
+
+
+def _put(flat: dict[str, float | str], key: str, value: Json | None) -> None:
+    if isinstance(value, (bool, int, float)):
+        flat[key] = float(value)
+    elif isinstance(value, str):
+        flat[key] = value

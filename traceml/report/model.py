@@ -1,0 +1,95 @@
+"""The report model every renderer draws from: Report, Section, Primary (offline analysis).
+
+Runs in the offline-analysis process. One :class:`Report` per run, built by
+:func:`traceml.report.build.build_report`; text, JSON (and later HTML and the
+live views) render this same object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Union
+
+from traceml.diagnosis.finding import Finding
+from traceml.diagnosis.process import RankProcess
+from traceml.diagnosis.samples import RunMeta
+from traceml.diagnosis.stats import MetricStat
+from traceml.diagnosis.step_memory import RankMemory
+from traceml.diagnosis.step_time import RankStepTimes
+from traceml.diagnosis.system import NodeSystem
+from traceml.diagnosis.window import Scope
+
+SCHEMA_VERSION = "1.0"
+"""Version of final_summary.json; bump the major part on incompatible changes."""
+
+RankRow = Union[RankStepTimes, RankMemory, RankProcess, NodeSystem]
+"""A per-rank row of a section (per node for System)."""
+
+SECTION_NAMES = ("step_time", "step_memory", "process", "system")
+SECTION_TITLES: Mapping[str, str] = {
+    "step_time": "Step Time",
+    "step_memory": "Step Memory",
+    "process": "Process",
+    "system": "System",
+}
+
+
+@dataclass(frozen=True)
+class Section:
+    """One report section: findings (diagnosis first), scope, stats and rows."""
+
+    name: str  # one of SECTION_NAMES
+    findings: tuple[Finding, ...]  # never empty; the first is the diagnosis
+    scope: Scope
+    stats: Mapping[str, MetricStat | None]  # fixed keys per section; None = not measured
+    ranks: tuple[RankRow, ...]  # per rank, ascending (System: per node)
+
+    def __post_init__(self) -> None:
+        assert self.findings, f"section {self.name} has no finding"
+
+    @property
+    def title(self) -> str:
+        """Display name, e.g. "Step Time"."""
+        return SECTION_TITLES[self.name]
+
+    @property
+    def diagnosis(self) -> Finding:
+        """The section's first finding."""
+        return self.findings[0]
+
+
+@dataclass(frozen=True)
+class Primary:
+    """The finding the verdict line shows, and the section it comes from."""
+
+    section: str
+    finding: Finding
+
+
+@dataclass(frozen=True)
+class Report:
+    """The end-of-run summary of one run."""
+
+    schema_version: str
+    meta: RunMeta
+    primary: Primary
+    step_time: Section
+    step_memory: Section
+    process: Section
+    system: Section
+
+    @property
+    def duration_s(self) -> float:
+        """Wall time of the run, launch to end."""
+        return max(0.0, self.meta.ended_at - self.meta.started_at)
+
+    def section(self, name: str) -> Section:
+        """A section by its JSON name."""
+        found: Section = getattr(self, name)
+        return found
+
+    @property
+    def sections(self) -> tuple[Section, ...]:
+        """The sections in JSON order (step_time, step_memory, process, system)."""
+        return tuple(self.section(name) for name in SECTION_NAMES)
