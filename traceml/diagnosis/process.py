@@ -7,6 +7,7 @@ A rank's CPU share is its node's CPUs divided by the ranks sampled on that node.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -114,12 +115,13 @@ def reserved_overhang(procs: Mapping[int, RankProcess]) -> list[Finding]:
     ratio, reserved_pct = worst.reserved_ratio or 0.0, worst.reserved_pct or 0.0
     why = (
         f"r{worst.rank} reserved {format_bytes(worst.device_reserved_peak_bytes or 0)} "
-        f"({reserved_pct:.1f}% of the device), {ratio:.2f}x its peak allocated "
-        f"{format_bytes(worst.device_allocated_peak_bytes or 0)}."
+        f"({reserved_pct:.1f}% of the device) against a peak allocated of "
+        f"{format_bytes(worst.device_allocated_peak_bytes or 0)}"
     )
+    why += f" ({ratio:.2f}x)." if math.isfinite(ratio) else "."
     next_step = ("Fragmentation or cached blocks: try PYTORCH_CUDA_ALLOC_CONF="
                  "expandable_segments:True, keep tensor shapes steady, or empty_cache() after eval.")
-    evidence = {"rank": float(worst.rank), "reserved_ratio": ratio, "reserved_pct": reserved_pct}
+    evidence = {"rank": worst.rank, "reserved_ratio": ratio, "reserved_pct": reserved_pct}
     return [Finding("GPU_MEMORY_RESERVED_OVERHANG", "GPU MEMORY RESERVED OVERHANG", "warn", why,
                     next_step, tuple(p.rank for p in hit), evidence)]
 
@@ -137,7 +139,7 @@ def high_rss(procs: Mapping[int, RankProcess]) -> list[Finding]:
     next_step = ("Cut host memory: fewer or lighter DataLoader workers, memory-mapped or "
                  "shared datasets instead of a copy per rank.")
     return [Finding("HIGH_RSS", "HIGH RSS", severity or "warn", why, next_step,
-                    tuple(p.rank for p in hit), {"rank": float(worst.rank), "rss_pct": worst_pct})]
+                    tuple(p.rank for p in hit), {"rank": worst.rank, "rss_pct": worst_pct})]
 
 
 def high_cpu(procs: Mapping[int, RankProcess]) -> list[Finding]:
@@ -153,7 +155,7 @@ def high_cpu(procs: Mapping[int, RankProcess]) -> list[Finding]:
            f"{cores:g}-core share of the node.")
     next_step = ("The rank saturates its CPUs: move preprocessing into DataLoader workers, "
                  "set torch threads (OMP_NUM_THREADS) to the cores per rank, or add CPUs.")
-    evidence = {"rank": float(worst.rank), "cpu_avg_pct": worst.cpu_avg_pct, "cpu_share_pct": share}
+    evidence = {"rank": worst.rank, "cpu_avg_pct": worst.cpu_avg_pct, "cpu_share_pct": share}
     return [Finding("HIGH_CPU", "HIGH CPU", "warn", why, next_step,
                     tuple(p.rank for p in hit), evidence)]
 

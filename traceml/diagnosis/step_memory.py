@@ -135,7 +135,7 @@ def _creep(
         f"{format_bytes(late)} over the window's thirds (+{format_bytes(late - early)})"
     )
     why += f"; also {format_ranks(ranks[1:])}." if len(ranks) > 1 else "."
-    evidence = {"rank": float(ranks[0]), "early_bytes": early, "middle_bytes": middle,
+    evidence = {"rank": ranks[0], "early_bytes": early, "middle_bytes": middle,
                 "late_bytes": late, "growth_bytes": late - early}
     return [Finding(kind, label, "warn", why, next_step, ranks, evidence)]
 
@@ -157,9 +157,9 @@ def high_pressure(mem: Mapping[int, RankMemory]) -> list[Finding]:
     )
     next_step = ("Close to out-of-memory: lower the batch size, use bf16, activation "
                  "checkpointing, or shard states with FSDP/ZeRO.")
-    evidence = {"rank": float(worst.rank), "pressure_pct": pressure[hot[0]],
-                "peak_reserved_bytes": float(worst.peak_reserved_bytes or 0),
-                "device_total_bytes": float(worst.device_total_bytes or 0)}
+    evidence = {"rank": worst.rank, "pressure_pct": pressure[hot[0]],
+                "peak_reserved_bytes": worst.peak_reserved_bytes,
+                "device_total_bytes": worst.device_total_bytes}
     return [Finding("HIGH_PRESSURE", "HIGH PRESSURE", severity or "warn", why, next_step,
                     tuple(hot), evidence)]
 
@@ -189,7 +189,7 @@ def imbalance(mem: Mapping[int, RankMemory]) -> list[Finding]:
     )
     next_step = ("Even out per-rank work: rank-0-only logging, evaluation or checkpoint "
                  "gathering, uneven batch shapes, or uneven FSDP sharding.")
-    evidence = {"rank": float(heavy.rank), "skew_pct": skew,
+    evidence = {"rank": heavy.rank, "skew_pct": skew,
                 "pressure_pct": heavy.pressure_pct or 0.0}
     return [Finding("IMBALANCE", "IMBALANCE", "warn", why, next_step, (heavy.rank,), evidence)]
 

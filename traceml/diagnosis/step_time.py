@@ -263,7 +263,7 @@ def _straggler(kind: str, found: list[Excess], step_ms: float) -> Finding:
     if len(found) > 1:
         why = why[:-1] + f"; slow too: {format_ranks(ranks[1:])}."
     evidence = {
-        "rank": float(worst.rank),
+        "rank": worst.rank,
         "value_ms": worst.value_ms,
         "reference_ms": worst.reference_ms,
         "excess_ms": worst.excess_ms,

@@ -107,7 +107,7 @@ def cpu_pressure(nodes: Mapping[int, NodeSystem]) -> list[Finding]:
     next_step = ("The host's CPUs are saturated: fewer DataLoader workers or ranks per node, "
                  "preprocess offline, or look for other jobs on the host.")
     return [_node_finding("CPU_PRESSURE", "CPU PRESSURE", "warn", why, next_step, nodes, hot,
-                          {"node": float(worst.node_rank), "cpu_avg_pct": worst.cpu_avg_pct})]
+                          {"node": worst.node_rank, "cpu_avg_pct": worst.cpu_avg_pct})]
 
 
 def ram_pressure(nodes: Mapping[int, NodeSystem]) -> list[Finding]:
@@ -123,7 +123,7 @@ def ram_pressure(nodes: Mapping[int, NodeSystem]) -> list[Finding]:
                  "memory-mapped datasets shared by the ranks, or other jobs off the host.")
     return [_node_finding("RAM_PRESSURE", "RAM PRESSURE", severity or "warn", why, next_step,
                           nodes, hot,
-                          {"node": float(worst.node_rank), "ram_peak_pct": worst.ram_peak_pct})]
+                          {"node": worst.node_rank, "ram_peak_pct": worst.ram_peak_pct})]
 
 
 def low_gpu_util(nodes: Mapping[int, NodeSystem]) -> list[Finding]:
@@ -141,8 +141,8 @@ def low_gpu_util(nodes: Mapping[int, NodeSystem]) -> list[Finding]:
            f"{thresholds.LOW_GPU_UTIL_PCT:.0f}%).")
     next_step = ("The GPUs idle much of the time: see Step Time for input or wait, raise the "
                  "batch size or DataLoader workers.")
-    evidence = {"node": float(worst.node_rank), "gpu": float(worst.index),
-                "util_avg_pct": worst.util_avg_pct, "num_low_gpus": float(len(low))}
+    evidence = {"node": worst.node_rank, "gpu": worst.index,
+                "util_avg_pct": worst.util_avg_pct, "num_low_gpus": len(low)}
     return [_node_finding("LOW_GPU_UTIL", "LOW GPU UTIL", "warn", why, next_step, nodes,
                           _unique(g.node_rank for g in low), evidence)]
 
@@ -161,7 +161,7 @@ def high_gpu_temp(nodes: Mapping[int, NodeSystem]) -> list[Finding]:
            f"({len(hot)} of {len(gpus)} GPUs at or above {thresholds.HIGH_GPU_TEMP_C:.0f}C).")
     next_step = ("Hot GPUs throttle their clocks and turn into stragglers: check cooling and "
                  "airflow, and clocks with nvidia-smi -q -d PERFORMANCE.")
-    evidence = {"node": float(worst.node_rank), "gpu": float(worst.index),
+    evidence = {"node": worst.node_rank, "gpu": worst.index,
                 "temp_peak_c": worst.temp_peak_c}
     return [_node_finding("HIGH_GPU_TEMP", "HIGH GPU TEMP", "warn", why, next_step, nodes,
                           _unique(g.node_rank for g in hot), evidence)]

@@ -3,6 +3,8 @@
 import os
 import sys
 
+import torch  # noqa: F401  (arms the agent, which waits for torch)
+
 for key in sorted(os.environ):
     print(f"{key}={os.environ[key]}")
 for p in sys.path:

@@ -1,0 +1,176 @@
+"""End to end: the launcher behaves like torchrun, survives a dead collector,
+chains a user's sitecustomize, keeps concurrent jobs apart, rejects bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import read_store, run_traceml, script
+
+LOOP = script("loop.py")
+
+
+def _env_lines(stdout: str) -> dict[str, str]:
+    out = {}
+    for line in stdout.splitlines():
+        if "=" in line and not line.startswith("path:"):
+            key, _, value = line.partition("=")
+            out[key] = value
+    return out
+
+
+def test_workers_get_torchruns_environment(tmp_path: Path) -> None:
+    res = run_traceml(tmp_path, "run", "--nproc-per-node=2", script("env_dump.py"))
+    assert res.returncode == 0, res.stderr
+    ours = _env_lines(res.stdout)
+    env = dict(os.environ, OMP_NUM_THREADS="1", EVIDENCE_DIR=str(res.evidence_dir))
+    ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                          script("env_dump.py")], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    theirs = _env_lines(ref.stdout)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS"):
+        assert key in ours and key in theirs, key
+    assert set(theirs) - set(ours) == set()
+    extra = {k for k in set(ours) - set(theirs)
+             if not k.startswith(("TRACEML_", "TORCHELASTIC_RUN_ID"))}
+    # The only other difference: PYTHONPATH names the bootstrap directory, which
+    # holds nothing but sitecustomize.py.
+    if "PYTHONPATH" not in theirs:
+        extra.discard("PYTHONPATH")
+        site_dir = Path(ours["PYTHONPATH"])
+        assert site_dir.name == "site_dir"
+        assert [p.name for p in site_dir.iterdir() if p.name != "__pycache__"] == [
+            "sitecustomize.py"]
+    assert extra == set(), extra
+    # sitecustomize took traceml's directory back off sys.path
+    assert not [p for p in res.stdout.splitlines() if p.startswith("path:") and "site_dir" in p]
+
+
+def test_module_mode_and_console_script(tmp_path: Path) -> None:
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(Path(LOOP).read_text())
+    res = run_traceml(tmp_path, "run", "-m", "mypkg.train", "--steps", "5",
+                      traceml_cmd=["traceml"])
+    assert res.returncode == 0, res.stderr
+    assert len(res.steps) == 5
+
+
+def test_collector_killed_mid_run(tmp_path: Path) -> None:
+    evidence = tmp_path / "evidence"
+    evidence.mkdir()
+    env = dict(os.environ, EVIDENCE_DIR=str(evidence), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceml", "run", "--logs-dir", str(tmp_path / "logs"),
+         "--session-id", "k", script("loop.py"), "--steps", "150", "--input-sleep-ms", "2"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    store = tmp_path / "logs" / "k" / "telemetry.sqlite"
+    deadline = time.monotonic() + 60
+    collector_pid = None
+    while time.monotonic() < deadline and collector_pid is None:
+        if store.exists() and read_store(store)[0]:
+            collector_pid = _collector_pid(proc.pid)
+        time.sleep(0.05)
+    assert collector_pid, "the run never stored a step"
+    os.kill(collector_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "collector stopped" in err
+    assert time.monotonic() - killed_at < 30
+    assert (evidence / "rank0.json").exists()
+
+
+def _collector_pid(launcher_pid: int) -> int | None:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == launcher_pid and b"traceml.collector" in cmdline:
+            return int(entry)
+    return None
+
+
+def test_user_sitecustomize_still_runs(tmp_path: Path) -> None:
+    site = tmp_path / "usersite"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
+    res = run_traceml(tmp_path, "run", script("env_dump.py"),
+                      env={"PYTHONPATH": str(site)})
+    assert res.returncode == 0, res.stderr
+    assert _env_lines(res.stdout).get("USER_SITECUSTOMIZE_RAN") == "yes"
+    assert res.senders, "the agent must still be armed"
+
+
+def test_two_jobs_on_one_host_do_not_collide(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "traceml", "run", "--logs-dir", str(tmp_path / "logs"),
+             script("loop.py"), "--steps", str(12 if name == "a" else 17)],
+            cwd=tmp_path / name, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err.decode()[-2000:]
+    sessions = sorted((tmp_path / "logs").iterdir())
+    assert len(sessions) == 2
+    counts = sorted(len(read_store(s / "telemetry.sqlite")[0]) for s in sessions)
+    assert counts == [12, 17]
+
+
+def test_worker_killed_reports_signal_status(tmp_path: Path) -> None:
+    res = run_traceml(tmp_path, "run", script("kill_self.py"))
+    assert res.returncode == 128 + signal.SIGKILL, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "missing_script.py"], "training script not found"),
+    (["run", "--no-such-option", "x.py"], "unrecognized arguments"),
+    (["run", "--session-id", "bad/id", "x.py"], "invalid --session-id"),
+    (["run", "--nnodes", "2", "x.py"], "--session-id is required"),
+    (["run", "--mode", "fancy", "x.py"], "invalid choice"),
+    (["frobnicate"], "unknown command"),
+    (["run"], "required"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "traceml", *args], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_port_in_use_is_one_line_exit_2(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "traceml", "run", "--logs-dir", str(tmp_path / "logs"),
+             "--aggregator-port", str(port), script("env_dump.py")],
+            capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "aggregator-port" in lines[0], proc.stderr
