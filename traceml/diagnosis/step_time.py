@@ -9,10 +9,13 @@ fast ranks wait for a slow one inside backward's all-reduce, so step totals
 the median of the *other* ranks (with 2 ranks: the other rank), as a share of
 the median step time. Compute excess is the larger of
 
-* forward+backward+optimizer excess, less the largest input excess of another
-  rank (under DDP the fast ranks' backward absorbs the slow loader's delay), and
+* forward+backward+optimizer excess, and
 * forward+optimizer excess: these phases hold no DDP collective, so a rank that
-  is slow there stands out even when compute totals are equal.
+  is slow there stands out even when compute totals are equal,
+
+each less the largest input excess of another rank: a synchronised rank waits
+for a slow loader inside its collectives (DDP: backward; FSDP: forward too),
+which must not read as its own slow compute.
 
 A rank slow inside backward under DDP cannot be told apart from its peers by
 phase times alone (they all wait for it); that needs GPU or collective timing.
@@ -213,10 +216,10 @@ def own_excesses(times: Mapping[int, RankStepTimes]) -> dict[int, tuple[Excess, 
     slow_loaders = sorted((max(0.0, e.excess_ms), r) for r, e in own_input.items())
     out = {}
     for r in times:
-        # The largest input excess of another rank: what DDP makes r wait for in backward.
+        # The largest input excess of another rank: what r may wait for in a collective.
         absorbed = next(x for x, other in reversed(slow_loaders) if other != r)
         by_total = Excess(r, "compute", compute[r], ref_compute[r] + absorbed)
-        by_local = Excess(r, "forward+optimizer", local[r], ref_local[r])
+        by_local = Excess(r, "forward+optimizer", local[r], ref_local[r] + absorbed)
         out[r] = (own_input[r], by_local if by_local.excess_ms > by_total.excess_ms else by_total)
     return out
 

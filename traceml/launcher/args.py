@@ -20,7 +20,7 @@ from traceml.config import DEFAULT_AGGREGATOR_PORT, MODES, SESSION_ID_RE, RunCon
 from traceml.errors import UsageError
 
 # dest names of the options traceml adds; everything else belongs to torch.
-TRACEML_DESTS = (
+OWN_DESTS = (
     "mode", "logs_dir", "session_id", "aggregator_host", "aggregator_port",
     "aggregator_bind_host", "summary_window_rows", "sample_interval", "dashboard_port",
     "html", "no_trace",
@@ -123,7 +123,7 @@ def parse(command: str, argv: Sequence[str]) -> RunConfig:
             "pass the same id on every node"
         )
     torch_ns = argparse.Namespace(
-        **{k: v for k, v in vars(ns).items() if k not in TRACEML_DESTS}
+        **{k: v for k, v in vars(ns).items() if k not in OWN_DESTS}
     )
     return RunConfig(
         command=command,

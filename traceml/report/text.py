@@ -64,7 +64,8 @@ def _overview(report: Report) -> list[str]:
     if primary.next:
         lines.append(f"Next: {primary.next}")
     exit_text = "running" if meta.exit_code is None else f"exit {meta.exit_code}"
-    lines.append(f"Run: {_count(meta.world_size, 'rank')} on {_count(len(meta.nodes), 'node')} | "
+    nodes = _count(report.system.scope.num_nodes, "node")
+    lines.append(f"Run: {_count(meta.world_size, 'rank')} on {nodes} | "
                  f"{meta.device} | {exit_text} | session {meta.session_id}")
     if meta.partial:
         gone = f"; missing ranks {format_ranks(meta.missing_ranks)}" if meta.missing_ranks else ""

@@ -1,0 +1,92 @@
+"""Guards: import cost, import direction, the pinned CLI option set."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import traceml
+
+PKG = Path(traceml.__file__).parent
+
+
+def test_import_traceml_is_cheap() -> None:
+    code = ("import sys, traceml; heavy = [m for m in ('torch', 'zmq', 'rich', 'tabulate') "
+            "if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_agent_imports_point_one_way() -> None:
+    allowed_traceml = ("traceml.agent", "traceml.protocol", "traceml.environment",
+                       "traceml.errors", "traceml.config")
+    allowed_third = ("torch", "zmq", "orjson")
+    for path in (PKG / "agent").rglob("*.py"):
+        for name in _imports(path):
+            if name.startswith("traceml"):
+                assert name.startswith(allowed_traceml) or name == "traceml", (path, name)
+            else:
+                top = name.split(".")[0]
+                assert top in allowed_third or top in sys.stdlib_module_names, (path, name)
+
+
+def test_analysis_code_does_not_need_torch() -> None:
+    for sub in ("diagnosis", "report", "collector"):
+        for path in (PKG / sub).rglob("*.py"):
+            assert not any(n.split(".")[0] == "torch" for n in _imports(path)), path
+
+
+def test_site_dir_holds_only_sitecustomize() -> None:
+    files = [p.name for p in (PKG / "agent" / "site_dir").iterdir() if p.name != "__pycache__"]
+    assert files == ["sitecustomize.py"]
+
+
+# Every traceml option, pinned: renaming one breaks users' scripts.
+TRACEML_OPTIONS = {
+    "--mode", "--logs-dir", "--logs_dir", "--session-id", "--session_id", "--aggregator-host",
+    "--aggregator_host", "--aggregator-port", "--aggregator_port", "--aggregator-bind-host",
+    "--aggregator_bind_host", "--summary-window-rows", "--summary_window_rows",
+    "--sample-interval", "--sample_interval", "--dashboard-port", "--dashboard_port", "--html",
+    "--no-trace", "--no_trace",
+}
+
+
+def test_run_accepts_every_torchrun_option_plus_ours() -> None:
+    from torch.distributed import run as torchrun
+
+    from traceml.launcher.args import build_parser
+
+    theirs = {s for a in torchrun.get_args_parser()._actions for s in a.option_strings}
+    ours = {s for a in build_parser("traceml run")._actions for s in a.option_strings}
+    assert theirs <= ours
+    assert ours - theirs == TRACEML_OPTIONS
+
+
+def test_torchrun_spellings_and_env_fallbacks_parse() -> None:
+    import os
+
+    from traceml.launcher.args import parse
+
+    cfg = parse("run", ["--nproc_per_node=2", "--max-restarts", "1", "--standalone",
+                        "--mode", "cli", "-m", "pkg.train", "--lr", "3"])
+    assert cfg.torch_args.nproc_per_node == "2" and cfg.torch_args.max_restarts == 1
+    assert cfg.module and cfg.training_script == "pkg.train"
+    assert cfg.training_script_args == ("--lr", "3") and cfg.mode == "cli"
+    assert not hasattr(cfg.torch_args, "mode")
+    os.environ["PET_NPROC_PER_NODE"] = "3"
+    try:
+        assert parse("run", ["x.py"]).torch_args.nproc_per_node == "3"
+    finally:
+        del os.environ["PET_NPROC_PER_NODE"]

@@ -1,0 +1,73 @@
+"""Protocol envelopes and the environment contract round-trip."""
+
+from __future__ import annotations
+
+import pytest
+
+from traceml import protocol
+from traceml.environment import AgentEnv, without_traceml
+from traceml.errors import ProtocolError
+from traceml.protocol import Envelope, Sender
+
+
+def _env(**kw: object) -> Envelope:
+    base = dict(session_id="s", kind=protocol.KIND_STEPS,
+                sender=Sender("rank", "h", 12, 1, rank=3, local_rank=1, world_size=4, restart=2),
+                seq=7, sent_at=1.5, payload=protocol.rows_payload(("a", "b"), [(1, 2.5)]),
+                num_sent=7, num_dropped=1)
+    base.update(kw)
+    return Envelope(**base)  # type: ignore[arg-type]
+
+
+def test_envelope_round_trip() -> None:
+    env = _env()
+    back = protocol.decode(protocol.encode(env))
+    assert back.sender == env.sender
+    assert (back.seq, back.kind, back.num_sent, back.num_dropped) == (7, "steps", 7, 1)
+    assert protocol.iter_rows(back.payload) == (["a", "b"], [[1, 2.5]])
+    assert back.sender.sender_id == "r3@n1:h:12:2"
+
+
+@pytest.mark.parametrize("data,reason", [
+    (b"\x00\xffgarbage", "not JSON"),
+    (b"[1,2]", "not an envelope"),
+    (b'{"v": 99}', "protocol version"),
+    (b'{"v": 1, "kind": "steps"}', "malformed"),
+])
+def test_decode_rejects(data: bytes, reason: str) -> None:
+    with pytest.raises(ProtocolError, match=reason):
+        protocol.decode(data)
+
+
+def test_decode_rejects_oversized() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        protocol.decode(b" " * 100, max_bytes=50)
+
+
+def test_unknown_kind_and_bad_rows() -> None:
+    with pytest.raises(ProtocolError):
+        protocol.decode(protocol.encode(_env(kind="nope")))
+    with pytest.raises(ProtocolError):
+        protocol.iter_rows({"fields": ["a"], "rows": [[1, 2]]})
+
+
+def test_environment_contract_round_trip() -> None:
+    env = AgentEnv(session_id="x.y-1", endpoint="tcp://127.0.0.1:5", launcher_pid=42,
+                   mode="watch", node_rank=3, sample_interval_s=0.25, flush_interval_s=0.1,
+                   arm_dir="/tmp/a")
+    variables = env.to_env()
+    assert all(k.startswith("TRACEML_") for k in variables)
+    assert AgentEnv.from_env(variables) == env
+    assert AgentEnv.from_env({}) is None
+    assert without_traceml({**variables, "PATH": "/bin"}) == {"PATH": "/bin"}
+
+
+def test_only_environment_module_touches_traceml_variables() -> None:
+    from pathlib import Path
+
+    import traceml
+
+    root = Path(traceml.__file__).parent
+    offenders = [p for p in root.rglob("*.py")
+                 if "TRACEML_" in p.read_text() and p.name != "environment.py"]
+    assert offenders == []
