@@ -122,6 +122,13 @@ def test_input_straggler_names_the_rank_and_is_the_diagnosis() -> None:
     assert "COMPUTE_STRAGGLER" not in kinds(findings)
 
 
+def test_input_straggler_two_ranks_fsdp_waits_in_forward() -> None:
+    # Under FSDP the fast rank waits for r0's loader in forward's all-gather.
+    times = times_of(2, lambda r: (45.0, 20.0, 40.0, 5.0, 0.0) if r == 0
+                     else (5.0, 60.0, 40.0, 5.0, 0.0))
+    assert [(f.kind, f.ranks) for f in stragglers(times)] == [("INPUT_STRAGGLER", (0,))]
+
+
 def test_input_straggler_eight_ranks_ddp() -> None:
     findings = diagnose_step_time(times_of(8, ddp_input_straggler(6, 15.0)))
     assert (findings[0].kind, findings[0].severity, findings[0].ranks) == (
