@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from traceml.api import init, trace_step
+from traceml.api import init, summary, trace_step
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "init", "trace_step"]
+__all__ = ["__version__", "init", "summary", "trace_step"]

@@ -7,6 +7,7 @@ it; elsewhere they are cheap no-ops that never raise into training.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import warnings
 from types import TracebackType
@@ -23,17 +24,70 @@ def _runtime() -> Any:
     return None if module is None else module.active()
 
 
-def init() -> AgentEnv | None:
-    """Returns the active configuration under ``traceml run``; elsewhere warns once."""
+_session: Any = None
+
+
+def _warn_once(message: str) -> None:
     global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def init(logs_dir: str = "./logs", session_id: str | None = None,
+         sample_interval_s: float = 1.0) -> AgentEnv | None:
+    """Start tracing, and return the active configuration.
+
+    Under ``traceml run`` this is a no-op that returns the run's configuration.
+    Under plain ``python train.py`` (one process) it starts a collector so the
+    same final summary is written at exit.  Anywhere else (another launcher's
+    multi-process job) it warns once and does nothing.  It never raises.
+    """
+    global _session
     env = environment.current()
     if env is not None:
         return env
-    if not _warned:
-        _warned = True
-        warnings.warn("traceml.init(): not running under 'traceml run'; nothing is traced",
-                      RuntimeWarning, stacklevel=2)
-    return None
+    if _session is not None:
+        return _session.env  # type: ignore[no-any-return]
+    if environment.distributed_launch(os.environ):
+        _warn_once("traceml.init(): this is a multi-process job not started by "
+                   "'traceml run'; launch it with 'traceml run' to trace it")
+        return None
+    try:
+        from traceml.launcher.args import new_session_id
+        from traceml.launcher.inprocess import InProcessSession
+
+        session = InProcessSession(logs_dir, session_id or new_session_id(), sample_interval_s)
+        session.start()
+    except Exception as exc:  # never raise into training
+        _warn_once(f"traceml.init(): tracing not started: {exc}")
+        return None
+    _session = session
+    return session.env  # type: ignore[no-any-return]
+
+
+def summary() -> dict[str, float | str]:
+    """The flat ``{"traceml/...": value}`` summary of the run so far.
+
+    Ready for ``wandb.log`` or ``mlflow.log_metrics``.  Empty (with one
+    warning) when there is no run or its telemetry cannot be read here (on a
+    node other than node 0, for instance).
+    """
+    env = environment.current() or (_session.env if _session is not None else None)
+    if env is None or env.session_dir is None:
+        _warn_once("traceml.summary(): no traced run in this process")
+        return {}
+    try:
+        from pathlib import Path
+
+        from traceml.report import build_report, flatten_summary, report_to_json
+        from traceml.report.session import load_run
+
+        run, window = load_run(Path(env.session_dir))
+        return flatten_summary(report_to_json(build_report(run, window)))
+    except Exception as exc:  # never raise into training
+        _warn_once(f"traceml.summary(): telemetry not readable here: {exc}")
+        return {}
 
 
 class _StepContext:

@@ -11,6 +11,7 @@ USAGE = """usage: traceml <command> [options]
 
 commands:
   run      launch a training script like torchrun and trace every rank
+  report   recompute a session's final summary from its stored telemetry
 
 Run 'traceml <command> --help' for a command's options."""
 
@@ -21,7 +22,13 @@ def _run(argv: Sequence[str]) -> int:
     return launch.run(args.parse("run", argv))
 
 
-COMMANDS = {"run": _run}
+def _report(argv: Sequence[str]) -> int:
+    from traceml.report import cli
+
+    return cli.main(argv)
+
+
+COMMANDS = {"run": _run, "report": _report}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

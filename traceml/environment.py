@@ -27,6 +27,9 @@ Variables:
     Seconds between process telemetry samples.
 ``TRACEML_FLUSH_INTERVAL``
     Seconds between batched sends of step samples.
+``TRACEML_SESSION_DIR``
+    The session folder on node 0 (``logs/<session>``), where ``traceml.summary()``
+    reads the store when it can.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class AgentEnv:
     sample_interval_s: float = 1.0
     flush_interval_s: float = 0.5
     arm_dir: str | None = None
+    session_dir: str | None = None
 
     def to_env(self) -> dict[str, str]:
         env = {
@@ -63,6 +67,8 @@ class AgentEnv:
         }
         if self.arm_dir is not None:
             env["TRACEML_ARM_DIR"] = self.arm_dir
+        if self.session_dir is not None:
+            env["TRACEML_SESSION_DIR"] = self.session_dir
         return env
 
     @classmethod
@@ -80,7 +86,14 @@ class AgentEnv:
             sample_interval_s=float(environ.get("TRACEML_SAMPLE_INTERVAL", "1.0")),
             flush_interval_s=float(environ.get("TRACEML_FLUSH_INTERVAL", "0.5")),
             arm_dir=environ.get("TRACEML_ARM_DIR"),
+            session_dir=environ.get("TRACEML_SESSION_DIR"),
         )
+
+
+def distributed_launch(environ: Mapping[str, str]) -> bool:
+    """True when a launcher (torchrun or another) started this process as a rank
+    of a job with more than one process.  Reads torch's variables, not ours."""
+    return int(environ.get("WORLD_SIZE", "1") or "1") > 1
 
 
 def current() -> AgentEnv | None:

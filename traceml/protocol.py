@@ -49,6 +49,24 @@ STEP_FIELDS: tuple[str, ...] = (
     "peak_reserved_bytes",
 )
 
+# A rank's process telemetry, every sample interval.
+PROCESS_FIELDS: tuple[str, ...] = (
+    "t",
+    "cpu_pct",
+    "rss_bytes",
+    "host_ram_total_bytes",
+    "num_cpus",
+    "device_allocated_bytes",
+    "device_reserved_bytes",
+    "device_total_bytes",
+)
+
+# A node's system telemetry; "gpus" holds one GPU_FIELDS list per GPU of the job.
+SYSTEM_FIELDS: tuple[str, ...] = ("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus")
+GPU_FIELDS: tuple[str, ...] = (
+    "index", "util_pct", "mem_used_bytes", "mem_total_bytes", "temp_c", "power_w",
+)
+
 
 @dataclass(frozen=True)
 class Sender:

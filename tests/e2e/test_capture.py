@@ -47,7 +47,8 @@ def test_ddp_two_ranks_gloo(tmp_path: Path) -> None:
         assert all(s["num_forward"] == 1 for s in steps)
     ranks = sorted(s["rank"] for s in res.senders if s["role"] == "rank")
     assert ranks == [0, 1]
-    assert all(s["world_size"] == 2 and s["said_bye"] == 1 for s in res.senders)
+    assert all(s["world_size"] == 2 and s["said_bye"] == 1
+               for s in res.senders if s["role"] == "rank")
     assert_adds_up(res)
 
 
@@ -104,8 +105,7 @@ def test_dataloader_workers_stay_inert(tmp_path: Path, context: str) -> None:
     for w in workers:
         assert w["module_call"] == "torch.nn.modules.module.Module._wrapped_call_impl", w
         assert not w["agent_loaded"], w
-    assert {s["role"] for s in res.senders} == {"rank"}
-    assert len(res.senders) == 1
+    assert sorted(s["role"] for s in res.senders) == ["rank", "system"]
     assert len(res.steps) == 6
 
 

@@ -74,10 +74,18 @@ def _wrap_next(probe: Probe) -> Callable[[Any], Any]:
     return make
 
 
+_HOLDS_PARAMETERS: dict[int, bool] = {}
+
+
 def _holds_parameters(module: Any) -> bool:
-    for _ in module.parameters():
-        return True
-    return False
+    """Whether a module has parameters; cached by id (outermost calls only)."""
+    key = id(module)
+    known = _HOLDS_PARAMETERS.get(key)
+    if known is None:
+        if len(_HOLDS_PARAMETERS) > 4096:
+            _HOLDS_PARAMETERS.clear()
+        known = _HOLDS_PARAMETERS[key] = any(True for _ in module.parameters())
+    return known
 
 
 def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
@@ -156,9 +164,11 @@ class OptimizerHooks:
         probe.num_optimizer_calls += 1
         if probe.skip():
             return
-        if probe.opt_depth and probe.tracker.depth(OPTIMIZER) == 0:
-            probe.opt_depth = 0  # a previous step raised before its post hook
         if probe.opt_depth == 0:
+            probe.enter(OPTIMIZER)
+        elif probe.tracker.depth(OPTIMIZER) == 0:
+            # A previous step raised before its post hook ran: start afresh.
+            probe.opt_depth = 0
             probe.enter(OPTIMIZER)
         probe.opt_depth += 1
 

@@ -18,8 +18,9 @@ from typing import Any
 
 from traceml import protocol
 from traceml.agent.probe import Probe
-from traceml.agent.sender import BatchSender
+from traceml.agent.process_sampler import ProcessSampler, RssReader
 from traceml.agent.steps import StepTiming, StepTracker
+from traceml.sender import BatchSender
 from traceml.environment import AgentEnv
 from traceml.protocol import Sender
 
@@ -52,47 +53,47 @@ def identity_from(env: AgentEnv, environ: dict[str, str] | os._Environ[str]) -> 
     )
 
 
-class RssReader:
-    """Host RSS of this process from /proc/self/statm: a few µs, no psutil."""
-
-    def __init__(self) -> None:
-        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        try:
-            self._fd: int | None = os.open("/proc/self/statm", os.O_RDONLY)
-        except OSError:
-            self._fd = None
-
-    def read(self) -> int | None:
-        if self._fd is None:
-            return None
-        try:
-            fields = os.pread(self._fd, 128, 0).split()
-            return int(fields[1]) * self._page
-        except (OSError, IndexError, ValueError):
-            return None
-
-
 class AgentRuntime:
     """Everything the agent runs in one rank."""
 
     def __init__(self, env: AgentEnv, identity: Sender) -> None:
         self.env = env
         self.identity = identity
-        self.steps: deque[tuple[Any, ...]] = deque(maxlen=MAX_QUEUED_STEPS)
+        # The training thread only appends here; the sender thread drains.
+        self.steps: deque[tuple[StepTiming, tuple[int, int] | None]] = deque(
+            maxlen=MAX_QUEUED_STEPS)
         self.num_steps = 0
-        self.tracker = StepTracker(self._on_step)
+        self._cuda: Any = None
+        self.tracker = StepTracker(self._emit_step)
         self.probe = Probe(self.tracker, time.perf_counter, self._fail)
         self.instrumentation: Any = None
         self._wall_offset = time.time() - time.perf_counter()
         self._rss = RssReader()
         self._warned = False
+        self.process_sampler = ProcessSampler(env.sample_interval_s)
         self.sender = BatchSender(
-            env.endpoint, env.session_id, identity, env.flush_interval_s,
-            producers=[self._drain_steps], final_producers=[self._bye],
+            env.endpoint, env.session_id, identity,
+            min(env.flush_interval_s, env.sample_interval_s),
+            producers=[self._drain_steps, self.process_sampler.produce],
+            final_producers=[self._bye],
         )
+
+    def _emit_step(self, t: StepTiming) -> None:
+        """Training thread, once per step: queue it, with CUDA peaks when on CUDA."""
+        cuda = self._cuda
+        if cuda is not None and cuda.is_initialized():
+            device = cuda.current_device()
+            peaks = (int(cuda.max_memory_allocated(device)), int(cuda.max_memory_reserved(device)))
+            cuda.reset_peak_memory_stats(device)
+            self.steps.append((t, peaks))
+        else:
+            self.steps.append((t, None))
 
     def start(self) -> None:
         global _ACTIVE
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            self._cuda = torch.cuda
         if self.env.mode == "run":
             from traceml.agent.patches import Instrumentation
 
@@ -141,23 +142,32 @@ class AgentRuntime:
             self._warned = True
             print(f"traceml: warning: {message}", file=sys.stderr)
 
-    def _on_step(self, t: StepTiming) -> None:
-        self.num_steps += 1
-        inp, fwd, bwd, opt = t.phase_s
-        self.steps.append((
-            t.step, self._wall_offset + t.t_begin,
-            inp * 1e3, fwd * 1e3, bwd * 1e3, opt * 1e3, t.total_s * 1e3, t.wait_s * 1e3,
-            t.counts[0], t.counts[1], t.counts[2], t.counts[3], t.num_skipped,
-            self._rss.read(), None, None,
-        ))
-
     def _drain_steps(self) -> list[tuple[str, dict[str, Any]]]:
+        """Sender thread: turn the finished steps into one batch.
+
+        Host RSS is read here, once per batch, and stamped on the batch's steps:
+        off the training path, at the flush interval's resolution.
+        """
         rows: list[tuple[Any, ...]] = []
+        rss = self._rss.read()
         while self.steps:
-            rows.append(self.steps.popleft())
+            timing, peaks = self.steps.popleft()
+            rows.append(self._row(timing, rss, peaks))
+        self.num_steps += len(rows)
         if not rows:
             return []
         return [(protocol.KIND_STEPS, protocol.rows_payload(protocol.STEP_FIELDS, rows))]
+
+    def _row(self, t: StepTiming, rss: int | None,
+             peaks: tuple[int, int] | None) -> tuple[Any, ...]:
+        inp, fwd, bwd, opt = t.phase_s
+        alloc, reserved = peaks if peaks is not None else (None, None)
+        return (
+            t.step, self._wall_offset + t.t_begin,
+            inp * 1e3, fwd * 1e3, bwd * 1e3, opt * 1e3, t.total_s * 1e3, t.wait_s * 1e3,
+            t.counts[0], t.counts[1], t.counts[2], t.counts[3], t.num_skipped, rss,
+            alloc, reserved,
+        )
 
     def _bye(self) -> list[tuple[str, dict[str, Any]]]:
         return [(protocol.KIND_BYE, {"num_steps": self.num_steps, "t": time.time()})]

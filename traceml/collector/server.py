@@ -99,6 +99,12 @@ class Collector:
         if env.kind == protocol.KIND_STEPS:
             fields, rows = protocol.iter_rows(env.payload)
             self.num_steps += self.store.add_steps(env.sender, fields, rows)
+        elif env.kind == protocol.KIND_PROCESS:
+            fields, rows = protocol.iter_rows(env.payload)
+            self.store.add_process(env.sender, fields, rows)
+        elif env.kind == protocol.KIND_SYSTEM:
+            fields, rows = protocol.iter_rows(env.payload)
+            self.store.add_system(env.sender, fields, rows)
         elif env.kind == protocol.KIND_BYE:
             state.said_bye = True
         self.store.save_sender(state)

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from traceml.protocol import STEP_FIELDS, Sender
+from traceml.protocol import PROCESS_FIELDS, STEP_FIELDS, SYSTEM_FIELDS, Sender
 
 STORE_FILENAME = "telemetry.sqlite"
 SCHEMA_VERSION = 1
@@ -39,6 +39,12 @@ _DDL = [
     + ", ".join(f"{c} {'INTEGER' if c in _STEP_INT else 'REAL'}" for c in STEP_COLUMNS)
     + ", extra TEXT, PRIMARY KEY (rank, restart, step))",
     "CREATE TABLE IF NOT EXISTS rejected (reason TEXT PRIMARY KEY, count INTEGER NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS process (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
+    "node_rank INTEGER NOT NULL, t REAL NOT NULL, cpu_pct REAL, rss_bytes INTEGER, "
+    "host_ram_total_bytes INTEGER, num_cpus INTEGER, device_allocated_bytes INTEGER, "
+    "device_reserved_bytes INTEGER, device_total_bytes INTEGER)",
+    "CREATE TABLE IF NOT EXISTS system (node_rank INTEGER NOT NULL, host TEXT NOT NULL, "
+    "t REAL NOT NULL, cpu_pct REAL, ram_pct REAL, ram_total_bytes INTEGER, gpus TEXT)",
 ]
 
 
@@ -100,6 +106,25 @@ class StoreWriter:
         self.db.executemany(sql, batch)
         return len(batch)
 
+    def add_process(self, sender: Sender, fields: Sequence[str],
+                    rows: Iterable[Sequence[Any]]) -> None:
+        index = [fields.index(f) if f in fields else None for f in PROCESS_FIELDS]
+        batch = [(sender.rank, sender.restart, sender.node_rank,
+                  *(row[i] if i is not None else None for i in index)) for row in rows]
+        self.db.executemany(f"INSERT INTO process VALUES ({', '.join('?' * 11)})", batch)
+
+    def add_system(self, sender: Sender, fields: Sequence[str],
+                   rows: Iterable[Sequence[Any]]) -> None:
+        index = {f: fields.index(f) for f in SYSTEM_FIELDS if f in fields}
+
+        def get(row: Sequence[Any], name: str) -> Any:
+            return row[index[name]] if name in index else None
+
+        batch = [(sender.node_rank, sender.host, get(r, "t"), get(r, "cpu_pct"),
+                  get(r, "ram_pct"), get(r, "ram_total_bytes"),
+                  orjson.dumps(get(r, "gpus") or []).decode()) for r in rows]
+        self.db.executemany("INSERT INTO system VALUES (?,?,?,?,?,?,?)", batch)
+
     def save_sender(self, s: SenderState) -> None:
         p = s.sender
         self.db.execute(
@@ -128,6 +153,12 @@ class StoreReader:
 
     def steps(self) -> list[sqlite3.Row]:
         return list(self.db.execute("SELECT * FROM steps ORDER BY rank, restart, step"))
+
+    def process(self) -> list[sqlite3.Row]:
+        return list(self.db.execute("SELECT * FROM process ORDER BY t"))
+
+    def system(self) -> list[sqlite3.Row]:
+        return list(self.db.execute("SELECT * FROM system ORDER BY t"))
 
     def senders(self) -> list[sqlite3.Row]:
         return list(self.db.execute("SELECT * FROM senders ORDER BY node_rank, rank"))

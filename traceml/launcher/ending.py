@@ -1,4 +1,9 @@
-"""What the launcher prints when the run is over (launcher side)."""
+"""What the launcher writes and prints when the run is over (launcher side).
+
+The final summary is written in every ending (normal exit, a failing or
+killed rank, Ctrl-C); the card is printed on stdout, the per-rank phase table
+and the session folder on stderr.
+"""
 
 from __future__ import annotations
 
@@ -7,38 +12,47 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from traceml.collector.store import STORE_FILENAME, StoreReader
+from traceml.collector.store import STORE_FILENAME
+from traceml.diagnosis.samples import StepRow
+from traceml.errors import UsageError
 
 PHASES = ("input_ms", "forward_ms", "backward_ms", "optimizer_ms", "wait_ms", "total_ms")
 
 
-def phase_table(path: Path) -> str:
-    """Per-rank mean phase times, from the store."""
-    reader = StoreReader(str(path))
-    try:
-        rows = reader.steps()
-    finally:
-        reader.close()
-    by_rank: dict[int, list[list[float]]] = {}
-    for row in rows:
-        by_rank.setdefault(int(row["rank"]), []).append([float(row[p] or 0.0) for p in PHASES])
+def phase_table(steps: tuple[StepRow, ...]) -> str:
+    """Per-rank mean phase times."""
+    by_rank: dict[int, list[StepRow]] = {}
+    for row in steps:
+        by_rank.setdefault(row.rank, []).append(row)
     table = []
     for rank in sorted(by_rank):
-        steps = by_rank[rank]
-        means = [sum(col) / len(steps) for col in zip(*steps)]
-        table.append([f"r{rank}", len(steps), *(f"{m:.2f}" for m in means)])
-    headers = ["rank", "steps", "input ms", "forward ms", "backward ms", "optimizer ms",
-               "wait ms", "total ms"]
+        rows = by_rank[rank]
+        means = [sum(getattr(r, p) for r in rows) / len(rows) for p in PHASES]
+        table.append([f"r{rank}", len(rows), *(f"{m:.2f}" for m in means)])
     if not table:
         return "traceml: no training steps were captured."
-    return "traceml: mean time per step\n" + tabulate(table, headers=headers, disable_numparse=True)
+    headers = ["rank", "steps", "input ms", "forward ms", "backward ms", "optimizer ms",
+               "wait ms", "total ms"]
+    return "traceml: mean time per step\n" + tabulate(table, headers=headers,
+                                                      disable_numparse=True)
 
 
-def print_ending(session_dir: Path, collector_alive: bool) -> None:
-    store = session_dir / STORE_FILENAME
+def finish(session_dir: Path, collector_alive: bool) -> None:
+    from traceml.report.session import write_summary
+
     if not collector_alive:
         print("traceml: warning: the collector stopped during the run; "
               "steps after that were not recorded", file=sys.stderr)
-    if store.exists():
-        print(phase_table(store), file=sys.stderr)
-    print(f"traceml: session folder: {session_dir}", file=sys.stderr)
+    if not (session_dir / STORE_FILENAME).exists():
+        print(f"traceml: no telemetry was stored in {session_dir}", file=sys.stderr)
+        return
+    try:
+        files = write_summary(session_dir)
+    except UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return
+    sys.stdout.write(files.text)
+    sys.stdout.flush()
+    print(phase_table(files.report_steps), file=sys.stderr)
+    print(f"traceml: summary written to {files.json_path} and {files.text_path.name}",
+          file=sys.stderr)

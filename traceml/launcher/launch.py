@@ -23,6 +23,8 @@ from traceml.config import DEFAULT_AGGREGATOR_PORT, RunConfig
 from traceml.environment import AgentEnv
 from traceml.errors import UsageError
 from traceml.launcher.collector_process import CollectorProcess
+from traceml.launcher.ending import finish
+from traceml.launcher.system_sampler import SystemSampler
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
 
@@ -88,6 +90,7 @@ def agent_env_for(cfg: RunConfig, port: int, session_dir: Path) -> AgentEnv:
         session_id=cfg.session_id, endpoint=f"tcp://{host}:{port}", launcher_pid=os.getpid(),
         mode="run" if cfg.command == "run" else "watch", node_rank=cfg.node_rank,
         sample_interval_s=cfg.sample_interval_s, arm_dir=arm_dir,
+        session_dir=str(session_dir.resolve()),
     )
 
 
@@ -110,22 +113,35 @@ def run(cfg: RunConfig) -> int:
         session_id=cfg.session_id, command=["traceml", cfg.command, *cfg.argv],
         started_at=started_at, traceml_version=traceml.__version__,
         torch_version=_torch_version(), python_version=platform.python_version(),
-        summary_window_rows=cfg.summary_window_rows,
+        summary_window_rows=cfg.summary_window_rows, mode=cfg.command,
+        expected_world_size=expected_world_size(cfg),
     )
-    inject(agent_env_for(cfg, collector.port, session_dir))
-    exit_code = 130
+    agent_env = agent_env_for(cfg, collector.port, session_dir)
+    inject(agent_env)
+    sampler = SystemSampler(agent_env.endpoint, cfg.session_id, cfg.node_rank,
+                            cfg.sample_interval_s)
+    sampler.start()
+    exit_code = 128 + signal.SIGINT
     try:
         exit_code = run_torch(cfg.torch_args)
     except KeyboardInterrupt:
-        exit_code = 128 + signal.SIGINT
+        pass
     finally:
+        sampler.stop()
         collector_alive = collector.alive()
         collector.set_meta(ended_at=time.time(), exit_code=exit_code)
         collector.stop()
-    from traceml.launcher.ending import print_ending
-
-    print_ending(session_dir, collector_alive)
+        finish(session_dir, collector_alive)
     return exit_code
+
+
+def expected_world_size(cfg: RunConfig) -> int:
+    """World size when every node of ``--nnodes`` (its minimum) joins."""
+    try:
+        nproc = torchrun.determine_local_world_size(cfg.torch_args.nproc_per_node)
+    except (ValueError, RuntimeError):
+        return 0
+    return int(nproc) * cfg.min_nodes
 
 
 def _torch_version() -> str:

@@ -1,0 +1,102 @@
+"""Find and read the two summaries ``traceml compare`` is given (offline analysis).
+
+Runs in the offline-analysis process. A side is a ``final_summary.json`` file
+or a session folder that holds one. Anything else - a missing path, a folder
+without a summary, a file that is not JSON, JSON that is not a traceml summary,
+a summary of a schema major version this traceml cannot read - is a
+:class:`~traceml.errors.UsageError` whose one-line message says what to do.
+
+Summaries of the same major version but another minor version are read
+leniently (see :mod:`traceml.compare.summary`); the report states the
+difference. A summary of exactly this version that does not match the schema
+is also read leniently, and its problems are kept for the report.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from traceml.compare.summary import RunSummary, decode_summary
+from traceml.errors import UsageError
+from traceml.report.model import SCHEMA_VERSION
+from traceml.report.schema import validate_summary
+
+SUMMARY_FILENAME = "final_summary.json"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def load_side(which: str, given: str) -> RunSummary:
+    """Read side ``which`` ("A" or "B") from a final_summary.json or a session folder."""
+    path = resolve_summary_path(which, given)
+    doc = read_json_object(which, path)
+    version = doc.get("schema_version")
+    if not isinstance(version, str) or not isinstance(doc.get("meta"), dict):
+        raise UsageError(
+            f"traceml compare: {which} ({path}) is not a traceml final_summary.json "
+            "(no schema_version or meta); pass the final_summary.json that 'traceml run' "
+            "wrote, or its session folder")
+    if major(version) != major(SCHEMA_VERSION):
+        raise UsageError(
+            f"traceml compare: {which} ({path}) has summary schema {version}, but this "
+            f"traceml reads schema {major(SCHEMA_VERSION)}.x; compare it with the traceml "
+            "version that wrote it, or rerun with this one")
+    problems = tuple(validate_summary(doc)) if version == SCHEMA_VERSION else ()
+    return decode_summary(doc, side_label(given), str(path), problems)
+
+
+def resolve_summary_path(which: str, given: str) -> Path:
+    """The summary file of a side: the path itself, or ``<folder>/final_summary.json``."""
+    path = Path(given)
+    if path.is_dir():
+        inside = path / SUMMARY_FILENAME
+        if not inside.is_file():
+            raise UsageError(
+                f"traceml compare: {which}: folder {given} has no {SUMMARY_FILENAME}; pass a "
+                "session folder (logs/<session>) of a finished 'traceml run', or the file itself")
+        return inside
+    if not path.exists():
+        raise UsageError(f"traceml compare: {which}: {given} does not exist; pass a "
+                         f"{SUMMARY_FILENAME} or a session folder")
+    return path
+
+
+def read_json_object(which: str, path: Path) -> dict[str, object]:
+    """The JSON object in ``path``; a UsageError for unreadable files and non-objects."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise UsageError(f"traceml compare: {which}: cannot read {path} ({reason}); pass a "
+                         f"readable {SUMMARY_FILENAME}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"traceml compare: {which}: {path} is not valid JSON (line {exc.lineno}: {exc.msg}); "
+            f"pass the {SUMMARY_FILENAME} that 'traceml run' wrote") from None
+    if not isinstance(doc, dict):
+        raise UsageError(
+            f"traceml compare: {which} ({path}) is not a traceml final_summary.json (not a JSON "
+            "object); pass the final_summary.json that 'traceml run' wrote")
+    return doc
+
+
+def major(version: str) -> str:
+    """``"1"`` for ``"1.0"``: the part that changes on incompatible schema changes."""
+    return version.split(".", 1)[0]
+
+
+def side_label(given: str) -> str:
+    """A short name for a side: the session folder's name, else the file's stem.
+
+    ``logs/run1``, ``logs/run1/`` and ``logs/run1/final_summary.json`` all give
+    ``run1``; ``/tmp/baseline.json`` gives ``baseline``. Only ``[A-Za-z0-9_.-]``.
+    """
+    path = Path(given).resolve()
+    name = path.parent.name if path.name == SUMMARY_FILENAME else path.name
+    if path.is_file() and path.name != SUMMARY_FILENAME:
+        name = path.stem
+    return _UNSAFE.sub("_", name).strip("_") or "run"

@@ -1,0 +1,137 @@
+"""The compare report as boxed text, the layout of the seed README (offline analysis).
+
+Runs in the offline-analysis process. Verdict first with its one-line why,
+then the two runs and any notes (schema, topology, partial runs), then one
+table per section (Step Time, Step Memory, Process, System): metric, A, B,
+delta (B - A) and % of A. All tables share column widths. ASCII only.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+
+from traceml.compare.model import Comparison, MetricRow, RunInfo, SectionCompare
+from traceml.diagnosis.finding import format_bytes
+
+MIN_WIDTH = 88
+"""The box is this wide, or wider when a table row needs it."""
+
+HEADER = ("Metric", "A", "B", "Delta", "%")
+MISSING = "-"
+
+
+def render_text(comparison: Comparison) -> str:
+    """The boxed compare report, ending in a newline."""
+    tables = {s.name: table_cells(s) for s in comparison.sections}
+    widths = column_widths([HEADER, *(row for cells in tables.values() for row in cells)])
+    width = max(MIN_WIDTH, sum(widths) + 2 * (len(widths) - 1) + 6)
+    body = ["", *overview(comparison), ""]
+    for section in comparison.sections:
+        body += [*section_lines(section, tables[section.name], widths), ""]
+    rule = "+" + "-" * (width - 2) + "+"
+    lines = [rule, *boxed(["TraceML Compare"], width), rule, *boxed(body[:-1], width), rule]
+    return "\n".join(lines) + "\n"
+
+
+def boxed(items: Sequence[str], width: int) -> list[str]:
+    """Frame each item; long prose wraps with continuation lines indented."""
+    out = []
+    for item in items:
+        if len(item) <= width - 6:  # tables: keep their spacing exactly
+            out.append("|  " + item.ljust(width - 4) + "|")
+            continue
+        wrapped = textwrap.wrap(item, width - 6, subsequent_indent="  ", break_on_hyphens=False)
+        out += ["|  " + part.ljust(width - 4) + "|" for part in wrapped or [""]]
+    return out
+
+
+def overview(comparison: Comparison) -> list[str]:
+    """Verdict, why, the two runs, the delta convention and the notes."""
+    return [
+        f"Verdict: {comparison.verdict.label}",
+        f"Why: {comparison.verdict.why}",
+        "",
+        f"A: {run_line(comparison.a)}",
+        f"B: {run_line(comparison.b)}",
+        "Delta: B - A (values: median over ranks of each rank's mean or peak)",
+        *(f"Note: {note}" for note in comparison.notes),
+    ]
+
+
+def run_line(run: RunInfo) -> str:
+    """``fast (1 rank, cpu)``, plus the session id when it is not the label."""
+    ranks = "? ranks" if run.world_size is None else (
+        f"{run.world_size} rank" + ("" if run.world_size == 1 else "s"))
+    parts = [ranks, run.device or "unknown device"]
+    if run.session_id and run.session_id != run.label:
+        parts.append(f"session {run.session_id}")
+    if run.partial:
+        parts.append("PARTIAL")
+    return f"{run.label} ({', '.join(parts)})"
+
+
+def section_lines(section: SectionCompare, cells: list[tuple[str, ...]],
+                  widths: Sequence[int]) -> list[str]:
+    """A section's title, its INCONCLUSIVE line if any, and its table."""
+    lines = [section.title]
+    if section.inconclusive_why:  # only the diagnosis row: the other side has no numbers
+        lines.append(f"INCONCLUSIVE: {section.title} {section.inconclusive_why}.")
+        cells = cells[:1]
+    return lines + [format_row(row, widths) for row in [HEADER, *cells]]
+
+
+def table_cells(section: SectionCompare) -> list[tuple[str, ...]]:
+    """The diagnosis row, then one row per metric, as text cells."""
+    diag = section.diagnosis
+    rows = [("Diagnosis", diag.a or MISSING, diag.b or MISSING,
+             "changed" if diag.changed else "same", "")]
+    return rows + [metric_cells(row) for row in section.rows]
+
+
+def metric_cells(row: MetricRow) -> tuple[str, ...]:
+    """``Total step | 20.0 ms | 23.0 ms | +3.0 ms | +15.0%``."""
+    delta, pct = row.delta, row.delta_pct
+    return (
+        row.label,
+        format_value(row.key, row.a),
+        format_value(row.key, row.b),
+        MISSING if delta is None else format_delta(row.key, delta),
+        MISSING if pct is None else f"{pct:+.1f}%",
+    )
+
+
+def format_value(key: str, value: float | None) -> str:
+    """A value in the unit its key names: ``20.0 ms``, ``1.2 GiB``, ``45.0%``, ``71.0 C``."""
+    if value is None:
+        return MISSING
+    if key.endswith("_bytes"):
+        return format_bytes(value)
+    if key.endswith("_pct"):
+        return f"{value:.1f}%"
+    if key.endswith("_w"):
+        return f"{value:.0f} W"
+    unit = " C" if key.endswith("_c") else " ms"
+    return f"{value:.1f}{unit}"
+
+
+def format_delta(key: str, delta: float) -> str:
+    """A signed change: ``+3.0 ms``, ``-128.0 MiB``, ``+2.5 pp`` (percentage points)."""
+    if key.endswith("_bytes"):
+        return ("-" if delta < 0 else "+") + format_bytes(abs(delta))
+    if key.endswith("_pct"):
+        return f"{delta:+.1f} pp"
+    if key.endswith("_w"):
+        return f"{delta:+.0f} W"
+    unit = " C" if key.endswith("_c") else " ms"
+    return f"{delta:+.1f}{unit}"
+
+
+def column_widths(rows: Sequence[Sequence[str]]) -> list[int]:
+    """The widest cell of each column."""
+    return [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+
+
+def format_row(cells: Sequence[str], widths: Sequence[int]) -> str:
+    """Cells padded to the column widths, two spaces apart, left-aligned."""
+    return "  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip()

@@ -1,0 +1,18 @@
+"""Optional integrations with the frameworks people train with (user process).
+
+Each module needs its framework, installed with an extra; ``import traceml``
+never imports this package:
+
+* :mod:`traceml.integrations.huggingface` - ``TraceMLCallback`` for
+  ``transformers.Trainer`` (``pip install 'traceml-ai[hf]'``).
+* :mod:`traceml.integrations.lightning` - ``TraceMLCallback`` for the
+  Lightning ``Trainer`` (``pip install 'traceml-ai[lightning]'``).
+* :mod:`traceml.integrations.wandb` - ``log_summary`` to a W&B run
+  (``pip install 'traceml-ai[wandb]'``).
+* :mod:`traceml.integrations.mlflow` - ``log_summary`` to an MLflow run
+  (``pip install 'traceml-ai[mlflow]'``).
+
+The zero-code agent already sees these frameworks' steps under ``traceml
+run``; the callbacks only make the boundaries exact (one step = one
+optimizer step, whatever the framework does between steps).
+"""

@@ -1,0 +1,54 @@
+"""Exact step boundaries for the framework callbacks (runs inside a training rank).
+
+Talks to the agent's runtime the way ``traceml.trace_step`` does: under
+``traceml run`` the first boundary switches this process to manual steps;
+elsewhere every call is a no-op and one warning says so.  Never raises into
+training.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+_warned = False
+
+
+def _runtime() -> Any:
+    # The agent module is only loaded in armed ranks; never import it from here.
+    module = sys.modules.get("traceml.agent.runtime")
+    return None if module is None else module.active()
+
+
+def _warn_once(owner: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"{owner}: not running under 'traceml run'; steps are not traced",
+                      RuntimeWarning, stacklevel=3)
+
+
+class StepBoundaries:
+    """Marks where a step begins and ends; ``begin``/``end`` may repeat harmlessly."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.is_open = False
+
+    def begin(self) -> None:
+        runtime = _runtime()
+        if runtime is None:
+            _warn_once(self.owner)
+            return
+        runtime.step_enter()
+        self.is_open = True
+
+    def end(self) -> None:
+        runtime = _runtime()
+        if runtime is None:
+            _warn_once(self.owner)
+            return
+        if self.is_open:
+            runtime.step_exit()
+        self.is_open = False

@@ -1,0 +1,77 @@
+"""``traceml.init()`` under plain ``python train.py``: the launcher's job done
+from inside the single training process (launcher role, in the user process).
+
+It starts the collector process and the system sampler, arms the agent in
+this process, and at exit writes and prints the same final summary as
+``traceml run``.  It never writes into ``os.environ``.  The exit status it
+records is 1 when an exception escaped the script, else 0 (an explicit
+``sys.exit(n)`` is not visible from an atexit hook).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import traceml
+from traceml.collector.server import CollectorConfig
+from traceml.collector.store import STORE_FILENAME
+from traceml.environment import AgentEnv
+from traceml.launcher.collector_process import CollectorProcess
+from traceml.launcher.system_sampler import SystemSampler
+
+
+class InProcessSession:
+    """Collector + sampler + agent for one plain-Python training process."""
+
+    def __init__(self, logs_dir: str, session_id: str, sample_interval_s: float) -> None:
+        self.session_dir = Path(logs_dir) / session_id
+        self.session_dir.mkdir(parents=True, exist_ok=True)
+        self.collector = CollectorProcess(CollectorConfig(
+            session_id=session_id, bind_host="127.0.0.1", port=0,
+            db_path=str(self.session_dir / STORE_FILENAME), parent_pid=os.getpid()))
+        self.env = AgentEnv(
+            session_id=session_id, endpoint=f"tcp://127.0.0.1:{self.collector.port}",
+            launcher_pid=os.getpid(), sample_interval_s=sample_interval_s,
+            session_dir=str(self.session_dir.resolve()))
+        self.sampler = SystemSampler(self.env.endpoint, session_id, 0, sample_interval_s)
+        self.failed = False
+        self._previous_hook = sys.excepthook
+        self.runtime: Any = None
+
+    def start(self) -> None:
+        import torch
+
+        from traceml.agent.runtime import AgentRuntime, identity_from
+
+        self.collector.set_meta(
+            session_id=self.env.session_id, command=[sys.executable, *sys.argv],
+            started_at=time.time(), traceml_version=traceml.__version__,
+            torch_version=str(torch.__version__), python_version=platform.python_version(),
+            summary_window_rows=10000, mode="run", expected_world_size=1)
+        self.sampler.start()
+        environ = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+        self.runtime = AgentRuntime(self.env, identity_from(self.env, environ))
+        self.runtime.start()
+        sys.excepthook = self._excepthook
+        atexit.register(self.finish)  # after the runtime's: runs first at exit
+
+    def _excepthook(self, kind: type[BaseException], value: BaseException,
+                    tb: TracebackType | None) -> None:
+        self.failed = True
+        self._previous_hook(kind, value, tb)
+
+    def finish(self) -> None:
+        from traceml.launcher.ending import finish
+
+        self.runtime.shutdown()
+        self.sampler.stop()
+        self.collector.set_meta(ended_at=time.time(), exit_code=1 if self.failed else 0)
+        self.collector.stop()
+        finish(self.session_dir, collector_alive=True)

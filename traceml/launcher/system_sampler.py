@@ -1,0 +1,95 @@
+"""One system sampler per node, run by that node's launcher (launcher side).
+
+Host CPU % and RAM % from psutil; for the GPUs this job uses (honouring
+CUDA_VISIBLE_DEVICES) utilisation, memory, temperature and power from NVML.
+No GPU or no NVML: the GPU list is empty, and the rules abstain.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import psutil
+
+from traceml import protocol
+from traceml.protocol import Sender
+from traceml.sender import BatchSender
+
+
+def visible_gpu_indices(count: int, visible: str | None) -> list[int]:
+    """NVML indices of the GPUs this job may use (CUDA_VISIBLE_DEVICES as ints)."""
+    if visible is None:
+        return list(range(count))
+    indices = []
+    for item in visible.split(","):
+        item = item.strip()
+        if not item.isdigit():
+            break  # UUIDs or garbage: CUDA stops at the first it cannot parse
+        if int(item) < count:
+            indices.append(int(item))
+    return indices
+
+
+class Nvml:
+    """The GPUs of this job through pynvml; empty when NVML is unavailable."""
+
+    def __init__(self) -> None:
+        self.handles: list[tuple[int, Any]] = []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+            wanted = visible_gpu_indices(count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            self.nvml: Any = pynvml
+            self.handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in wanted]
+        except Exception:  # no driver, no library: not measured
+            self.handles = []
+
+    def sample(self) -> list[list[Any]]:
+        rows = []
+        for index, handle in self.handles:
+            rows.append([index, self._call("nvmlDeviceGetUtilizationRates", handle, "gpu"),
+                         self._call("nvmlDeviceGetMemoryInfo", handle, "used"),
+                         self._call("nvmlDeviceGetMemoryInfo", handle, "total"),
+                         self._call("nvmlDeviceGetTemperature", handle, None, 0),
+                         self._power_w(handle)])
+        return rows
+
+    def _call(self, name: str, handle: Any, attr: str | None, *args: Any) -> Any:
+        try:
+            value = getattr(self.nvml, name)(handle, *args)
+        except Exception:
+            return None
+        return getattr(value, attr) if attr else value
+
+    def _power_w(self, handle: Any) -> float | None:
+        milliwatts = self._call("nvmlDeviceGetPowerUsage", handle, None)
+        return None if milliwatts is None else milliwatts / 1000.0
+
+
+class SystemSampler:
+    """Samples the node and sends through a BatchSender thread."""
+
+    def __init__(self, endpoint: str, session_id: str, node_rank: int,
+                 interval_s: float) -> None:
+        self.nvml = Nvml()
+        psutil.cpu_percent(None)  # prime: the first call has no interval
+        identity = Sender(role="system", host=socket.gethostname(), pid=os.getpid(),
+                          node_rank=node_rank)
+        self.sender = BatchSender(endpoint, session_id, identity, interval_s,
+                                  producers=[self.produce], final_producers=[self.produce])
+
+    def produce(self) -> list[tuple[str, dict[str, Any]]]:
+        mem = psutil.virtual_memory()
+        row = (time.time(), psutil.cpu_percent(None), mem.percent, mem.total, self.nvml.sample())
+        return [(protocol.KIND_SYSTEM, protocol.rows_payload(protocol.SYSTEM_FIELDS, [row]))]
+
+    def start(self) -> None:
+        self.sender.start()
+
+    def stop(self) -> None:
+        self.sender.stop()

@@ -1,0 +1,53 @@
+"""``traceml report SESSION_DIR``: rebuild the summary from the stored
+telemetry, without rerunning training (offline analysis)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from traceml.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see '{self.prog} --help')")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="traceml report", description=(
+        "Recompute final_summary.json and final_summary.txt of a session folder from its "
+        "telemetry.sqlite, and print the text."))
+    parser.add_argument("session_dir", help="The session folder (logs/<session>).")
+    parser.add_argument("--summary-window-rows", "--summary_window_rows", type=_positive_int,
+                        default=None, help="Steps per rank to analyse (default: the run's).")
+    parser.add_argument("--html", metavar="OUT", default=None,
+                        help="Also write the HTML report to OUT.")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    from traceml.report.session import write_summary
+
+    args = build_parser().parse_args(list(argv))
+    session_dir = Path(args.session_dir)
+    if not session_dir.is_dir():
+        raise UsageError(f"traceml report: not a folder: {session_dir} "
+                         "(give the session folder that 'traceml run' printed)")
+    if args.html is not None:
+        raise UsageError("traceml report: --html is not available in this version yet")
+    files = write_summary(session_dir, args.summary_window_rows)
+    sys.stdout.write(files.text)
+    print(f"traceml: summary written to {files.json_path} and {files.text_path.name}",
+          file=sys.stderr)
+    return 0
