@@ -53,6 +53,7 @@ class RunResult:
     evidence_dir: Path
     steps: list[dict[str, Any]] = field(default_factory=list)
     senders: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
 
     def evidence(self) -> dict[int, dict[str, Any]]:
         out = {}
@@ -95,7 +96,22 @@ def run_traceml(tmp_path: Path, *args: str, session: str = "s1", env: dict[str, 
     session_dir = tmp_path / "logs" / session
     steps, senders = read_store(session_dir / "telemetry.sqlite")
     return RunResult(proc.returncode, proc.stdout, proc.stderr, session_dir, evidence,
-                     steps, senders)
+                     steps, senders, read_summary(session_dir))
+
+
+def read_summary(session_dir: Path) -> dict[str, Any] | None:
+    """final_summary.json of a session, validated against the documented schema."""
+    from traceml.report import validate_summary
+
+    path = session_dir / "final_summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    problems = validate_summary(summary)
+    assert problems == [], problems
+    text = (session_dir / "final_summary.txt").read_text()
+    assert text.startswith("+") and "TraceML Run Summary" in text
+    return summary
 
 
 def script(name: str) -> str:

@@ -27,7 +27,7 @@ def compare(tmp_path: Path, a: Path, b: Path, name: str) -> tuple[int, str, Any]
     proc = subprocess.run(
         [sys.executable, "-m", "traceml", "compare", str(a), str(b), "--output", str(base),
          "--fail-on", "regression"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode in (0, 1), proc.stderr
     assert (base.with_suffix(".txt")).read_text() == proc.stdout
     return proc.returncode, proc.stdout, json.loads(base.with_suffix(".json").read_text())

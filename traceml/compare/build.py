@@ -49,6 +49,9 @@ SECTION_ROWS: Mapping[str, tuple[tuple[str, str], ...]] = {
 }
 """The rows of each section's table, as (stats key, display name), in order."""
 
+PRESSURE_KINDS = {"CPU_PRESSURE", "RAM_PRESSURE"}
+"""System findings that make step times of that run depend on other load."""
+
 NOISE_ROWS = (("step_p50_ms", "Median step (p50)"), ("step_iqr_ms", "Step spread (IQR)"))
 """Step Time rows that show what the noise gate saw (medians over ranks)."""
 
@@ -91,8 +94,8 @@ def noise_rows(a: SectionData | None, b: SectionData | None) -> list[MetricRow]:
     sig_b = step_signal(b.rank_dists.get("total_ms", ())) if b else None
     p50, iqr = NOISE_ROWS
     return [
-        MetricRow(p50[0], p50[1], sig_a.quantiles_ms["p50"] if sig_a else None,
-                  sig_b.quantiles_ms["p50"] if sig_b else None),
+        MetricRow(p50[0], p50[1], sig_a.p50_ms if sig_a else None,
+                  sig_b.p50_ms if sig_b else None),
         MetricRow(iqr[0], iqr[1], sig_a.iqr_ms if sig_a else None,
                   sig_b.iqr_ms if sig_b else None),
     ]
@@ -128,10 +131,18 @@ def notes(a: RunSummary, b: RunSummary) -> tuple[str, ...]:
         if run.partial:
             out.append(f"{side} is a partial run (it ended early or a rank never reported); "
                        "its numbers cover only what ran.")
+        if _busy_machine(run):
+            out.append(f"{side}'s machine was under CPU or RAM pressure (see System); other "
+                       "load there can move step times.")
         if run.problems:
             out.append(f"{side} does not fully match summary schema {run.schema_version} "
                        f"({len(run.problems)} problems, first: {run.problems[0]}).")
     return tuple(out)
+
+
+def _busy_machine(run: RunSummary) -> bool:
+    system = run.section("system")
+    return system is not None and bool(PRESSURE_KINDS & set(system.finding_kinds))
 
 
 def _ranks(num: int | None) -> str:

@@ -51,16 +51,18 @@ def run_to_json(run: RunInfo) -> dict[str, Json]:
 
 
 def time_to_json(time: TimeChange) -> dict[str, Json]:
-    """The step-time signal and the noise gate it passed or not."""
+    """The step-time signal and the gates it passed or not."""
     return {
         "direction": time.direction,
         "a_ms": _num(time.a_ms),
         "b_ms": _num(time.b_ms),
         "delta_ms": _num(time.delta_ms),
         "delta_pct": _num(time.delta_pct),
+        "a_p50_ms": _num(time.a_p50_ms),
+        "b_p50_ms": _num(time.b_p50_ms),
         "threshold_ms": _num(time.threshold_ms),
-        "spread_ms": _num(time.spread_ms),
-        "body_moved": time.body_moved,
+        "noise_ms": _num(time.noise_ms),
+        "median_moved": time.median_moved,
         "phase": time.phase,
         "phase_delta_ms": _num(time.phase_delta_ms),
         "why": time.why,

@@ -86,17 +86,20 @@ class SectionCompare:
 
 @dataclass(frozen=True)
 class TimeChange:
-    """The noise-gated step-time signal: how the mean step moved and whether it counts."""
+    """The noise-gated step-time signal: how the mean and median step moved, and whether
+    that counts as a change (see :mod:`traceml.compare.verdict`)."""
 
     direction: Direction
     a_ms: float | None  # mean step, median over ranks
     b_ms: float | None
-    threshold_ms: float | None  # --threshold-pct of A's mean step
-    spread_ms: float | None  # the larger run's step-to-step IQR (median over ranks)
-    body_moved: bool  # a quantile p25..p90 moved past both gates in the same direction
+    a_p50_ms: float | None  # median step (p50), median over ranks
+    b_p50_ms: float | None
+    threshold_pct: float  # --threshold-pct
+    noise_ms: float | None  # how far step-to-step noise can move a run's median step
+    median_moved: bool  # the median step moved past both gates, like the mean
     phase: str | None  # the phase that moved most in the change's direction, e.g. "input"
     phase_delta_ms: float | None
-    why: str  # one clause, e.g. "step time rose 15.0% (20.0 -> 23.0 ms)..."
+    why: str  # one clause, e.g. "step time rose 15.0% (20.0 -> 23.0 ms per step), ..."
 
     @property
     def delta_ms(self) -> float | None:
@@ -108,6 +111,11 @@ class TimeChange:
         """(B - A) as % of A's mean step."""
         delta = self.delta_ms
         return None if delta is None or not self.a_ms else 100.0 * delta / self.a_ms
+
+    @property
+    def threshold_ms(self) -> float | None:
+        """The relative threshold in ms of A's mean step."""
+        return None if self.a_ms is None else self.threshold_pct / 100.0 * self.a_ms
 
 
 @dataclass(frozen=True)

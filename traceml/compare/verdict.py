@@ -4,19 +4,26 @@
 Runs in the offline-analysis process. Small pure functions over the typed
 summary view and the named thresholds below (documented in docs/compare.md).
 
-Step time (SPEC R-CMP-2). Each run's step time is the median over ranks of the
-rank's mean step (the number the table shows). A change between A and B counts
-only when all of these hold:
+Step time (SPEC R-CMP-2). Each run has a mean step (the number the table
+shows: how long a step takes on average, i.e. throughput) and a median step
+(p50: the typical step), each the median over ranks. A change between A and B
+counts only when *both* moved the same way and each moved by more than
 
-1. it exceeds the relative threshold: ``--threshold-pct`` (default 5 %) of A's
-   step time;
-2. it exceeds the runs' own step-to-step spread: the larger of A's and B's
-   interquartile range (p75 - p25 of the per-step totals, median over ranks),
-   times :data:`NOISE_IQR_FACTOR`;
-3. the body of the distribution moved, not a few outliers: at least one of the
-   median-over-ranks p25, p50, p75 or p90 moved past both gates in the same
-   direction. A single long pause (garbage collection, a checkpoint) moves the
-   mean but none of these; a slowdown of 10 % or more of the steps moves p90.
+1. the relative threshold: ``--threshold-pct`` (default 5 %) of A's value, and
+2. the runs' step-to-step noise: how far the per-step spread alone can move a
+   run's median step, ``NOISE_Z * sqrt(se_A**2 + se_B**2)`` with
+   ``se = 1.2533 * (IQR / 1.349) / sqrt(steps)`` - the standard error of a median,
+   with the step-to-step standard deviation estimated from the interquartile
+   range (p75 - p25 of the per-step totals) so a few very slow steps do not
+   inflate it. Few steps or a wide spread give a wide gate.
+
+Requiring the median too keeps a few long pauses (garbage collection, a
+checkpoint, a noisy neighbour on the CPU) from reading as a slowdown: they move
+the mean, not the typical step. The price: a slowdown confined to fewer than
+half of the steps is not reported as a change (the table still shows it).
+Requiring the mean too keeps a median that flips between two modes of a
+bimodal step from reading as a change. The relative threshold absorbs
+run-to-run differences of the machine that no single run can show.
 
 Memory. The runs' peaks (device peak reserved, and host RSS peak so CPU-only
 runs compare too) move when the change exceeds both
@@ -31,6 +38,8 @@ step time not comparable and memory unmoved or unknown - INCONCLUSIVE.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,11 +54,14 @@ MIB = 1024 * 1024
 STEP_TIME_THRESHOLD_PCT = 5.0
 """Default ``--threshold-pct``: a step-time change below this share of A's step is no change."""
 
-NOISE_IQR_FACTOR = 1.0
-"""A step-time change must exceed this many interquartile ranges of the noisier run."""
+NOISE_Z = 3.0
+"""A step-time change must exceed this many standard errors of the difference of medians."""
 
-BODY_QUANTILES = ("p25", "p50", "p75", "p90")
-"""At least one of these (median over ranks) must move past both gates with the mean."""
+MEDIAN_SE_FACTOR = 1.2533
+"""sqrt(pi / 2): standard error of a median = this * standard deviation / sqrt(n)."""
+
+IQR_PER_SIGMA = 1.349
+"""Interquartile range of a normal distribution in standard deviations."""
 
 MEMORY_CHANGE_PCT = 10.0
 """A peak-memory change below this share of A's peak is no change..."""
@@ -72,41 +84,42 @@ class StepSignal:
     """One run's step-time distribution, summarised over ranks (medians over ranks)."""
 
     mean_ms: float
-    quantiles_ms: Mapping[str, float]  # "p10".."p90"
+    p50_ms: float
     iqr_ms: float
+    num_steps: int
+
+    @property
+    def median_se_ms(self) -> float:
+        """Standard error of the median step, from the IQR and the number of steps."""
+        return MEDIAN_SE_FACTOR * (self.iqr_ms / IQR_PER_SIGMA) / math.sqrt(self.num_steps)
 
 
 def step_signal(dists: Sequence[Distribution]) -> StepSignal | None:
-    """The median over ranks of each rank's mean, quantiles and IQR; None without ranks."""
+    """The median over ranks of each rank's mean, p50, IQR and step count; None without ranks."""
     if not dists:
         return None
-    quantiles = {q: statistics.median(getattr(d, q) for d in dists)
-                 for q in ("p10", "p25", "p50", "p75", "p90")}
     return StepSignal(
         mean_ms=statistics.median(d.mean for d in dists),
-        quantiles_ms=quantiles,
+        p50_ms=statistics.median(d.p50 for d in dists),
         iqr_ms=statistics.median(d.p75 - d.p25 for d in dists),
+        num_steps=max(1, int(statistics.median(d.count for d in dists))),
     )
 
 
-def gates_ms(a: StepSignal, b: StepSignal, threshold_pct: float) -> tuple[float, float]:
-    """(relative threshold, noise spread) in ms that a step-time change must exceed."""
-    return threshold_pct / 100.0 * a.mean_ms, NOISE_IQR_FACTOR * max(a.iqr_ms, b.iqr_ms)
+def noise_ms(a: StepSignal, b: StepSignal) -> float:
+    """How far step-to-step noise alone can move the difference of the two median steps."""
+    return NOISE_Z * math.hypot(a.median_se_ms, b.median_se_ms)
 
 
-def exceeds(delta: float, threshold: float, spread: float) -> bool:
+def exceeds(delta: float, threshold: float, noise: float) -> bool:
     """True when ``delta`` is larger than both gates."""
-    return abs(delta) > threshold and abs(delta) > spread
+    return abs(delta) > threshold and abs(delta) > noise
 
 
-def body_moved(a: StepSignal, b: StepSignal, threshold_ms: float, spread_ms: float) -> bool:
-    """True when a body quantile moved past both gates in the direction of the mean."""
-    sign = 1.0 if b.mean_ms >= a.mean_ms else -1.0
-    for q in BODY_QUANTILES:
-        delta = b.quantiles_ms[q] - a.quantiles_ms[q]
-        if delta * sign > 0 and exceeds(delta, threshold_ms, spread_ms):
-            return True
-    return False
+def moved(a_ms: float, b_ms: float, threshold_pct: float, noise: float) -> float:
+    """B - A when it exceeds ``threshold_pct`` of A and ``noise``; else 0."""
+    delta = b_ms - a_ms
+    return delta if exceeds(delta, threshold_pct / 100.0 * a_ms, noise) else 0.0
 
 
 def time_change(a: SectionData | None, b: SectionData | None, threshold_pct: float) -> TimeChange:
@@ -116,21 +129,19 @@ def time_change(a: SectionData | None, b: SectionData | None, threshold_pct: flo
     sig_b = step_signal(b.rank_dists.get("total_ms", ())) if b else None
     if missing or a is None or b is None or sig_a is None or sig_b is None:
         why = missing or "step time could not be compared: a summary has no per-rank step times"
-        return TimeChange("unknown", None, None, None, None, False, None, None, why)
-    threshold_ms, spread_ms = gates_ms(sig_a, sig_b, threshold_pct)
-    delta = sig_b.mean_ms - sig_a.mean_ms
-    moved = body_moved(sig_a, sig_b, threshold_ms, spread_ms)
-    counts = exceeds(delta, threshold_ms, spread_ms) and moved
-    direction: Direction = "same" if not counts else ("worse" if delta > 0 else "better")
-    phase, phase_delta = leading_phase(a.stats, b.stats, delta)
-    change = TimeChange(direction, sig_a.mean_ms, sig_b.mean_ms, threshold_ms, spread_ms, moved,
+        return TimeChange("unknown", None, None, None, None, threshold_pct, None, False, None,
+                          None, why)
+    noise = noise_ms(sig_a, sig_b)
+    mean_delta = moved(sig_a.mean_ms, sig_b.mean_ms, threshold_pct, noise)
+    median_delta = moved(sig_a.p50_ms, sig_b.p50_ms, threshold_pct, noise)
+    direction: Direction = "same"
+    if mean_delta * median_delta > 0:
+        direction = "worse" if mean_delta > 0 else "better"
+    phase, phase_delta = leading_phase(a.stats, b.stats, sig_b.mean_ms - sig_a.mean_ms)
+    change = TimeChange(direction, sig_a.mean_ms, sig_b.mean_ms, sig_a.p50_ms, sig_b.p50_ms,
+                        threshold_pct, noise, median_delta * (sig_b.mean_ms - sig_a.mean_ms) > 0,
                         phase, phase_delta, "")
-    return _with_why(change, _time_why(change, threshold_pct))
-
-
-def _with_why(change: TimeChange, why: str) -> TimeChange:
-    return TimeChange(change.direction, change.a_ms, change.b_ms, change.threshold_ms,
-                      change.spread_ms, change.body_moved, change.phase, change.phase_delta_ms, why)
+    return dataclasses.replace(change, why=_time_why(change))
 
 
 def _time_unknown_why(a: SectionData | None, b: SectionData | None) -> str | None:
@@ -156,25 +167,27 @@ def leading_phase(a_stats: Mapping[str, float | None], b_stats: Mapping[str, flo
     return best
 
 
-def _time_why(change: TimeChange, threshold_pct: float) -> str:
-    assert change.a_ms is not None and change.b_ms is not None and change.spread_ms is not None
+def _time_why(change: TimeChange) -> str:
+    assert change.a_ms is not None and change.b_ms is not None and change.noise_ms is not None
     pct = change.delta_pct or 0.0
     span = f"({change.a_ms:.1f} -> {change.b_ms:.1f} ms per step)"
-    spread = f"the runs' step-to-step spread (IQR {change.spread_ms:.1f} ms)"
+    noise = f"the runs' step-to-step noise ({change.noise_ms:.1f} ms)"
+    threshold = f"the {change.threshold_pct:g}% threshold"
     if change.direction in ("worse", "better"):
         verb = "rose" if change.direction == "worse" else "fell"
-        text = (f"step time {verb} {abs(pct):.1f}% {span}, beyond the {threshold_pct:g}% "
-                f"threshold and {spread}")
+        text = f"step time {verb} {abs(pct):.1f}% {span}, beyond {threshold} and {noise}"
         if change.phase is not None and change.phase_delta_ms is not None:
             text += f"; most of it is {change.phase} time ({change.phase_delta_ms:+.1f} ms)"
         return text
-    moved = f"step time moved {pct:+.1f}% {span}"
+    text = f"step time moved {pct:+.1f}% {span}"
     delta = abs(change.b_ms - change.a_ms)
     if change.threshold_ms is not None and delta <= change.threshold_ms:
-        return f"{moved}, within the {threshold_pct:g}% threshold"
-    if delta <= change.spread_ms:
-        return f"{moved}, within {spread}"
-    return f"{moved}, but only in a few outlier steps (p25 to p90 stayed within noise)"
+        return f"{text}, within {threshold}"
+    if delta <= change.noise_ms:
+        return f"{text}, within {noise}"
+    assert change.a_p50_ms is not None and change.b_p50_ms is not None
+    return (f"{text}, but the median step did not move with it ({change.a_p50_ms:.1f} -> "
+            f"{change.b_p50_ms:.1f} ms): a few slow steps, not the typical step")
 
 
 def memory_change(a: SectionData | None, b: SectionData | None) -> MemoryChange:

@@ -26,7 +26,7 @@ except ImportError as exc:
 __all__ = ["TraceMLCallback"]
 
 
-class TraceMLCallback(TrainerCallback):  # type: ignore[misc]
+class TraceMLCallback(TrainerCallback):
     """One traceml step per optimizer step of the Trainer."""
 
     def __init__(self) -> None:

@@ -24,14 +24,18 @@ try:
     from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError:
     try:
-        from pytorch_lightning import Callback, LightningModule, Trainer
+        from pytorch_lightning import (  # type: ignore[assignment]
+            Callback,
+            LightningModule,
+            Trainer,
+        )
     except ImportError as exc:
         raise missing_framework("lightning", "lightning", "lightning") from exc
 
 __all__ = ["TraceMLCallback"]
 
 
-class TraceMLCallback(Callback):  # type: ignore[misc]
+class TraceMLCallback(Callback):
     """One traceml step per optimizer step of the Trainer."""
 
     def __init__(self) -> None:
