@@ -61,11 +61,16 @@ class Patch:
 
 
 def _wrap_next(probe: Probe) -> Callable[[Any], Any]:
+    tracker, clock = probe.tracker, probe.clock
+
     def make(orig: Any) -> Any:
         def __next__(self: Any) -> Any:
             if probe.skip():
                 return orig(self)
-            probe.enter(INPUT)
+            try:
+                tracker.enter(INPUT, clock())
+            except Exception as exc:  # fail open
+                probe.on_error(exc)
             try:
                 return orig(self)
             finally:
@@ -91,6 +96,7 @@ def _holds_parameters(module: Any) -> bool:
 def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
     is_compiling = _compiling_check()
     grad_enabled = torch.is_grad_enabled
+    tracker, clock = probe.tracker, probe.clock
 
     def make(orig: Any) -> Any:
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -98,10 +104,13 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
                 return orig(self, *args, **kwargs)
             probe.mute += 1
             timed = grad_enabled()
-            if timed:
-                probe.enter(FORWARD)
-            else:
-                probe.nograd_forward()
+            try:
+                if timed:
+                    tracker.enter(FORWARD, clock())
+                else:
+                    tracker.nograd_forward(clock())
+            except Exception as exc:  # fail open
+                probe.on_error(exc)
             try:
                 return orig(self, *args, **kwargs)
             finally:
@@ -115,13 +124,18 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
 
 
 def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
+    tracker, clock = probe.tracker, probe.clock
+
     def make(orig: Any) -> Any:
         def backward(*args: Any, **kwargs: Any) -> Any:
             if probe.in_backward or probe.skip():
                 return orig(*args, **kwargs)
             probe.in_backward = True
             probe.mute += 1
-            probe.enter(BACKWARD)
+            try:
+                tracker.enter(BACKWARD, clock())
+            except Exception as exc:  # fail open
+                probe.on_error(exc)
             try:
                 return orig(*args, **kwargs)
             finally:
@@ -164,22 +178,28 @@ class OptimizerHooks:
         probe.num_optimizer_calls += 1
         if probe.skip():
             return
-        if probe.opt_depth == 0:
-            probe.enter(OPTIMIZER)
-        elif probe.tracker.depth(OPTIMIZER) == 0:
-            # A previous step raised before its post hook ran: start afresh.
-            probe.opt_depth = 0
-            probe.enter(OPTIMIZER)
-        probe.opt_depth += 1
+        depth = probe.opt_depth
+        if depth and probe.tracker.depth(OPTIMIZER) == 0:
+            depth = 0  # a previous step raised before its post hook ran
+        if depth == 0:
+            try:
+                probe.tracker.enter(OPTIMIZER, probe.clock())
+            except Exception as exc:  # fail open
+                probe.on_error(exc)
+        probe.opt_depth = depth + 1
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         probe = self.probe
-        if probe.skip() or probe.opt_depth == 0:
+        if probe.opt_depth == 0 or probe.skip():
             return
         probe.opt_depth -= 1
         if probe.opt_depth == 0:
-            probe.exit()
-            probe.optimizer_done(skipped=False)
+            try:
+                now = probe.clock()
+                probe.tracker.exit(now)
+                probe.tracker.optimizer_done(now)
+            except Exception as exc:  # fail open
+                probe.on_error(exc)
 
     def install(self) -> None:
         from torch.optim import optimizer as opt_mod

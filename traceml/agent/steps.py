@@ -25,7 +25,7 @@ Boundaries (SPEC R-AG-3):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 INPUT, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
 PHASE_NAMES = ("input", "forward", "backward", "optimizer")
@@ -66,7 +66,7 @@ class StepTracker:
         self._last_opt_end = 0.0
         self._next_step = 0
         # Phase stack: [phase, start, time spent in nested phases].
-        self._stack: list[list[float]] = []
+        self._stack: list[list[Any]] = []
         self._pending_start: float | None = None
         self._pending_s = 0.0
         self._pending_n = 0
@@ -85,25 +85,30 @@ class StepTracker:
     def enter(self, phase: int, now: float) -> None:
         """A phase begins.  Forward/backward/optimizer are training activity."""
         if phase != INPUT and not self._stack:
-            self._on_training(now)
+            # Fast path: inside an open, unfinished step with nothing pending.
+            if (not self._open or self._complete or self._pending_n
+                    or self._nograd_start is not None or self._manual):
+                self._on_training(now)
         self._stack.append([phase, now, 0.0])
 
     def exit(self, now: float, count: bool = True) -> None:
         """The innermost phase ends; ``count=False`` adds its time but not a call."""
         if not self._stack:
             return
-        phase, start, nested = self._stack.pop()
+        stack = self._stack
+        phase, start, nested = stack.pop()
         elapsed = now - start
-        if self._stack:
-            self._stack[-1][2] += elapsed
-        own = max(0.0, elapsed - nested)
-        ip = int(phase)
-        if ip == INPUT and not self._stack:
+        if stack:
+            stack[-1][2] += elapsed
+        own = elapsed - nested
+        if own < 0.0:
+            own = 0.0
+        if phase == INPUT and not stack:
             self._add_pending(start, own)
             return
         if self._open:
-            self._acc[ip] += own
-            self._counts[ip] += count
+            self._acc[phase] += own
+            self._counts[phase] += count
 
     def optimizer_done(self, now: float, skipped: bool = False) -> None:
         """An optimizer (or GradScaler) step finished: the iteration is complete."""
@@ -113,8 +118,6 @@ class StepTracker:
         self._last_opt_end = now
         if skipped:
             self._num_skipped += 1
-        if self._manual:
-            return
 
     def nograd_forward(self, now: float) -> None:
         """An outermost forward with grad disabled: maybe an evaluation pass."""
@@ -208,13 +211,8 @@ class StepTracker:
         self._open = False
         if not keep:
             return
-        timing = StepTiming(
-            step=self._next_step,
-            t_begin=self._begin,
-            total_s=max(0.0, end - self._begin),
-            phase_s=(self._acc[0], self._acc[1], self._acc[2], self._acc[3]),
-            counts=(self._counts[0], self._counts[1], self._counts[2], self._counts[3]),
-            num_skipped=self._num_skipped,
-        )
+        timing = StepTiming(self._next_step, self._begin, max(0.0, end - self._begin),
+                            tuple(self._acc), tuple(self._counts),  # type: ignore[arg-type]
+                            self._num_skipped)
         self._next_step += 1
         self._emit(timing)
