@@ -71,15 +71,14 @@ def test_two_optimizers_per_iteration_is_one_step(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("closure", ["lbfgs", "lightning"])
 def test_closure_optimizer_time_excludes_forward_backward(tmp_path: Path, closure: str) -> None:
-    # The closure sleeps 30 ms inside backward's autograd? No: inside the closure
-    # itself, after forward/backward; a slow *forward* is made by the env below.
+    # The model's forward sleeps 30 ms inside the closure that optimizer.step runs.
     res = run_traceml(tmp_path, "run", script("slow_forward.py"), "--closure", closure)
     assert_ok(res)
     assert len(res.steps) == 8
     for s in res.steps:
         assert s["num_forward"] >= 1 and s["num_backward"] >= 1 and s["num_optimizer"] == 1
         assert s["forward_ms"] >= 25  # the model sleeps 30 ms in forward
-        assert s["optimizer_ms"] < 15, s  # ...which the optimizer does not count
+        assert s["optimizer_ms"] < s["forward_ms"] / 2, s  # ...which the optimizer excludes
     assert_adds_up(res)
 
 
@@ -90,8 +89,8 @@ def test_eval_loop_does_not_inflate_next_step(tmp_path: Path) -> None:
     for s in res.steps[1:]:
         # A training fetch takes ~32 ms and a forward ~30 ms; an eval pass adds
         # 3 more of each (~190 ms), none of which may leak into a step.
-        assert s["input_ms"] < 50, s
-        assert s["total_ms"] < 110, s
+        assert s["input_ms"] < 70, s
+        assert s["total_ms"] < 150, s
         assert s["num_forward"] == 1 and s["num_input"] == 1
 
 
