@@ -12,6 +12,7 @@ USAGE = """usage: traceml <command> [options]
 commands:
   run      launch a training script like torchrun and trace every rank
   report   recompute a session's final summary from its stored telemetry
+  compare  compare two runs: IMPROVEMENT, REGRESSION, NO CHANGE, MIXED or INCONCLUSIVE
 
 Run 'traceml <command> --help' for a command's options."""
 
@@ -28,7 +29,13 @@ def _report(argv: Sequence[str]) -> int:
     return cli.main(argv)
 
 
-COMMANDS = {"run": _run, "report": _report}
+def _compare(argv: Sequence[str]) -> int:
+    from traceml.compare import cli
+
+    return cli.main(argv)
+
+
+COMMANDS = {"run": _run, "report": _report, "compare": _compare}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

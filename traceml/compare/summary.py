@@ -11,6 +11,7 @@ of crashing. Whether the document is a traceml summary at all is decided by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -143,6 +144,8 @@ def _as_int(obj: object) -> int | None:
 
 
 def _as_num(obj: object) -> float | None:
+    """A finite number; anything else (NaN and infinity included) reads as not measured."""
     if isinstance(obj, bool) or not isinstance(obj, (int, float)):
         return None
-    return float(obj)
+    value = float(obj)
+    return value if math.isfinite(value) else None

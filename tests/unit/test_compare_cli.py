@@ -1,0 +1,302 @@
+"""`traceml compare A B`: inputs (files, session folders, bad JSON), outputs (BASE.json,
+BASE.txt, stdout), exit codes (--fail-on) and the exact text of one fixed comparison."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.test_compare_verdict import GIB, summary, tight
+from traceml.compare.cli import main
+
+
+def write(folder: Path, doc: Any) -> Path:
+    """``folder/final_summary.json`` holding ``doc``; returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "final_summary.json").write_text(json.dumps(doc))
+    return folder
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> dict[str, Path]:
+    """Session folders: a baseline, a 10 % slower run (slow input) and a faster one."""
+    return {
+        "base": write(tmp_path / "logs" / "base", summary(tight(100.0), session="base")),
+        "slow": write(tmp_path / "logs" / "slow",
+                      summary(tight(110.0), input_ms=15.0, session="slow")),
+        "fast": write(tmp_path / "logs" / "fast", summary(tight(90.0), session="fast")),
+    }
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+# --- exit codes ---------------------------------------------------------------------
+
+
+def test_regression_fails_only_with_fail_on(runs: dict[str, Path], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "cmp")
+    assert main([str(runs["base"]), str(runs["slow"]), "--output", out]) == 0
+    assert main([str(runs["base"]), str(runs["slow"]), "--output", out,
+                 "--fail-on", "regression"]) == 1
+    assert "Verdict: REGRESSION" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("b", "label"), [("fast", "IMPROVEMENT"), ("base", "NO CHANGE")])
+def test_no_regression_passes_the_gate(runs: dict[str, Path], tmp_path: Path, b: str,
+                                       label: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [str(runs["base"]), str(runs[b]), "--output", str(tmp_path / "c"), "--fail-on",
+            "regression"]
+    assert main(argv) == 0
+    assert f"Verdict: {label}" in capsys.readouterr().out
+
+
+def test_threshold_pct_is_configurable(runs: dict[str, Path], tmp_path: Path) -> None:
+    argv = [str(runs["base"]), str(runs["slow"]), "--output", str(tmp_path / "c"),
+            "--fail-on", "regression"]
+    assert main([*argv, "--threshold-pct", "15"]) == 0
+    assert main([*argv, "--threshold-pct", "5"]) == 1
+
+
+# --- inputs and outputs --------------------------------------------------------------
+
+
+def test_file_or_folder_writes_base_json_and_txt(runs: dict[str, Path], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    base = tmp_path / "out" / "gate"
+    assert main([str(runs["base"] / "final_summary.json"), str(runs["slow"]),
+                 "--output", str(base)]) == 0
+    out, err = capsys.readouterr()
+    assert (tmp_path / "out" / "gate.txt").read_text() == out
+    doc = json.loads((tmp_path / "out" / "gate.json").read_text())
+    assert (doc["verdict"], doc["a"]["label"], doc["b"]["label"]) == ("REGRESSION", "base", "slow")
+    assert doc["step_time"]["phase"] == "input"
+    assert doc["sections"]["step_time"]["metrics"][0] == {
+        "key": "total_ms", "label": "Total step", "a": 100.0, "b": 110.0, "delta": 10.0,
+        "delta_pct": 10.0}
+    assert f"wrote {base}.json and {base}.txt" in err
+
+
+def test_default_base_is_compare_a_vs_b_in_the_current_folder(
+        runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main([str(runs["base"]), str(runs["fast"]) + "/"]) == 0
+    assert sorted(p.name for p in tmp_path.glob("compare_*")) == [
+        "compare_base_vs_fast.json", "compare_base_vs_fast.txt"]
+
+
+def test_json_is_strict_and_names_every_section(runs: dict[str, Path], tmp_path: Path) -> None:
+    main([str(runs["base"]), str(runs["fast"]), "--output", str(tmp_path / "c")])
+    doc = json.loads((tmp_path / "c.json").read_text(),
+                     parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert list(doc) == ["compare_version", "verdict", "why", "threshold_pct", "a", "b", "notes",
+                         "step_time", "memory", "sections"]
+    assert list(doc["sections"]) == ["step_time", "step_memory", "process", "system"]
+    assert all(s["status"] == "compared" for s in doc["sections"].values())
+
+
+def test_missing_section_is_stated_not_a_crash(runs: dict[str, Path], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    doc = summary(tight(100.0), session="b")
+    del doc["step_time"]
+    b = write(tmp_path / "b", doc)
+    assert main([str(runs["base"]), str(b), "--output", str(tmp_path / "c"),
+                 "--fail-on", "regression"]) == 0
+    out = capsys.readouterr().out
+    assert "Verdict: INCONCLUSIVE" in out
+    assert "INCONCLUSIVE: Step Time missing in B." in out
+
+
+def test_schema_minor_difference_is_stated(runs: dict[str, Path], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    doc = summary(tight(100.0), session="b")
+    doc["schema_version"] = "1.4"
+    main([str(runs["base"]), str(write(tmp_path / "b", doc)), "--output", str(tmp_path / "c")])
+    assert "Note: Summary schema versions differ (A 1.0, B 1.4)" in capsys.readouterr().out
+
+
+def test_summary_not_matching_its_schema_is_stated(runs: dict[str, Path], tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    doc = summary(tight(100.0), session="b")
+    del doc["system"]
+    main([str(runs["base"]), str(write(tmp_path / "b", doc)), "--output", str(tmp_path / "c")])
+    out = capsys.readouterr().out
+    assert "B does not fully match summary schema 1.0 (1 problems, first: $: missing key" in out
+
+
+# --- bad input: exit 2, one line -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{not json", "is not valid JSON (line 1"),
+    ("", "is not valid JSON"),
+    ("[1, 2]", "is not a traceml final_summary.json (not a JSON object)"),
+    ('{"foo": 1}', "is not a traceml final_summary.json (no schema_version or meta)"),
+    ('{"schema_version": "2.0", "meta": {}}',
+     "has summary schema 2.0, but this traceml reads schema 1.x"),
+    ('{"schema_version": 1, "meta": {}}', "no schema_version or meta"),
+])
+def test_bad_json_is_one_line_exit_2(runs: dict[str, Path], tmp_path: Path, content: str,
+                                     message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    err = one_line_error(capsys, [str(runs["base"]), str(bad), "--output", str(tmp_path / "c")])
+    assert err.startswith("traceml compare: B") and message in err, err
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_binary_file_is_one_line_exit_2(runs: dict[str, Path], tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    err = one_line_error(capsys, [str(bad), str(runs["base"])])
+    assert err.startswith("traceml compare: A: cannot read")
+
+
+def test_missing_path_and_empty_folder(tmp_path: Path, runs: dict[str, Path],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    err = one_line_error(capsys, [str(tmp_path / "nope"), str(runs["base"])])
+    assert "A: " in err and "does not exist" in err
+    (tmp_path / "empty").mkdir()
+    err = one_line_error(capsys, [str(runs["base"]), str(tmp_path / "empty")])
+    assert "has no final_summary.json" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["only-one"],
+    ["a", "b", "--fail-on", "anything"],
+    ["a", "b", "--threshold-pct", "-1"],
+    ["a", "b", "--threshold-pct", "x"],
+    ["a", "b", "--bogus"],
+])
+def test_bad_options_are_one_line_exit_2(argv: list[str],
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    err = one_line_error(capsys, argv)
+    assert err.startswith("traceml compare: ") and "--help" in err
+
+
+def test_unwritable_output_is_one_line_exit_2(runs: dict[str, Path], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    err = one_line_error(capsys, [str(runs["base"]), str(runs["fast"]),
+                                  "--output", str(blocker / "sub" / "c")])
+    assert "cannot write" in err
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for option in ("--output BASE", "--fail-on {regression}", "--threshold-pct PCT",
+                   "compare_<A>_vs_<B>"):
+        assert option in out
+
+
+def _paths(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [path] if path else []
+    items = node.items() if isinstance(node, dict) else enumerate(node) \
+        if isinstance(node, list) else []
+    for key, child in items:
+        out += _paths(child, (*path, key))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mangled_summaries_never_crash(seed: int, runs: dict[str, Path], tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Delete or retype random parts of a valid summary: exit 0 or 2, never a traceback."""
+    rng = random.Random(seed)
+    original = summary(tight(100.0), session="b")
+    paths = _paths(original)
+    for i in range(50):
+        doc = json.loads(json.dumps(original))
+        for _ in range(rng.randint(1, 4)):
+            *parents, last = rng.choice(paths)
+            node = doc
+            for key in parents:  # an earlier mutation may have removed the way down
+                found = isinstance(node, dict) and key in node or \
+                    isinstance(node, list) and isinstance(key, int) and key < len(node)
+                node = node[key] if found else None
+            if isinstance(node, dict) and rng.random() < 0.3:
+                node.pop(last, None)
+            elif isinstance(node, dict) or isinstance(node, list) and last < len(node):
+                node[last] = rng.choice([None, "x", [], {}, -1, True, 1e308, float("nan")])
+        folder = write(tmp_path / f"m{i}", doc)
+        code = main([str(runs["base"]), str(folder), "--output", str(tmp_path / "c")])
+        out, err = capsys.readouterr()
+        assert code in (0, 2), err
+        if code == 2:
+            assert err.count("\n") == 1, err
+        else:
+            assert out.startswith("+---") and "Verdict: " in out
+
+
+# --- the exact text ---------------------------------------------------------------------
+
+EXPECTED_TEXT = """\
++--------------------------------------------------------------------------------------+
+|  TraceML Compare                                                                     |
++--------------------------------------------------------------------------------------+
+|                                                                                      |
+|  Verdict: MIXED                                                                      |
+|  Why: Step time rose 10.0% (100.0 -> 110.0 ms per step), beyond the 5% threshold     |
+|    and the runs' step-to-step noise (0.5 ms); most of it is input time (+10.0 ms)    |
+|    but peak host RSS fell 50.0% (2.0 GiB -> 1.0 GiB).                                |
+|                                                                                      |
+|  A: base (1 rank, cpu)                                                               |
+|  B: slow (2 ranks, cpu, session slow-2)                                              |
+|  Delta: B - A (values: median over ranks of each rank's mean or peak)                |
+|  Note: World sizes differ (A 1 rank, B 2 ranks); values are medians over ranks.      |
+|                                                                                      |
+|  Step Time                                                                           |
+|  Metric              A              B            Delta     %                         |
+|  Diagnosis           COMPUTE-BOUND  INPUT-BOUND  changed                             |
+|  Total step          100.0 ms       110.0 ms     +10.0 ms  +10.0%                    |
+|  Input               5.0 ms         15.0 ms      +10.0 ms  +200.0%                   |
+|  Forward             28.5 ms        28.5 ms      +0.0 ms   +0.0%                     |
+|  Backward            57.0 ms        57.0 ms      +0.0 ms   +0.0%                     |
+|  Optimizer           9.5 ms         9.5 ms       +0.0 ms   +0.0%                     |
+|  Wait                0.0 ms         0.0 ms       +0.0 ms   -                         |
+|  Compute             95.0 ms        95.0 ms      +0.0 ms   +0.0%                     |
+|  Median step (p50)   100.0 ms       110.0 ms     +10.0 ms  +10.0%                    |
+|  Step spread (IQR)   1.0 ms         1.0 ms       +0.0 ms   +0.0%                     |
+|                                                                                      |
+|  Step Memory                                                                         |
+|  Metric              A              B            Delta     %                         |
+|  Diagnosis           BALANCED       BALANCED     same                                |
+|  Host RSS peak       2.0 GiB        1.0 GiB      -1.0 GiB  -50.0%                    |
+|  Host RSS growth     0 B            0 B          +0 B      -                         |
+|                                                                                      |
+|  Process                                                                             |
+|  Metric              A              B            Delta     %                         |
+|  Diagnosis           NORMAL         NORMAL       same                                |
+|  CPU avg             90.0%          90.0%        +0.0 pp   +0.0%                     |
+|  CPU share of cores  11.2%          22.5%        +11.2 pp  +100.0%                   |
+|  RSS peak            2.0 GiB        1.0 GiB      -1.0 GiB  -50.0%                    |
+|  RSS of host RAM     3.1%           1.6%         -1.6 pp   -50.0%                    |
+|                                                                                      |
+|  System                                                                              |
+|  Metric              A              B            Delta     %                         |
+|  Diagnosis           NORMAL         NORMAL       same                                |
+|  Host CPU avg        40.0%          40.0%        +0.0 pp   +0.0%                     |
+|  Host RAM peak       30.0%          30.0%        +0.0 pp   +0.0%                     |
++--------------------------------------------------------------------------------------+
+"""
+
+
+def test_exact_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = write(tmp_path / "base", summary(tight(100.0), session="base", rss_bytes=2 * GIB))
+    b = write(tmp_path / "slow", summary(tight(110.0), input_ms=15.0, world=2,
+                                         session="slow-2"))
+    assert main([str(a), str(b), "--output", str(tmp_path / "c")]) == 0
+    assert capsys.readouterr().out == EXPECTED_TEXT
