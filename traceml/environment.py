@@ -30,13 +30,28 @@ Variables:
 ``TRACEML_SESSION_DIR``
     The session folder on node 0 (``logs/<session>``), where ``traceml.summary()``
     reads the store when it can.
+``TRACEML_SECURE``
+    ``1`` when the collector listens beyond 127.0.0.1 and every sender must
+    speak ZeroMQ CURVE with keys derived from the session secret.
+
+Set by the user (read by the launcher, passed on to the workers):
+
+``TRACEML_SECRET``
+    The session secret for CURVE keys; the same value on every node.
+``TRACEML_SECRET_FILE``
+    A file holding the session secret; it must not be readable by group or
+    others (``chmod 600``).  Without either, the secret is derived from the
+    session id.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from traceml.errors import UsageError
 
 PREFIX = "TRACEML_"
 
@@ -54,6 +69,8 @@ class AgentEnv:
     flush_interval_s: float = 0.5
     arm_dir: str | None = None
     session_dir: str | None = None
+    secure: bool = False
+    secret: str | None = None
 
     def to_env(self) -> dict[str, str]:
         env = {
@@ -69,6 +86,10 @@ class AgentEnv:
             env["TRACEML_ARM_DIR"] = self.arm_dir
         if self.session_dir is not None:
             env["TRACEML_SESSION_DIR"] = self.session_dir
+        if self.secure:
+            env["TRACEML_SECURE"] = "1"
+        if self.secret is not None:
+            env["TRACEML_SECRET"] = self.secret
         return env
 
     @classmethod
@@ -87,7 +108,31 @@ class AgentEnv:
             flush_interval_s=float(environ.get("TRACEML_FLUSH_INTERVAL", "0.5")),
             arm_dir=environ.get("TRACEML_ARM_DIR"),
             session_dir=environ.get("TRACEML_SESSION_DIR"),
+            secure=environ.get("TRACEML_SECURE") == "1",
+            secret=environ.get("TRACEML_SECRET"),
         )
+
+
+def user_secret(environ: Mapping[str, str]) -> str | None:
+    """The session secret the user gave, if any (launcher side)."""
+    if environ.get("TRACEML_SECRET"):
+        return environ["TRACEML_SECRET"]
+    path = environ.get("TRACEML_SECRET_FILE")
+    if not path:
+        return None
+    try:
+        mode = os.stat(path).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise UsageError(f"traceml: TRACEML_SECRET_FILE {path} is readable by others; "
+                             f"run 'chmod 600 {path}'")
+        with open(path, encoding="utf-8") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise UsageError(f"traceml: cannot read TRACEML_SECRET_FILE {path}: "
+                         f"{exc.strerror}") from None
+    if not secret:
+        raise UsageError(f"traceml: TRACEML_SECRET_FILE {path} is empty")
+    return secret
 
 
 def distributed_launch(environ: Mapping[str, str]) -> bool:

@@ -21,6 +21,7 @@ import zmq
 
 from traceml import protocol
 from traceml.protocol import Envelope, Sender
+from traceml.security import CurveKeys, secure_client
 
 SEND_HWM = 1000
 EXIT_LINGER_MS = 1000
@@ -34,13 +35,15 @@ class BatchSender:
 
     def __init__(self, endpoint: str, session_id: str, identity: Sender,
                  interval_s: float, producers: list[Producer],
-                 final_producers: list[Producer] | None = None) -> None:
+                 final_producers: list[Producer] | None = None,
+                 keys: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.session_id = session_id
         self.identity = identity
         self.interval_s = interval_s
         self.producers = producers
         self.final_producers = final_producers or []
+        self.keys = keys
         self.num_sent = 0
         self.num_dropped = 0
         self._seq = 0
@@ -76,6 +79,8 @@ class BatchSender:
         sock = self._context.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            secure_client(sock, self.keys)
         sock.connect(self.endpoint)
         self._socket = sock
 

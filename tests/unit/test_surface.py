@@ -31,7 +31,8 @@ def _imports(path: Path) -> set[str]:
 
 def test_agent_imports_point_one_way() -> None:
     allowed_traceml = ("traceml.agent", "traceml.protocol", "traceml.environment",
-                       "traceml.errors", "traceml.config", "traceml.sender")
+                       "traceml.errors", "traceml.config", "traceml.sender",
+                       "traceml.security")
     allowed_third = ("torch", "zmq", "orjson")
     for path in (PKG / "agent").rglob("*.py"):
         for name in _imports(path):

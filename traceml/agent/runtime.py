@@ -23,6 +23,7 @@ from traceml.agent.steps import StepTiming, StepTracker
 from traceml.sender import BatchSender
 from traceml.environment import AgentEnv
 from traceml.protocol import Sender
+from traceml.security import session_keys
 
 _ACTIVE: AgentRuntime | None = None
 MAX_QUEUED_STEPS = 100_000
@@ -76,6 +77,7 @@ class AgentRuntime:
             min(env.flush_interval_s, env.sample_interval_s),
             producers=[self._drain_steps, self.process_sampler.produce],
             final_producers=[self._bye],
+            keys=session_keys(env.secure, env.secret, env.session_id),
         )
 
     def _emit_step(self, t: StepTiming) -> None:

@@ -15,7 +15,8 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import zmq
@@ -24,6 +25,13 @@ from traceml import protocol
 from traceml.collector.store import SenderState, StoreWriter
 from traceml.errors import ProtocolError
 from traceml.protocol import Envelope
+from traceml.security import secure_server, session_keys
+
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+if TYPE_CHECKING:
+    from traceml.live.dashboard import Dashboard
 
 COMMIT_INTERVAL_S = 0.25
 POLL_MS = 100
@@ -39,6 +47,14 @@ class CollectorConfig:
     db_path: str
     parent_pid: int
     max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
+    # --mode=dashboard: the live page's server runs in this process (traceml.live.dashboard).
+    dashboard_port: int | None = None
+    dashboard_host: str = "127.0.0.1"
+    # Several nodes: CURVE when listening beyond loopback, and the join check.
+    secure: bool = False
+    secret: str | None = None
+    join_port: int | None = None
+    expected: dict[str, str] | None = None  # nnodes, nproc_per_node as node 0 has them
 
     def to_json(self) -> str:
         return orjson.dumps(self.__dict__).decode()
@@ -63,17 +79,17 @@ class Collector:
         try:
             env = protocol.decode(data, self.config.max_message_bytes)
         except ProtocolError as exc:
-            self._reject(str(exc).split(":")[0])
+            self.reject(str(exc).split(":")[0])
             return
         if env.session_id != self.config.session_id:
-            self._reject("foreign session")
+            self.reject("foreign session")
             return
         try:
             self._dispatch(env)
         except (ProtocolError, ValueError, TypeError, KeyError) as exc:
-            self._reject(f"bad {env.kind} payload: {type(exc).__name__}")
+            self.reject(f"bad {env.kind} payload: {type(exc).__name__}")
 
-    def _reject(self, reason: str) -> None:
+    def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def _track(self, env: Envelope) -> SenderState:
@@ -122,60 +138,155 @@ class Collector:
         self.store.commit()
 
 
-def _bind(sock: Any, config: CollectorConfig) -> int:
-    if config.port == 0:
-        return int(sock.bind_to_random_port(f"tcp://{config.bind_host}"))
-    sock.bind(f"tcp://{config.bind_host}:{config.port}")
-    return config.port
+def _bind(sock: Any, host: str, port: int) -> int:
+    if port == 0:
+        return int(sock.bind_to_random_port(f"tcp://{host}"))
+    sock.bind(f"tcp://{host}:{port}")
+    return port
 
 
-def _receive_all(sock: Any, collector: Collector) -> int:
-    n = 0
-    while True:
+class Listener:
+    """The collector's sockets: data in (PULL, CURVE when secured), the join
+    check for other nodes (REP), and a monitor counting failed handshakes."""
+
+    def __init__(self, context: Any, config: CollectorConfig) -> None:
+        self.config = config
+        self.auth: Any = None
+        self.sock = context.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        keys = session_keys(config.secure, config.secret, config.session_id)
+        if keys is not None:
+            self.auth = secure_server(context, self.sock, keys)
+        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILURES)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.join: Any = None
         try:
-            collector.handle(sock.recv(zmq.NOBLOCK))
+            self.port = _bind(self.sock, config.bind_host, config.port)
+            if config.join_port is not None:
+                self.join = context.socket(zmq.REP)
+                self.join.setsockopt(zmq.LINGER, 0)
+                self.join.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
+                _bind(self.join, config.bind_host, config.join_port)
+                self.poller.register(self.join, zmq.POLLIN)
+        except zmq.ZMQError:
+            self.close()
+            raise
+
+    def poll(self, timeout_ms: int, collector: Collector) -> int:
+        """Handle what arrived; returns how many data messages were handled."""
+        events = dict(self.poller.poll(timeout_ms))
+        if self.monitor in events:
+            self._count_handshake_failures(collector)
+        if self.join is not None and self.join in events:
+            self._answer_join(collector)
+        if self.sock not in events:
+            return 0
+        n = 0
+        while True:
+            try:
+                collector.handle(self.sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return n
+            n += 1
+
+    def _count_handshake_failures(self, collector: Collector) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            collector.reject("failed handshake (no or wrong session key)")
+
+    def _answer_join(self, collector: Collector) -> None:
+        try:
+            request = orjson.loads(self.join.recv(zmq.NOBLOCK))
+            problem = join_problem(request, self.config)
         except zmq.Again:
-            return n
-        n += 1
+            return
+        except (orjson.JSONDecodeError, TypeError, AttributeError):
+            problem = "malformed join request"
+        if problem:
+            collector.reject("node with mismatching options")
+            collector.store.set_meta({f"join_error/{time.time():.6f}": problem})
+        self.join.send(orjson.dumps({"ok": not problem, "error": problem}))
+
+    def close(self) -> None:
+        for sock in (self.join, self.monitor, self.sock):
+            if sock is not None:
+                sock.close(0)
+        if self.auth is not None:
+            self.auth.stop()
+
+
+def join_problem(request: dict[str, Any], config: CollectorConfig) -> str:
+    """Why a joining node's options differ from node 0's ('' when they match)."""
+    theirs = {"session_id": request.get("session_id"), **dict(request.get("options") or {})}
+    ours = {"session_id": config.session_id, **(config.expected or {})}
+    host = request.get("host", "?")
+    for key, value in ours.items():
+        if theirs.get(key) != value:
+            name = "--" + key.replace("_", "-")
+            return (f"node on {host} has {name} {theirs.get(key)!r} but node 0 has {value!r}: "
+                    f"use the same {name} on every node")
+    return ""
 
 
 def serve(config: CollectorConfig) -> int:
     """Run until the launcher ends the session; returns the exit status."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     context = zmq.Context()
-    sock = context.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 100_000)
-    sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
     try:
-        port = _bind(sock, config)
+        listener = Listener(context, config)
     except zmq.ZMQError as exc:
         print(orjson.dumps({"error": f"cannot listen on {config.bind_host}:{config.port}: "
                                      f"{exc.strerror}"}).decode(), flush=True)
+        context.destroy(0)
         return 2
     store = StoreWriter(config.db_path)
     collector = Collector(config, store)
-    print(orjson.dumps({"port": port, "pid": os.getpid()}).decode(), flush=True)
+    ready: dict[str, Any] = {"port": listener.port, "pid": os.getpid()}
+    dashboard = _start_dashboard(config, ready)
+    print(orjson.dumps(ready).decode(), flush=True)
     try:
-        _loop(sock, collector, config)
+        _loop(listener, collector, config)
     finally:
         collector.flush()
         store.close()
-        sock.close()
+        if dashboard is not None:
+            dashboard.finish()
+        listener.close()
         context.term()
     return 0
 
 
-def _loop(sock: Any, collector: Collector, config: CollectorConfig) -> None:
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
+def _start_dashboard(config: CollectorConfig, ready: dict[str, Any]) -> Dashboard | None:
+    """The live page's server when asked for; its address (or why not) goes in ``ready``."""
+    if config.dashboard_port is None:
+        return None
+    from traceml.live.dashboard import Dashboard  # only dashboard runs pay for the import
+
+    dashboard = Dashboard(Path(config.db_path), config.session_id)
+    try:
+        ready["dashboard"] = dashboard.start(config.dashboard_host, config.dashboard_port)
+    except OSError as exc:
+        ready["dashboard_error"] = f"cannot listen on {config.dashboard_host}: {exc.strerror}"
+        return None
+    return dashboard
+
+
+def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> None:
     last_commit = time.monotonic()
     drain_since: float | None = None
     last_data = time.monotonic()
     while True:
-        if poller.poll(POLL_MS):
-            if _receive_all(sock, collector):
-                last_data = time.monotonic()
+        if listener.poll(POLL_MS, collector):
+            last_data = time.monotonic()
         now = time.monotonic()
         if now - last_commit >= COMMIT_INTERVAL_S:
             collector.flush()
@@ -189,5 +300,7 @@ def _loop(sock: Any, collector: Collector, config: CollectorConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The configuration arrives on stdin (it may hold the session secret)."""
     args = sys.argv[1:] if argv is None else argv
-    return serve(CollectorConfig.from_json(args[0]))
+    text = args[0] if args else sys.stdin.readline()
+    return serve(CollectorConfig.from_json(text))

@@ -17,6 +17,7 @@ from traceml import environment, protocol
 from traceml.collector.server import CollectorConfig
 from traceml.errors import UsageError
 from traceml.protocol import Envelope, Sender
+from traceml.security import secure_client, session_keys
 
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
@@ -38,10 +39,12 @@ class CollectorProcess:
         self.config = config
         env = environment.without_traceml(os.environ)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "traceml.collector", config.to_json()],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env,
+            [sys.executable, "-m", "traceml.collector"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
         )
-        assert self.proc.stdout is not None
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        self.proc.stdin.write(config.to_json().encode() + b"\n")
+        self.proc.stdin.close()
         line = _read_line(self.proc.stdout, READY_TIMEOUT_S)
         ready: dict[str, Any] = orjson.loads(line) if line.strip() else {}
         if "port" not in ready:
@@ -51,10 +54,14 @@ class CollectorProcess:
             raise UsageError(f"traceml: collector failed: {reason}; pick another "
                              "--aggregator-port or free that one")
         self.port = int(ready["port"])
+        self.ready = ready  # what the collector reported: its port, its dashboard's address
         self._context = zmq.Context()
         self._control = self._context.socket(zmq.PUSH)
         self._control.setsockopt(zmq.LINGER, 2000)
         self._control.setsockopt(zmq.SNDHWM, 100)
+        keys = session_keys(config.secure, config.secret, config.session_id)
+        if keys is not None:
+            secure_client(self._control, keys)
         host = "127.0.0.1" if config.bind_host in ("0.0.0.0", "") else config.bind_host
         self._control.connect(f"tcp://{host}:{self.port}")
         self._identity = Sender(role="launcher", host=socket.gethostname(), pid=os.getpid(),

@@ -19,12 +19,18 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 import traceml
 from traceml.collector.server import CollectorConfig
 from traceml.collector.store import STORE_FILENAME
-from traceml.config import DEFAULT_AGGREGATOR_PORT, RunConfig
+from traceml.config import RunConfig
+from traceml import environment
 from traceml.environment import AgentEnv
 from traceml.errors import UsageError
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.launcher.ending import finish
+from traceml.launcher import topology
+from traceml.launcher.nodes import JoinCheck, Waiting, wait_for_nodes
 from traceml.launcher.system_sampler import SystemSampler
+from traceml.launcher.topology import Topology
+from traceml.security import session_keys
+from traceml.live.views import start_live_view
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
 
@@ -59,38 +65,45 @@ def check_script(cfg: RunConfig) -> None:
                          f"{cfg.training_script!r} (give a path to a .py file, or -m MODULE)")
 
 
-def session_dir_for(cfg: RunConfig) -> Path:
+def session_dir_for(cfg: RunConfig, hosting: bool) -> Path:
     path = Path(cfg.logs_dir) / cfg.session_id
-    if (path / STORE_FILENAME).exists():
+    if hosting and (path / STORE_FILENAME).exists():
         raise UsageError(f"traceml {cfg.command}: session folder {path} already holds a run; "
                          "pass another --session-id or remove that folder")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def start_collector(cfg: RunConfig, session_dir: Path) -> CollectorProcess:
-    bind = cfg.aggregator_bind_host or ("0.0.0.0" if cfg.multi_node else "127.0.0.1")
-    if cfg.aggregator_port is not None:
-        port = cfg.aggregator_port
-    else:
-        port = DEFAULT_AGGREGATOR_PORT if cfg.multi_node else 0
-    return CollectorProcess(CollectorConfig(
-        session_id=cfg.session_id, bind_host=bind, port=port,
-        db_path=str(session_dir / STORE_FILENAME), parent_pid=os.getpid(),
-    ))
+def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
+                    secret: str | None) -> CollectorProcess | None:
+    """The collector, if it runs here (None: a c10d peer on this host has it)."""
+    try:
+        return CollectorProcess(CollectorConfig(
+            session_id=cfg.session_id, bind_host=topo.bind_host, port=topo.port,
+            db_path=str(session_dir / STORE_FILENAME), parent_pid=os.getpid(),
+            dashboard_port=cfg.dashboard_port if cfg.mode == "dashboard" else None,  # live views
+            secure=topo.secure, secret=secret,
+            join_port=topo.join_port if cfg.multi_node else None,
+            expected={"nnodes": str(cfg.torch_args.nnodes),
+                      "nproc_per_node": str(cfg.torch_args.nproc_per_node)},
+        ))
+    except UsageError:
+        if topo.may_host:
+            return None
+        raise
 
 
-def agent_env_for(cfg: RunConfig, port: int, session_dir: Path) -> AgentEnv:
-    host = cfg.aggregator_host or "127.0.0.1"
+def agent_env_for(cfg: RunConfig, endpoint: str, session_dir: Path, topo: Topology,
+                  secret: str | None) -> AgentEnv:
     arm_dir = None
     if cfg.no_python:
         arm_dir = str(session_dir / ".armed")
         os.makedirs(arm_dir, exist_ok=True)
     return AgentEnv(
-        session_id=cfg.session_id, endpoint=f"tcp://{host}:{port}", launcher_pid=os.getpid(),
+        session_id=cfg.session_id, endpoint=endpoint, launcher_pid=os.getpid(),
         mode="run" if cfg.command == "run" else "watch", node_rank=cfg.node_rank,
         sample_interval_s=cfg.sample_interval_s, arm_dir=arm_dir,
-        session_dir=str(session_dir.resolve()),
+        session_dir=str(session_dir.resolve()), secure=topo.secure, secret=secret,
     )
 
 
@@ -101,38 +114,90 @@ def inject(agent_env: AgentEnv) -> None:
     os.environ["PYTHONPATH"] = SITE_DIR + (os.pathsep + current if current else "")
 
 
+def record_start(collector: CollectorProcess, cfg: RunConfig) -> None:
+    collector.set_meta(
+        session_id=cfg.session_id, command=["traceml", cfg.command, *cfg.argv],
+        started_at=time.time(), traceml_version=traceml.__version__,
+        torch_version=_torch_version(), python_version=platform.python_version(),
+        summary_window_rows=cfg.summary_window_rows, mode=cfg.command,
+        expected_world_size=expected_world_size(cfg), expected_nodes=cfg.min_nodes,
+    )
+
+
 def run(cfg: RunConfig) -> int:
     """Run the training under traceml; returns the training's exit status."""
     check_script(cfg)
     if cfg.no_trace:
         return run_torch(cfg.torch_args)
-    session_dir = session_dir_for(cfg)
-    collector = start_collector(cfg, session_dir)
-    started_at = time.time()
-    collector.set_meta(
-        session_id=cfg.session_id, command=["traceml", cfg.command, *cfg.argv],
-        started_at=started_at, traceml_version=traceml.__version__,
-        torch_version=_torch_version(), python_version=platform.python_version(),
-        summary_window_rows=cfg.summary_window_rows, mode=cfg.command,
-        expected_world_size=expected_world_size(cfg),
-    )
-    agent_env = agent_env_for(cfg, collector.port, session_dir)
+    topo = topology.resolve(cfg)
+    secret = environment.user_secret(os.environ)
+    session_dir = session_dir_for(cfg, topo.collector_here or topo.may_host)
+    collector = None
+    if topo.collector_here or topo.may_host:
+        collector = start_collector(cfg, topo, session_dir, secret)
+    if collector is not None:
+        record_start(collector, cfg)
+    port = collector.port if collector is not None else topo.port
+    agent_env = agent_env_for(cfg, f"tcp://{topo.connect_host}:{port}", session_dir, topo,
+                              secret)
     inject(agent_env)
-    sampler = SystemSampler(agent_env.endpoint, cfg.session_id, cfg.node_rank,
-                            cfg.sample_interval_s)
+    return _supervise(cfg, topo, agent_env, collector, session_dir)
+
+
+def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
+               collector: CollectorProcess | None, session_dir: Path) -> int:
+    """Run torch's launch with the node's helpers around it; end with the summary."""
+    keys = session_keys(topo.secure, agent_env.secret, cfg.session_id)
+    sampler = SystemSampler(agent_env.endpoint, cfg.session_id,
+                            cfg.node_rank if topo.static else None, cfg.sample_interval_s, keys)
     sampler.start()
+    helpers = node_helpers(cfg, topo, collector, session_dir)
+    view = start_live_view(cfg, session_dir, collector.ready if collector else {})  # live views
     exit_code = 128 + signal.SIGINT
     try:
         exit_code = run_torch(cfg.torch_args)
     except KeyboardInterrupt:
         pass
     finally:
+        for helper in helpers:
+            helper.stop()
         sampler.stop()
-        collector_alive = collector.alive()
-        collector.set_meta(ended_at=time.time(), exit_code=exit_code)
-        collector.stop()
-        finish(session_dir, collector_alive)
+        view.stop()  # live views: the final summary prints after the view closes
+        if collector is not None:
+            end_session(cfg, collector, session_dir, exit_code)
+        else:
+            print(f"traceml: this node's telemetry went to {agent_env.endpoint}; "
+                  "node 0 writes the summary", file=sys.stderr)
     return exit_code
+
+
+def node_helpers(cfg: RunConfig, topo: Topology, collector: CollectorProcess | None,
+                 session_dir: Path) -> list[Any]:
+    """Threads that watch the rendezvous and check this node against node 0."""
+    if not cfg.multi_node:
+        return []
+    db_path = session_dir / STORE_FILENAME if collector is not None else None
+    skip = {collector.proc.pid} if collector is not None else set()
+    rendezvous = topology.rendezvous_address(cfg)
+    helpers: list[Any] = [Waiting(cfg, rendezvous, db_path, skip)]
+    if collector is None:
+        helpers.append(JoinCheck(cfg, topo.connect_host, topo.join_port))
+    for helper in helpers:
+        helper.start()
+    return helpers
+
+
+def end_session(cfg: RunConfig, collector: CollectorProcess, session_dir: Path,
+                exit_code: int) -> None:
+    if cfg.multi_node:
+        missing = wait_for_nodes(session_dir / STORE_FILENAME, cfg.min_nodes)
+        if missing:
+            print(f"traceml: no goodbye from {', '.join(missing)}; writing the summary "
+                  "without waiting longer", file=sys.stderr)
+    collector_alive = collector.alive()
+    collector.set_meta(ended_at=time.time(), exit_code=exit_code)
+    collector.stop()
+    finish(session_dir, collector_alive, html=cfg.html)
 
 
 def expected_world_size(cfg: RunConfig) -> int:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import replace
 from typing import Any
 
 import psutil
 
 from traceml import protocol
 from traceml.protocol import Sender
+from traceml.security import CurveKeys
 from traceml.sender import BatchSender
 
 
@@ -71,22 +73,51 @@ class Nvml:
         return None if milliwatts is None else milliwatts / 1000.0
 
 
-class SystemSampler:
-    """Samples the node and sends through a BatchSender thread."""
+def workers_node_rank() -> int | None:
+    """This node's rank as torch's rendezvous assigned it (GROUP_RANK of a worker)."""
+    try:
+        for child in psutil.Process().children():
+            value = child.environ().get("GROUP_RANK")
+            if value is not None and value.isdigit():
+                return int(value)
+    except psutil.Error:
+        return None
+    return None
 
-    def __init__(self, endpoint: str, session_id: str, node_rank: int,
-                 interval_s: float) -> None:
+
+class SystemSampler:
+    """Samples the node and sends through a BatchSender thread.
+
+    ``node_rank=None`` (c10d: join order decides) sends nothing but its hello
+    until this node's workers exist and say which node rank they got.
+    """
+
+    def __init__(self, endpoint: str, session_id: str, node_rank: int | None,
+                 interval_s: float, keys: CurveKeys | None = None) -> None:
         self.nvml = Nvml()
         psutil.cpu_percent(None)  # prime: the first call has no interval
+        self.node_rank = node_rank
         identity = Sender(role="system", host=socket.gethostname(), pid=os.getpid(),
-                          node_rank=node_rank)
+                          node_rank=-1 if node_rank is None else node_rank)
         self.sender = BatchSender(endpoint, session_id, identity, interval_s,
-                                  producers=[self.produce], final_producers=[self.produce])
+                                  producers=[self.produce],
+                                  final_producers=[self.produce, self._bye],
+                                  keys=keys)
 
     def produce(self) -> list[tuple[str, dict[str, Any]]]:
+        if self.node_rank is None:
+            self.node_rank = workers_node_rank()
+            if self.node_rank is None:
+                return []
+            self.sender.identity = replace(self.sender.identity, node_rank=self.node_rank)
         mem = psutil.virtual_memory()
         row = (time.time(), psutil.cpu_percent(None), mem.percent, mem.total, self.nvml.sample())
         return [(protocol.KIND_SYSTEM, protocol.rows_payload(protocol.SYSTEM_FIELDS, [row]))]
+
+    def _bye(self) -> list[tuple[str, dict[str, Any]]]:
+        if self.node_rank is None:
+            return []
+        return [(protocol.KIND_BYE, {"t": time.time()})]
 
     def start(self) -> None:
         self.sender.start()

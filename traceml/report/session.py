@@ -80,7 +80,7 @@ def load_run(session_dir: Path) -> tuple[RunData, int]:
         senders = [dict(r) for r in reader.senders()]
         steps = tuple(_step_row(dict(r)) for r in reader.steps())
         process = tuple(_process_sample(dict(r)) for r in reader.process())
-        system = tuple(_system_sample(dict(r)) for r in reader.system())
+        system = tuple(_system_sample(dict(r)) for r in reader.system() if r["node_rank"] >= 0)
         rejected = reader.rejected()
     finally:
         reader.close()
@@ -120,6 +120,8 @@ def _nodes(senders: list[dict[str, Any]]) -> tuple[NodeInfo, ...]:
     hosts: dict[int, str] = {}
     ranks: dict[int, set[int]] = {}
     for s in senders:
+        if s["node_rank"] < 0:
+            continue  # a c10d launcher before it learnt its node rank
         hosts.setdefault(s["node_rank"], s["host"])
         ranks.setdefault(s["node_rank"], set())
         if s["rank"] is not None:

@@ -1,0 +1,164 @@
+"""Several nodes, seen from one launcher (launcher side).
+
+* `JoinCheck` (nodes other than the collector's): tells node 0's collector
+  this node's options; a mismatch (another ``--session-id``, ``--nnodes`` or
+  ``--nproc-per-node``) ends this launcher with one line instead of a hang in
+  torch's rendezvous.
+* `Waiting` (every node): until this node's workers start, says every few
+  seconds what the rendezvous is waiting for (torch's own timeouts are 10-15
+  minutes of silence otherwise); on node 0 it also reports nodes whose options
+  do not match.
+* `wait_for_nodes`: node 0 writes the summary once every node's launcher has
+  said goodbye, or after a bounded wait, naming what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psutil
+import zmq
+
+from traceml.config import RunConfig
+
+WAIT_REPORT_S = 10.0
+NODES_FINISH_TIMEOUT_S = 20.0
+JOIN_REPLY_TIMEOUT_MS = 2000
+
+
+def _say(message: str) -> None:
+    print(f"traceml: {message}", file=sys.stderr, flush=True)
+
+
+def local_workers_started(skip_pids: set[int]) -> bool:
+    try:
+        return any(c.pid not in skip_pids for c in psutil.Process().children())
+    except psutil.Error:
+        return False
+
+
+def _read_store(db_path: Path, sql: str) -> list[Any]:
+    try:
+        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=1.0)
+        try:
+            return list(db.execute(sql))
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return []
+
+
+class JoinCheck(threading.Thread):
+    """Ask node 0's collector whether this node's options match; exit 2 if not."""
+
+    def __init__(self, cfg: RunConfig, host: str, port: int) -> None:
+        super().__init__(name="traceml-join", daemon=True)
+        self.request = orjson.dumps({
+            "session_id": cfg.session_id, "host": os.uname().nodename,
+            "options": {"nnodes": str(cfg.torch_args.nnodes),
+                        "nproc_per_node": str(cfg.torch_args.nproc_per_node)},
+        })
+        self.address = f"tcp://{host}:{port}"
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        context = zmq.Context()
+        try:
+            while not self.done.is_set():
+                reply = self._ask(context)
+                if reply is not None:
+                    self._act(reply)
+                    return
+        finally:
+            context.destroy(0)
+
+    def _ask(self, context: Any) -> dict[str, Any] | None:
+        sock = context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.address)
+            sock.send(self.request)
+            if sock.poll(JOIN_REPLY_TIMEOUT_MS):
+                reply: dict[str, Any] = orjson.loads(sock.recv())
+                return reply
+            return None
+        finally:
+            sock.close(0)
+
+    def _act(self, reply: dict[str, Any]) -> None:
+        if reply.get("ok"):
+            return
+        _say(f"error: {reply.get('error')}")
+        sys.stdout.flush()
+        os._exit(2)  # still in torch's rendezvous: nothing of the user's to clean up
+
+    def stop(self) -> None:
+        self.done.set()
+
+
+class Waiting(threading.Thread):
+    """Report what the launch waits for, until this node's workers start."""
+
+    def __init__(self, cfg: RunConfig, rendezvous: str, db_path: Path | None,
+                 skip_pids: set[int]) -> None:
+        super().__init__(name="traceml-waiting", daemon=True)
+        self.cfg, self.rendezvous, self.db_path = cfg, rendezvous, db_path
+        self.skip_pids = skip_pids
+        self.done = threading.Event()
+        self.reported: set[str] = set()
+
+    def run(self) -> None:
+        next_report = time.monotonic() + WAIT_REPORT_S
+        while not self.done.wait(0.5):
+            if local_workers_started(self.skip_pids):
+                return
+            self._report_mismatches()
+            if time.monotonic() >= next_report:
+                next_report += WAIT_REPORT_S
+                _say(self._status())
+
+    def _status(self) -> str:
+        want = self.cfg.min_nodes
+        if self.db_path is None:
+            return (f"waiting for the rendezvous at {self.rendezvous} "
+                    f"({want} nodes expected; torch's rendezvous timeout applies)")
+        rows = _read_store(self.db_path, "SELECT COUNT(DISTINCT host || pid) FROM senders "
+                                         "WHERE role = 'system'")
+        joined = rows[0][0] if rows else 0
+        return (f"waiting for nodes to join the rendezvous at {self.rendezvous}: "
+                f"{joined} of {want} launchers have reached the collector")
+
+    def _report_mismatches(self) -> None:
+        if self.db_path is None:
+            return
+        for key, value in _read_store(self.db_path,
+                                      "SELECT key, value FROM meta WHERE key LIKE 'join_error/%'"):
+            if key not in self.reported:
+                self.reported.add(key)
+                _say(f"error: {orjson.loads(value)}")
+
+    def stop(self) -> None:
+        self.done.set()
+
+
+def wait_for_nodes(db_path: Path, num_nodes: int) -> list[str]:
+    """Wait until every node's launcher said goodbye; the hosts still missing."""
+    deadline = time.monotonic() + NODES_FINISH_TIMEOUT_S
+    announced = False
+    while True:
+        rows = _read_store(db_path, "SELECT node_rank, host, said_bye FROM senders "
+                                    "WHERE role = 'system' AND node_rank >= 0")
+        done = {r[0] for r in rows if r[2]}
+        if len(done) >= num_nodes or time.monotonic() >= deadline:
+            return [f"node {r[0]} ({r[1]})" for r in rows if r[0] not in done]
+        if not announced:
+            announced = True
+            _say(f"waiting up to {NODES_FINISH_TIMEOUT_S:.0f} s for the other nodes to finish")
+        time.sleep(0.2)
