@@ -37,7 +37,7 @@ def phase_table(steps: tuple[StepRow, ...]) -> str:
                                                       disable_numparse=True)
 
 
-def finish(session_dir: Path, collector_alive: bool) -> None:
+def finish(session_dir: Path, collector_alive: bool, html: bool = False) -> None:
     from traceml.report.session import write_summary
 
     if not collector_alive:
@@ -56,3 +56,9 @@ def finish(session_dir: Path, collector_alive: bool) -> None:
     print(phase_table(files.report_steps), file=sys.stderr)
     print(f"traceml: summary written to {files.json_path} and {files.text_path.name}",
           file=sys.stderr)
+    if html:  # --html: the same report with its plots, one self-contained file
+        from traceml.report.html import HTML_NAME, write_html
+        from traceml.report.session import load_run
+
+        path = write_html(session_dir / HTML_NAME, files.report, load_run(session_dir)[0])
+        print(f"traceml: HTML report written to {path}", file=sys.stderr)

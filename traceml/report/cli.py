@@ -36,6 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _html_target(out: Path) -> Path:
+    """OUT as given; a folder gets final_summary.html inside it."""
+    from traceml.report.html import HTML_NAME
+
+    target = out / HTML_NAME if out.is_dir() else out
+    if not target.parent.is_dir():
+        raise UsageError(f"traceml report: --html: no such folder: {target.parent} "
+                         "(create it, or give another path)")
+    return target
+
+
 def main(argv: Sequence[str]) -> int:
     from traceml.report.session import write_summary
 
@@ -44,10 +55,15 @@ def main(argv: Sequence[str]) -> int:
     if not session_dir.is_dir():
         raise UsageError(f"traceml report: not a folder: {session_dir} "
                          "(give the session folder that 'traceml run' printed)")
-    if args.html is not None:
-        raise UsageError("traceml report: --html is not available in this version yet")
+    html_target = _html_target(Path(args.html)) if args.html is not None else None
     files = write_summary(session_dir, args.summary_window_rows)
     sys.stdout.write(files.text)
     print(f"traceml: summary written to {files.json_path} and {files.text_path.name}",
           file=sys.stderr)
+    if html_target is not None:  # the same report with its plots, one self-contained file
+        from traceml.report.html import write_html
+        from traceml.report.session import load_run
+
+        path = write_html(html_target, files.report, load_run(session_dir)[0])
+        print(f"traceml: HTML report written to {path}", file=sys.stderr)
     return 0

@@ -1,0 +1,146 @@
+"""The ``--mode=dashboard`` web server: a thread inside the collector process (collector side).
+
+Serves our own page at ``/`` and the current snapshot at ``/api/snapshot``,
+bound to 127.0.0.1 unless configured otherwise; when the asked port is taken
+it takes a free one and says so in the address it returns. Work is done only
+when a browser asks, at most once per ``MIN_REBUILD_S`` whatever the number of
+browsers: the snapshot reads the store's new rows (a read-only connection,
+never the collector's writer) so training is not slowed. When the run is over
+the collector calls :meth:`Dashboard.finish`: the page gets the final report
+(the same one final_summary.json holds) and the server stops, waiting at most
+``FINAL_LINGER_S`` for an open page to fetch it.
+"""
+
+from __future__ import annotations
+
+import errno
+import sqlite3
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from traceml.diagnosis.samples import Json
+from traceml.errors import UsageError
+from traceml.live.page import SNAPSHOT_PATH, live_page
+from traceml.live.snapshot import build_snapshot, live_snapshot, snapshot_to_json
+from traceml.live.tail import StoreTail
+
+MIN_REBUILD_S = 1.0
+FINAL_LINGER_S = 3.0
+CLIENT_ACTIVE_S = 5.0
+"""A browser that asked within this many seconds is waited for at the end."""
+
+
+class Dashboard:
+    """The page, the snapshots, and the HTTP server thread that serves them."""
+
+    def __init__(self, db_path: Path, session_id: str) -> None:
+        self.db_path = db_path
+        self.page = live_page(session_id).encode("utf-8")
+        self._tail = StoreTail(db_path)
+        self._lock = threading.Lock()
+        self._doc = b""
+        self._doc_at = float("-inf")
+        self._final: bytes | None = None
+        self._final_served = threading.Event()
+        self._last_request = float("-inf")
+        self._server: ThreadingHTTPServer | None = None
+
+    def start(self, host: str, port: int) -> dict[str, Json]:
+        """Listen (on a free port when ``port`` is taken) and serve in a daemon thread."""
+        try:
+            server = _Server((host, port), _Handler, self)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            server = _Server((host, 0), _Handler, self)
+        self._server = server
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                         name="traceml-dashboard", daemon=True).start()
+        bound = int(server.server_address[1])
+        return {"url": f"http://{_url_host(host)}:{bound}/", "port": bound,
+                "requested_port": port}
+
+    def snapshot(self) -> bytes:
+        """The current document: rebuilt at most once per MIN_REBUILD_S; final once ended."""
+        self._last_request = time.monotonic()
+        with self._lock:
+            if self._final is not None:
+                self._final_served.set()
+                return self._final
+            if time.monotonic() - self._doc_at >= MIN_REBUILD_S:
+                try:
+                    run, window_rows = self._tail.poll()
+                except sqlite3.OperationalError:
+                    return self._doc  # the store is busy for a moment: the last one again
+                doc = snapshot_to_json(live_snapshot(run, window_rows), live=True)
+                self._doc, self._doc_at = orjson.dumps(doc), time.monotonic()
+            return self._doc
+
+    def finish(self) -> None:
+        """The run is over and the store closed: serve the final report, then stop."""
+        from traceml.report.build import build_report
+        from traceml.report.session import load_run
+
+        try:
+            run, window_rows = load_run(self.db_path.parent)
+            doc = snapshot_to_json(build_snapshot(run, build_report(run, window_rows),
+                                                  ended=True), live=False)
+            with self._lock:
+                self._final = orjson.dumps(doc)
+        except (UsageError, sqlite3.Error) as exc:
+            print(f"traceml collector: dashboard has no final report: {exc}", file=sys.stderr)
+        if self._final is not None and time.monotonic() - self._last_request < CLIENT_ACTIVE_S:
+            self._final_served.wait(FINAL_LINGER_S)
+        self.close()
+
+    def close(self) -> None:
+        """Stop serving (idempotent)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def _url_host(host: str) -> str:
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 dashboard: Dashboard) -> None:
+        self.dashboard = dashboard
+        super().__init__(address, handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:  # the name http.server calls
+        path = self.path.split("?", 1)[0]
+        if path in ("/", "/index.html"):
+            self._send(200, "text/html; charset=utf-8", self.server.dashboard.page)
+        elif path == SNAPSHOT_PATH:
+            self._send(200, "application/json", self.server.dashboard.snapshot())
+        else:
+            self._send(404, "text/plain; charset=utf-8", b"not found\n")
+
+    def _send(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # the base signature
+        """Quiet: the collector's stdout and stderr are not for access logs."""

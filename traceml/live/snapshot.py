@@ -1,0 +1,128 @@
+"""A Snapshot: the report model plus what a view draws besides it (live views, page).
+
+Runs in the launcher (``--mode=cli``), the collector (``--mode=dashboard``) and
+offline analysis (final_summary.html). Every view renders the same
+:class:`~traceml.report.model.Report`: live, it is built over the last
+``LIVE_WINDOW_STEPS`` aligned steps of the recent rows; at the end, it is the
+final summary's report. The snapshot adds a per-rank phase table (median and
+worst step of the report's window), gauges and the chart series.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from traceml.diagnosis.samples import Json, RunData
+from traceml.diagnosis.window import select_window
+from traceml.live.gauges import GaugeRow, gauges_to_json, node_gauges, process_gauges
+from traceml.live.series import MAX_POINTS, Series, build_series, series_to_json
+from traceml.report.build import build_report, rank_nodes
+from traceml.report.json_codec import report_to_json
+from traceml.report.model import Report
+
+LIVE_WINDOW_STEPS = 100
+"""Aligned steps per rank the live diagnosis and phase table look at."""
+
+TABLE_PHASES = ("input_ms", "forward_ms", "backward_ms", "optimizer_ms", "wait_ms", "total_ms")
+
+SNAPSHOT_FORMAT = "traceml.snapshot/1"
+
+
+@dataclass(frozen=True)
+class RankPhases:
+    """One rank's row of the phase table: median and worst step of the window, per phase."""
+
+    rank: int
+    node_rank: int | None
+    last_step: int | None  # newest step stored, inside the window or not
+    num_steps: int  # window steps
+    median_ms: Mapping[str, float]  # empty when the rank has no window step
+    worst_ms: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What every view shows at one moment."""
+
+    report: Report
+    elapsed_s: float
+    ended: bool
+    phases: tuple[RankPhases, ...]
+    worst_ranks: Mapping[str, int]  # phase -> the rank with the highest median
+    nodes: tuple[GaugeRow, ...]
+    processes: tuple[GaugeRow, ...]
+    series: Series
+
+
+def live_snapshot(run: RunData, window_rows: int, now: float | None = None) -> Snapshot:
+    """The snapshot of a running job from its recent rows."""
+    report = build_report(run, min(window_rows, LIVE_WINDOW_STEPS))
+    return build_snapshot(run, report, ended=False, now=now)
+
+
+def build_snapshot(run: RunData, report: Report, *, ended: bool, now: float | None = None,
+                   max_points: int = MAX_POINTS) -> Snapshot:
+    """A snapshot of ``run`` around ``report`` (which was built from ``run``)."""
+    phases = phase_rows(run, report)
+    if ended:
+        elapsed = report.duration_s
+    else:
+        elapsed = max(0.0, (time.time() if now is None else now) - run.meta.started_at)
+    return Snapshot(report, elapsed, ended, phases, worst_ranks(phases), node_gauges(report),
+                    process_gauges(report), build_series(run.steps, max_points))
+
+
+def phase_rows(run: RunData, report: Report) -> tuple[RankPhases, ...]:
+    """Per rank: median and worst of each phase over the report's step window."""
+    window = select_window(run.steps, report.step_time.scope.window_rows, run.meta.world_size)
+    last: dict[int, int] = {}
+    for row in run.steps:
+        last[row.rank] = max(last.get(row.rank, row.step), row.step)
+    node_of = rank_nodes(run)
+    out = []
+    for rank in sorted(set(last) | set(window.by_rank)):
+        rows = window.by_rank.get(rank, ())
+        values = {p: [float(getattr(r, p)) for r in rows] for p in TABLE_PHASES}
+        out.append(RankPhases(
+            rank, node_of.get(rank), last.get(rank), len(rows),
+            {p: statistics.median(v) for p, v in values.items() if v},
+            {p: max(v) for p, v in values.items() if v}))
+    return tuple(out)
+
+
+def worst_ranks(phases: tuple[RankPhases, ...]) -> dict[str, int]:
+    """Per phase, the rank whose median is highest (ties: the lowest rank)."""
+    out = {}
+    for phase in TABLE_PHASES:
+        measured = [(row.median_ms[phase], -row.rank) for row in phases if phase in row.median_ms]
+        if measured:
+            out[phase] = -max(measured)[1]
+    return out
+
+
+def snapshot_to_json(snap: Snapshot, live: bool) -> dict[str, Json]:
+    """The document the page renders; ``summary`` is exactly final_summary.json's shape."""
+    return {
+        "format": SNAPSHOT_FORMAT,
+        "live": live,
+        "ended": snap.ended,
+        "elapsed_s": round(snap.elapsed_s, 3),
+        "summary": report_to_json(snap.report),
+        "phases": [_phases_json(row) for row in snap.phases],
+        "worst_ranks": dict(snap.worst_ranks),
+        "nodes": gauges_to_json(snap.nodes),
+        "processes": gauges_to_json(snap.processes),
+        "series": series_to_json(snap.series),
+    }
+
+
+def _phases_json(row: RankPhases) -> dict[str, Json]:
+    return {
+        "rank": row.rank, "node_rank": row.node_rank, "last_step": row.last_step,
+        "num_steps": row.num_steps,
+        "median_ms": {k: round(v, 3) for k, v in row.median_ms.items()},
+        "worst_ms": {k: round(v, 3) for k, v in row.worst_ms.items()},
+    }

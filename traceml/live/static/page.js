@@ -1,0 +1,367 @@
+// traceml page: renders one snapshot document (the report model plus series)
+// into the dashboard (polling /api/snapshot) or final_summary.html (embedded).
+// Plain DOM, SVG and canvas; nothing is fetched from anywhere else.
+"use strict";
+(function () {
+  const PHASES = [
+    ["input_ms", "input", "#4e79a7"], ["forward_ms", "forward", "#59a14f"],
+    ["backward_ms", "backward", "#f28e2b"], ["optimizer_ms", "optimizer", "#b07aa1"],
+    ["wait_ms", "wait", "#e15759"],
+  ];
+  const RANK_COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",
+    "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
+  const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+  const SECTIONS = [["step_time", "Step Time"], ["step_memory", "Step Memory"],
+    ["process", "Process"], ["system", "System"]];
+  const SVG_NS = "http" + "://www.w3.org/2000/svg";
+  const state = { doc: null, renders: 0 };
+
+  function $(id) { return document.getElementById(id); }
+
+  function el(tag, attrs, children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+    for (const child of [].concat(children || [])) {
+      node.append(typeof child === "string" ? document.createTextNode(child) : child);
+    }
+    return node;
+  }
+
+  function sv(tag, attrs, text) {
+    const node = document.createElementNS(SVG_NS, tag);
+    for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  function fill(id, children) { $(id).replaceChildren(...[].concat(children)); }
+
+  function fmtMs(v) {
+    if (v === null || v === undefined) return "–";
+    if (v >= 100) return v.toFixed(0);
+    return v >= 10 ? v.toFixed(1) : v.toFixed(2);
+  }
+
+  function fmtBytes(v) {
+    if (v === null || v === undefined) return "–";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (Math.abs(v) >= 1024 && i < units.length - 1) { v /= 1024; i += 1; }
+    return (i === 0 ? v.toFixed(0) : v.toFixed(1)) + " " + units[i];
+  }
+
+  function fmtDuration(s) {
+    s = Math.floor(s);
+    const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
+    return h + ":" + String(m).padStart(2, "0") + ":" + String(sec).padStart(2, "0");
+  }
+
+  function ranksText(ranks) { return ranks.map((r) => "r" + r).join(", "); }
+
+  function sevBadge(sev) { return el("span", { class: "sev " + sev }, sev); }
+
+  function renderHeader(doc) {
+    const meta = doc.summary.meta;
+    const nodes = doc.summary.system.scope.num_nodes;
+    fill("run", [`session ${meta.session_id} · ${meta.world_size} rank(s) on ${nodes} node(s)` +
+      ` · ${meta.device} · ${fmtDuration(doc.elapsed_s)}`]);
+    const status = $("status");
+    if (doc.ended) {
+      status.className = "status ended";
+      status.textContent = meta.exit_code === null ? "ended" : "ended · exit " + meta.exit_code;
+    } else {
+      status.className = "status running";
+      status.textContent = "running · live";
+    }
+  }
+
+  function renderVerdict(doc) {
+    const p = doc.summary.primary;
+    const title = SECTIONS.find((s) => s[0] === p.section);
+    const where = (title ? title[1] : p.section) + (p.ranks.length ? " · " + ranksText(p.ranks) : "");
+    const kicker = doc.ended ? "Final verdict" : "Current diagnosis (recent steps)";
+    const box = $("verdict");
+    box.className = "verdict " + p.severity;
+    box.dataset.label = p.label;
+    box.dataset.final = doc.ended ? "true" : "false";
+    box.replaceChildren(
+      el("div", { class: "kicker" }, kicker),
+      el("div", {}, [el("span", { class: "label" }, p.label + " "), sevBadge(p.severity),
+        el("span", { class: "run" }, "  " + where)]),
+      el("div", { class: "why" }, p.why),
+      p.next ? el("div", { class: "next" }, "Next: " + p.next) : "");
+  }
+
+  function renderTable(doc) {
+    const rows = doc.phases;
+    if (!rows.length) { fill("table", el("p", { class: "empty" }, "Waiting for the first steps…")); return; }
+    const steps = doc.summary.step_time.scope.num_steps || 0;
+    $("table-title").textContent = `Step time per rank, ms: median / worst of ${steps} aligned steps`;
+    const cols = PHASES.map((p) => p[0]).concat(["total_ms"]);
+    const head = el("tr", {}, ["rank", "node", "step"].concat(cols.map((c) => c.replace("_ms", "")))
+      .map((h) => el("th", {}, h)));
+    const body = rows.map((r) => el("tr", { "data-rank": String(r.rank) }, [
+      el("td", {}, "r" + r.rank), el("td", {}, r.node_rank === null ? "–" : "n" + r.node_rank),
+      el("td", {}, r.last_step === null ? "–" : String(r.last_step))].concat(cols.map((c) => {
+      const hot = rows.length > 1 && doc.worst_ranks[c] === r.rank;
+      const text = c in r.median_ms ? fmtMs(r.median_ms[c]) + " / " + fmtMs(r.worst_ms[c]) : "–";
+      return el("td", hot ? { class: "hot" } : {}, text);
+    }))));
+    const worst = el("tr", { class: "worst" }, [el("td", {}, "worst rank"), el("td", {}, ""),
+      el("td", {}, "")].concat(cols.map((c) => el("td", {},
+        c in doc.worst_ranks ? "r" + doc.worst_ranks[c] : "–"))));
+    fill("table", el("table", {}, [el("thead", {}, head), el("tbody", {}, body.concat([worst]))]));
+  }
+
+  function axes(svg, box, yMax, yFmt, xs) {
+    const { x0, y0, w, h } = box;
+    svg.append(sv("line", { x1: x0, y1: y0 + h, x2: x0 + w, y2: y0 + h, stroke: "#d0d7de" }));
+    for (const f of [0, 0.5, 1]) {
+      const y = y0 + h - f * h;
+      svg.append(sv("line", { x1: x0, y1: y, x2: x0 + w, y2: y, stroke: "#eaeef2" }));
+      svg.append(sv("text", { x: x0 - 4, y: y + 3, "text-anchor": "end" }, yFmt(f * yMax)));
+    }
+    if (xs.length) {
+      svg.append(sv("text", { x: x0, y: y0 + h + 12 }, "step " + xs[0]));
+      svg.append(sv("text", { x: x0 + w, y: y0 + h + 12, "text-anchor": "end" },
+        "step " + xs[xs.length - 1]));
+    }
+  }
+
+  function xScale(lo, hi, box) {
+    const span = Math.max(1, hi - lo);
+    return (x) => box.x0 + ((x - lo) / span) * box.w;
+  }
+
+  function stepRange(ranks) {
+    let lo = Infinity, hi = -Infinity;
+    for (const r of ranks) {
+      if (r.step.length) { lo = Math.min(lo, r.step[0]); hi = Math.max(hi, r.step[r.step.length - 1]); }
+    }
+    return lo === Infinity ? [0, 1] : [lo, hi];
+  }
+
+  function renderLegend() {
+    fill("legend", PHASES.map(([, name, color]) => el("span", {}, [
+      el("span", { class: "swatch", style: "background:" + color }), name])));
+  }
+
+  function phaseChart(r, lo, hi, yMax) {
+    const box = { x0: 40, y0: 6, w: 270, h: 110 };
+    const svg = sv("svg", { viewBox: "0 0 320 134", role: "img" });
+    axes(svg, box, yMax, fmtMs, [lo, hi]);
+    const x = xScale(lo, hi, box);
+    const y = (v) => box.y0 + box.h - (Math.min(v, yMax) / yMax) * box.h;
+    const base = r.step.map(() => 0);
+    for (const [key, name, color] of PHASES) {
+      const top = base.map((b, i) => b + (r[key][i] || 0));
+      const upper = r.step.map((s, i) => `${x(s).toFixed(1)},${y(top[i]).toFixed(1)}`);
+      const lower = r.step.map((s, i) => `${x(s).toFixed(1)},${y(base[i]).toFixed(1)}`).reverse();
+      if (r.step.length === 1) {
+        upper.push(`${(x(r.step[0]) + 3).toFixed(1)},${y(top[0]).toFixed(1)}`);
+        lower.unshift(`${(x(r.step[0]) + 3).toFixed(1)},${y(base[0]).toFixed(1)}`);
+      }
+      svg.append(sv("path", { d: "M" + upper.concat(lower).join("L") + "Z", fill: color,
+        "fill-opacity": "0.85", "data-phase": name }));
+      top.forEach((v, i) => { base[i] = v; });
+    }
+    const last = r.step.length ? r.step[r.step.length - 1] : "";
+    return el("figure", { "data-chart": "phases", "data-rank": String(r.rank),
+      "data-points": String(r.step.length), "data-last-step": String(last) },
+      [el("figcaption", {}, `r${r.rank} · ms per step`), svg]);
+  }
+
+  function renderPhaseCharts(doc) {
+    const ranks = doc.series.ranks;
+    if (!ranks.length) { fill("phases", el("p", { class: "empty" }, "No steps yet.")); return; }
+    const [lo, hi] = stepRange(ranks);
+    let yMax = 0;
+    for (const r of ranks) for (const v of r.total_ms) yMax = Math.max(yMax, v || 0);
+    yMax = yMax > 0 ? yMax : 1;
+    fill("phases", ranks.map((r) => phaseChart(r, lo, hi, yMax)));
+  }
+
+  function viridis(t) {
+    t = Math.max(0, Math.min(1, t)) * (VIRIDIS.length - 1);
+    const i = Math.min(VIRIDIS.length - 2, Math.floor(t)), f = t - i;
+    const c = VIRIDIS[i].map((a, k) => Math.round(a + (VIRIDIS[i + 1][k] - a) * f));
+    return `rgb(${c[0]},${c[1]},${c[2]})`;
+  }
+
+  function heatGrid(ranks, key) {
+    const steps = Array.from(new Set(ranks.flatMap((r) => r.step))).sort((a, b) => a - b);
+    const col = new Map(steps.map((s, i) => [s, i]));
+    // Colours span the 2nd..98th percentile, so one slow step does not darken the rest.
+    const values = ranks.flatMap((r) => r[key]).filter((v) => v !== null).sort((a, b) => a - b);
+    if (!values.length) return { steps, col, lo: 0, hi: 1 };
+    const at = (q) => values[Math.min(values.length - 1, Math.floor(q * (values.length - 1)))];
+    return { steps, col, lo: at(0.02), hi: at(0.98) };
+  }
+
+  function renderHeatmap(doc) {
+    const canvas = $("heatmap"), key = $("heat-phase").value, ranks = doc.series.ranks;
+    const grid = heatGrid(ranks, key);
+    const cellH = Math.max(3, Math.min(18, Math.floor(360 / Math.max(1, ranks.length))));
+    const left = 44, bottom = 34, width = Math.max(300, $("heat-wrap").clientWidth - 12);
+    const height = ranks.length * cellH + bottom;
+    const ratio = window.devicePixelRatio || 1;
+    canvas.width = width * ratio; canvas.height = height * ratio;
+    canvas.style.height = height + "px";
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    ctx.clearRect(0, 0, width, height);
+    const cellW = (width - left) / Math.max(1, grid.steps.length), span = grid.hi - grid.lo || 1;
+    ctx.font = "10px system-ui, sans-serif"; ctx.fillStyle = "#656d76";
+    ranks.forEach((r, row) => {
+      if (cellH >= 9 || row % Math.ceil(9 / cellH) === 0) ctx.fillText("r" + r.rank, 4, row * cellH + cellH - 3);
+      r.step.forEach((s, i) => {
+        const v = r[key][i];
+        ctx.fillStyle = v === null ? "#eaeef2" : viridis((v - grid.lo) / span);
+        ctx.fillRect(left + grid.col.get(s) * cellW, row * cellH, Math.ceil(cellW), cellH - (cellH > 5 ? 1 : 0));
+      });
+    });
+    drawHeatScale(ctx, grid, left, ranks.length * cellH, width);
+    canvas.dataset.ranks = ranks.map((r) => r.rank).join(",");
+    canvas.dataset.cols = String(grid.steps.length);
+    state.heat = { grid, ranks, key, cellW, cellH, left };
+  }
+
+  function drawHeatScale(ctx, grid, left, top, width) {
+    ctx.fillStyle = "#656d76";
+    if (grid.steps.length) {
+      ctx.fillText("step " + grid.steps[0], left, top + 12);
+      const end = "step " + grid.steps[grid.steps.length - 1];
+      ctx.fillText(end, width - ctx.measureText(end).width - 2, top + 12);
+    }
+    const x0 = left + 90, w = Math.max(60, Math.min(200, width - left - 260));
+    for (let i = 0; i < w; i += 1) { ctx.fillStyle = viridis(i / w); ctx.fillRect(x0 + i, top + 18, 1, 10); }
+    ctx.fillStyle = "#656d76";
+    ctx.fillText("≤" + fmtMs(grid.lo) + " ms", x0 - 56, top + 27);
+    ctx.fillText("≥" + fmtMs(grid.hi) + " ms", x0 + w + 6, top + 27);
+  }
+
+  function heatTip(event) {
+    const h = state.heat;
+    if (!h) return;
+    const rect = $("heatmap").getBoundingClientRect();
+    const row = Math.floor((event.clientY - rect.top) / h.cellH);
+    const col = Math.floor((event.clientX - rect.left - h.left) / h.cellW);
+    const r = h.ranks[row], step = h.grid.steps[col];
+    if (!r || step === undefined) { $("heat-tip").textContent = "\u00a0"; return; }
+    const i = r.step.indexOf(step);
+    const v = i < 0 ? null : r[h.key][i];
+    $("heat-tip").textContent = `r${r.rank} · step ${step} · ${h.key.replace("_ms", "")} ${fmtMs(v)} ms`;
+  }
+
+  function memoryMetric(ranks) {
+    for (const key of ["peak_reserved_bytes", "peak_allocated_bytes", "rss_bytes"]) {
+      if (ranks.some((r) => r[key].some((v) => v !== null))) return key;
+    }
+    return null;
+  }
+
+  function renderMemory(doc) {
+    const ranks = doc.series.ranks, key = memoryMetric(ranks);
+    const names = { peak_reserved_bytes: "device peak reserved", peak_allocated_bytes:
+      "device peak allocated", rss_bytes: "host RSS" };
+    if (key === null) { fill("memory", el("p", { class: "empty" }, "No memory measured yet.")); return; }
+    $("memory-title").textContent = "Memory over steps: " + names[key] + " per rank";
+    const box = { x0: 64, y0: 8, w: 880, h: 170 };
+    const svg = sv("svg", { viewBox: "0 0 960 200", role: "img", "data-chart": "memory",
+      "data-metric": key, "data-ranks": ranks.map((r) => r.rank).join(",") });
+    let yMax = 0;
+    for (const r of ranks) for (const v of r[key]) yMax = Math.max(yMax, v || 0);
+    yMax = yMax > 0 ? yMax * 1.05 : 1;
+    const [lo, hi] = stepRange(ranks);
+    axes(svg, box, yMax, fmtBytes, [lo, hi]);
+    const x = xScale(lo, hi, box), y = (v) => box.y0 + box.h - (v / yMax) * box.h;
+    ranks.forEach((r, n) => {
+      const pts = r.step.map((s, i) => [s, r[key][i]]).filter((p) => p[1] !== null)
+        .map(([s, v]) => `${x(s).toFixed(1)},${y(v).toFixed(1)}`);
+      if (pts.length === 1) pts.push(pts[0]);
+      svg.append(sv("polyline", { points: pts.join(" "), fill: "none", "stroke-width": "1.5",
+        stroke: RANK_COLORS[n % RANK_COLORS.length], "data-rank": String(r.rank) }));
+    });
+    const legend = el("div", { class: "legend" }, ranks.slice(0, 32).map((r, n) => el("span", {}, [
+      el("span", { class: "swatch", style: "background:" + RANK_COLORS[n % RANK_COLORS.length] }),
+      "r" + r.rank])));
+    fill("memory", [legend, svg]);
+  }
+
+  function gaugeRow(row) {
+    return el("div", { class: "gauge-row", "data-gauges": row.name }, [
+      el("div", { class: "name" }, row.name)].concat(row.gauges.map((g) => {
+      const pct = g.pct === null ? null : Math.max(0, Math.min(100, g.pct));
+      const level = pct === null ? "" : pct >= 90 ? "crit" : pct >= 75 ? "warn" : "";
+      const bar = pct === null ? el("span", {}, "") :
+        el("div", { class: "bar" }, el("span", { class: level, style: `width:${pct}%` }));
+      return el("div", { class: "gauge" }, [el("span", {}, g.label), bar, el("span", {}, g.text)]);
+    })));
+  }
+
+  function renderGauges(doc) {
+    const rows = doc.nodes.concat(doc.processes);
+    fill("gauges", rows.length ? rows.map(gaugeRow) : el("p", { class: "empty" }, "No samples yet."));
+  }
+
+  function renderFindings(doc) {
+    const out = [];
+    for (const [key, title] of SECTIONS) {
+      out.push(el("div", { class: "section-title" }, title));
+      for (const f of doc.summary[key].findings) {
+        out.push(el("div", { class: "finding", "data-kind": f.kind }, [
+          el("div", {}, [el("strong", {}, f.label + " "), sevBadge(f.severity),
+            f.ranks.length ? " " + ranksText(f.ranks) : ""]),
+          el("div", { class: "why" }, f.why),
+          f.next ? el("div", { class: "next" }, "Next: " + f.next) : ""]));
+      }
+    }
+    fill("findings", out);
+  }
+
+  function render(doc) {
+    state.doc = doc;
+    renderHeader(doc);
+    renderVerdict(doc);
+    renderTable(doc);
+    renderLegend();
+    renderPhaseCharts(doc);
+    renderHeatmap(doc);
+    renderMemory(doc);
+    renderGauges(doc);
+    renderFindings(doc);
+    const v = doc.summary.meta.versions;
+    fill("footer", `traceml ${v.traceml} · torch ${v.torch} · python ${v.python} · ` +
+      `schema ${doc.summary.schema_version} · ${doc.series.bucket_steps} step(s) per point`);
+    state.renders += 1;
+    document.body.dataset.renders = String(state.renders);
+    document.body.dataset.ended = doc.ended ? "true" : "false";
+  }
+
+  function poll(url, intervalMs, failures) {
+    fetch(url, { cache: "no-store" })
+      .then((resp) => { if (!resp.ok) throw new Error("HTTP " + resp.status); return resp.json(); })
+      .then((doc) => {
+        render(doc);
+        if (!doc.ended) setTimeout(() => poll(url, intervalMs, 0), intervalMs);
+      })
+      .catch(() => {
+        const status = $("status");
+        status.className = "status lost";
+        if (failures >= 4) { status.textContent = "the dashboard server has stopped"; return; }
+        status.textContent = "connection lost · retrying";
+        setTimeout(() => poll(url, intervalMs, failures + 1), intervalMs);
+      });
+  }
+
+  function start() {
+    const data = JSON.parse($("traceml-data").textContent);
+    $("heat-phase").addEventListener("change", () => { if (state.doc) renderHeatmap(state.doc); });
+    $("heatmap").addEventListener("mousemove", heatTip);
+    window.addEventListener("resize", () => { if (state.doc) renderHeatmap(state.doc); });
+    if (data.poll) poll(data.poll, data.interval_ms, 0);
+    else render(data);
+  }
+
+  start();
+})();

@@ -1,0 +1,215 @@
+"""The ``--mode=cli`` view: a Snapshot as rich renderables, and as one plain line (launcher).
+
+Runs in the launcher process, called by :mod:`traceml.live.console` about once
+a second. Pure: the same snapshot and output lines always render the same, so
+tests print them into a fixed-width console and compare the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich import box
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+from traceml.diagnosis.finding import Finding, format_ranks
+from traceml.live.gauges import Gauge, GaugeRow
+from traceml.live.snapshot import TABLE_PHASES, RankPhases, Snapshot
+from traceml.live.worker_output import OutputLine
+from traceml.report.model import SECTION_NAMES, SECTION_TITLES
+
+MAX_TABLE_RANKS = 16
+"""Ranks shown in the phase table at most: the slowest by median step time."""
+
+BAR_CELLS = 8
+_SEVERITY_STYLE = {"info": "cyan", "warn": "yellow", "crit": "bold red"}
+
+
+@dataclass(frozen=True)
+class View:
+    """The whole view, fitted to the console's height: header, phase table, diagnosis,
+    gauges, then as many of the workers' last lines as there is room for."""
+
+    snap: Snapshot
+    output: Sequence[OutputLine] = ()
+    output_where: str | None = None  # None: no output block (workers write to the terminal)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        snap = self.snap
+        top = Group(header(snap), phase_table(snap), diagnosis(snap),
+                    gauge_table("System", snap.nodes), gauge_table("Process", snap.processes))
+        yield top
+        if self.output_where is not None:
+            used = len(console.render_lines(top, options, pad=False))
+            room = options.size.height - used - _output_title_height(self.output_where, options)
+            shown = self.output[-room:] if room > 0 else ()
+            yield output_panel(shown, self.output_where, placeholder=room > 0)
+
+
+def render_view(snap: Snapshot, output: Sequence[OutputLine] = (),
+                output_where: str | None = None) -> View:
+    """The renderable the live display shows (see :class:`View`)."""
+    return View(snap, output, output_where)
+
+
+def format_duration(seconds: float) -> str:
+    """``0:01:05``."""
+    whole = int(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+def format_ms(value: float) -> str:
+    """Three significant digits or so: ``0.12``, ``12.3``, ``123``."""
+    if value >= 100:
+        return f"{value:.0f}"
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _plural(num: int, noun: str) -> str:
+    return f"{num} {noun}" if num == 1 else f"{num} {noun}s"
+
+
+def header(snap: Snapshot) -> Text:
+    meta = snap.report.meta
+    state = "ended" if snap.ended else "running"
+    if snap.ended and meta.exit_code is not None:
+        state += f" (exit {meta.exit_code})"
+    text = Text("traceml ", style="bold")
+    text.append(f"session {meta.session_id} | {_plural(meta.world_size, 'rank')} on "
+                f"{_plural(snap.report.system.scope.num_nodes, 'node')} | {meta.device} | "
+                f"{format_duration(snap.elapsed_s)} | {state}")
+    return text
+
+
+def _shown_ranks(rows: Sequence[RankPhases]) -> list[RankPhases]:
+    if len(rows) <= MAX_TABLE_RANKS:
+        return list(rows)
+    slowest = sorted(rows, key=lambda r: -r.median_ms.get("total_ms", 0.0))[:MAX_TABLE_RANKS]
+    return sorted(slowest, key=lambda r: r.rank)
+
+
+def phase_table(snap: Snapshot) -> RenderableType:
+    """Per rank, median / worst ms of each phase; the worst rank of each phase named."""
+    rows = snap.phases
+    if not rows:
+        return Text("Waiting for the first training steps...", style="dim")
+    shown = _shown_ranks(rows)
+    title = (f"Step time, ms: median / worst of the last {snap.report.step_time.scope.num_steps}"
+             " aligned steps")
+    caption = f"{len(shown)} slowest of {len(rows)} ranks shown" if len(shown) < len(rows) else None
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1),
+                  collapse_padding=True)
+    with_node = snap.report.system.scope.num_nodes > 1
+    names = ("rank", *(("node",) if with_node else ()), "step",
+             *(p.removesuffix("_ms") for p in TABLE_PHASES))
+    for name in names:
+        table.add_column(name, justify="left" if name in ("rank", "node") else "right",
+                         no_wrap=True)
+    for row in shown:
+        node = ("-" if row.node_rank is None else f"n{row.node_rank}",) if with_node else ()
+        table.add_row(f"r{row.rank}", *node, "-" if row.last_step is None else str(row.last_step),
+                      *(_cell(snap, row, p) for p in TABLE_PHASES))
+    if len(rows) > 1:
+        table.add_row("worst", *(("",) if with_node else ()), "",
+                      *(f"r{snap.worst_ranks[p]}" if p in snap.worst_ranks else "-"
+                        for p in TABLE_PHASES), style="dim")
+    return table
+
+
+def _cell(snap: Snapshot, row: RankPhases, phase: str) -> Text:
+    if phase not in row.median_ms:
+        return Text("-")
+    text = f"{format_ms(row.median_ms[phase])}/{format_ms(row.worst_ms[phase])}"
+    hot = len(snap.phases) > 1 and snap.worst_ranks.get(phase) == row.rank
+    return Text(text, style="bold red" if hot else "")
+
+
+def _where(finding: Finding, section: str) -> str:
+    where = SECTION_TITLES[section]
+    return f"{where}, {format_ranks(finding.ranks)}" if finding.ranks else where
+
+
+def diagnosis(snap: Snapshot) -> RenderableType:
+    """The report's primary finding with its why and next step; every section's diagnosis."""
+    primary = snap.report.primary
+    finding = primary.finding
+    text = Text("Diagnosis: ", style="bold")
+    text.append(finding.label, style=_SEVERITY_STYLE[finding.severity])
+    text.append(f" [{finding.severity}] ({_where(finding, primary.section)})")
+    body = Text(finding.why)
+    if finding.actionable and finding.next:
+        body.append(f"\nNext: {finding.next}", style="dim")
+    labels = " | ".join(f"{SECTION_TITLES[name]} {snap.report.section(name).diagnosis.label}"
+                        for name in SECTION_NAMES)
+    body.append(f"\n{labels}", style="dim")
+    return Group(text, Padding(body, (0, 0, 0, 2)))
+
+
+def bar(gauge: Gauge) -> Text:
+    """``CPU ███████░░░ 70%``; a text-only gauge shows its text."""
+    text = Text(f"{gauge.label} ")
+    if gauge.pct is not None:
+        pct = max(0.0, min(100.0, gauge.pct))
+        filled = round(pct / 100 * BAR_CELLS)
+        style = "red" if pct >= 90 else "yellow" if pct >= 75 else "green"
+        text.append("█" * filled, style=style)
+        text.append("░" * (BAR_CELLS - filled), style="dim")
+        text.append(" ")
+    text.append(gauge.text)
+    return text
+
+
+def gauge_table(title: str, rows: Sequence[GaugeRow]) -> RenderableType:
+    """One line per node (System) or rank (Process); gauges wrap when the line is full."""
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    for row in rows:
+        table.add_row(row.name, Text("  ").join(bar(g) for g in row.gauges))
+    if not rows:
+        table.add_row("", Text("no samples yet", style="dim"))
+    return Group(Text(title, style="bold"), table)
+
+
+def _output_title(where: str) -> Text:
+    title = Text("Worker output", style="bold")
+    title.append(f" (last lines by local rank; all of it in {where})", style="dim")
+    return title
+
+
+def _output_title_height(where: str, options: ConsoleOptions) -> int:
+    return len(_output_title(where).wrap(Console(), options.max_width))
+
+
+def output_panel(lines: Sequence[OutputLine], where: str,
+                 placeholder: bool = True) -> RenderableType:
+    """The workers' last lines, one screen line each, so the view keeps its shape."""
+    shown = []
+    for line in lines:
+        text = Text(f"[{line.local_rank}] ", style="dim", no_wrap=True, overflow="ellipsis")
+        text.append(line.text, style="red" if line.is_err else "")
+        shown.append(text)
+    if not shown and placeholder:
+        shown.append(Text("  (nothing yet)", style="dim"))
+    return Group(_output_title(where), *shown)
+
+
+def status_line(snap: Snapshot) -> str:
+    """The plain-text view (stdout is not a terminal): one line, no colours."""
+    parts = [f"traceml: {format_duration(snap.elapsed_s)}"]
+    if snap.phases:
+        steps = ", ".join(f"r{r.rank} {r.last_step}" for r in snap.phases[:8])
+        more = f" +{len(snap.phases) - 8} more" if len(snap.phases) > 8 else ""
+        parts.append(f"step {steps}{more}")
+    total = snap.report.step_time.stats.get("total_ms")
+    if total is not None:
+        parts.append(f"step time median {format_ms(total.median)} ms, worst "
+                     f"{format_ms(total.worst)} ms (r{total.worst_rank})")
+    finding = snap.report.primary.finding
+    parts.append(f"{finding.label} [{finding.severity}]")
+    return " | ".join(parts)
