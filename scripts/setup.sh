@@ -5,5 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+# Live-view tests: Debian's Chromium driven by Playwright (Playwright's own
+# browser download is not reachable) and tmux for the terminal view.
+if { [ ! -x /usr/bin/chromium ] || ! command -v tmux >/dev/null; } && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium tmux >/dev/null
+fi
 "$PY" -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 "$PY" -m pip install --quiet --disable-pip-version-check --no-deps -e .

@@ -77,6 +77,8 @@ def read_store(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     try:
         steps = [dict(r) for r in db.execute("SELECT * FROM steps ORDER BY rank, step")]
         senders = [dict(r) for r in db.execute("SELECT * FROM senders")]
+    except sqlite3.OperationalError:  # polled before the collector made its tables
+        return [], []
     finally:
         db.close()
     return steps, senders

@@ -11,6 +11,7 @@ USAGE = """usage: traceml <command> [options]
 
 commands:
   run      launch a training script like torchrun and trace every rank
+  watch    launch like run, with system and process telemetry only (nothing injected)
   report   recompute a session's final summary from its stored telemetry
   compare  compare two runs: IMPROVEMENT, REGRESSION, NO CHANGE, MIXED or INCONCLUSIVE
 
@@ -21,6 +22,12 @@ def _run(argv: Sequence[str]) -> int:
     from traceml.launcher import args, launch
 
     return launch.run(args.parse("run", argv))
+
+
+def _watch(argv: Sequence[str]) -> int:
+    from traceml.launcher import args, launch
+
+    return launch.run(args.parse("watch", argv))
 
 
 def _report(argv: Sequence[str]) -> int:
@@ -35,7 +42,7 @@ def _compare(argv: Sequence[str]) -> int:
     return cli.main(argv)
 
 
-COMMANDS = {"run": _run, "report": _report, "compare": _compare}
+COMMANDS = {"run": _run, "watch": _watch, "report": _report, "compare": _compare}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,7 +46,7 @@ class BatchSender:
         self.keys = keys
         self.num_sent = 0
         self.num_dropped = 0
-        self._seq = 0
+        self._seqs: dict[Sender, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
         self._socket: Any = None
@@ -98,13 +98,17 @@ class BatchSender:
             for kind, payload in produce():
                 self.send(kind, payload)
 
-    def send(self, kind: str, payload: dict[str, Any]) -> None:
+    def send(self, kind: str, payload: dict[str, Any], identity: Sender | None = None) -> None:
+        """Send now, never blocking; ``identity`` speaks for another sender
+        (the watch sampler reports each rank it watches under that rank)."""
+        who = identity or self.identity
+        seq = self._seqs.get(who, 0)
+        self._seqs[who] = seq + 1
         env = Envelope(
-            session_id=self.session_id, kind=kind, sender=self.identity, seq=self._seq,
+            session_id=self.session_id, kind=kind, sender=who, seq=seq,
             sent_at=time.time(), payload=payload,
             num_sent=self.num_sent, num_dropped=self.num_dropped,
         )
-        self._seq += 1
         try:
             self._socket.send(protocol.encode(env), zmq.NOBLOCK)
             self.num_sent += 1

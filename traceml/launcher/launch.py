@@ -26,7 +26,8 @@ from traceml.errors import UsageError
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.launcher.ending import finish
 from traceml.launcher import topology
-from traceml.launcher.nodes import JoinCheck, Waiting, wait_for_nodes
+from traceml.launcher.nodes import JoinCheck, SilenceWatch, Waiting, wait_for_nodes
+from traceml.launcher.process_watcher import ProcessWatcher
 from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.security import session_keys
@@ -140,7 +141,8 @@ def run(cfg: RunConfig) -> int:
     port = collector.port if collector is not None else topo.port
     agent_env = agent_env_for(cfg, f"tcp://{topo.connect_host}:{port}", session_dir, topo,
                               secret)
-    inject(agent_env)
+    if cfg.command == "run":
+        inject(agent_env)  # watch injects nothing: the launcher samples from outside
     return _supervise(cfg, topo, agent_env, collector, session_dir)
 
 
@@ -152,6 +154,11 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
                             cfg.node_rank if topo.static else None, cfg.sample_interval_s, keys)
     sampler.start()
     helpers = node_helpers(cfg, topo, collector, session_dir)
+    if cfg.command == "watch":
+        helpers.append(ProcessWatcher(agent_env.endpoint, cfg.session_id,
+                                      cfg.node_rank if topo.static else None,
+                                      cfg.sample_interval_s, keys))
+        helpers[-1].start()
     view = start_live_view(cfg, session_dir, collector.ready if collector else {})  # live views
     exit_code = 128 + signal.SIGINT
     try:
@@ -182,6 +189,8 @@ def node_helpers(cfg: RunConfig, topo: Topology, collector: CollectorProcess | N
     helpers: list[Any] = [Waiting(cfg, rendezvous, db_path, skip)]
     if collector is None:
         helpers.append(JoinCheck(cfg, topo.connect_host, topo.join_port))
+    else:
+        helpers.append(SilenceWatch(session_dir, max(15.0, 10 * cfg.sample_interval_s)))
     for helper in helpers:
         helper.start()
     return helpers

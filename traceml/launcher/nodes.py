@@ -162,3 +162,38 @@ def wait_for_nodes(db_path: Path, num_nodes: int) -> list[str]:
             announced = True
             _say(f"waiting up to {NODES_FINISH_TIMEOUT_S:.0f} s for the other nodes to finish")
         time.sleep(0.2)
+
+
+class SilenceWatch(threading.Thread):
+    """Node 0: a node whose launcher stops reporting has died (or lost its
+    network).  Its ranks would hang in their collectives until torch's timeout
+    (30 minutes for gloo), so write a partial summary now, naming it."""
+
+    def __init__(self, session_dir: Path, silent_after_s: float) -> None:
+        super().__init__(name="traceml-silence", daemon=True)
+        self.session_dir = session_dir
+        self.silent_after_s = silent_after_s
+        self.done = threading.Event()
+        self.reported: set[int] = set()
+
+    def run(self) -> None:
+        from traceml.collector.store import STORE_FILENAME
+        from traceml.report.session import write_summary
+
+        while not self.done.wait(1.0):
+            rows = _read_store(self.session_dir / STORE_FILENAME,
+                               "SELECT node_rank, host, last_seen FROM senders WHERE "
+                               "role = 'system' AND node_rank >= 0 AND said_bye = 0")
+            now = time.time()
+            silent = [(n, h) for n, h, seen in rows
+                      if now - seen > self.silent_after_s and n not in self.reported]
+            if not silent:
+                continue
+            self.reported.update(n for n, _ in silent)
+            names = ", ".join(f"node {n} ({h})" for n, h in silent)
+            files = write_summary(self.session_dir)
+            _say(f"{names} stopped reporting {self.silent_after_s:.0f} s ago; partial summary "
+                 f"written to {files.json_path}")
+
+    def stop(self) -> None:
+        self.done.set()

@@ -30,18 +30,33 @@ PLAIN_INTERVAL_S = 10.0
 
 
 class _Ticker:
-    """A daemon thread that calls ``tick`` every ``interval_s`` until stopped."""
+    """A daemon thread that calls ``tick`` every ``interval_s`` until stopped.
+
+    A view that breaks stops refreshing and says why when it is stopped: it
+    must never cost the run its training or its final summary.
+    """
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-view", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.tick()
+            self.safe_tick()
 
-    def tick(self) -> None:
+    def safe_tick(self, ended: bool = False) -> None:
+        """``tick``, unless the view already broke; a failure is kept for ``stop``."""
+        if self.error is not None:
+            return
+        try:
+            self.tick(ended)
+        except Exception as exc:  # noqa: BLE001 (a display bug must not end the run)
+            self.error = exc
+
+    def tick(self, ended: bool) -> None:
+        """Refresh; ``ended``: the last time, the run is over."""
         raise NotImplementedError
 
     def start(self) -> None:
@@ -50,6 +65,11 @@ class _Ticker:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+    def report_error(self) -> None:
+        if self.error is not None:
+            print(f"traceml: warning: the live view stopped: {self.error!r}; "
+                  "the run went on", file=sys.stderr)
 
 
 def read_snapshot(tail: StoreTail) -> Snapshot | None:
@@ -80,7 +100,7 @@ class TerminalView(_Ticker):
             snap = dataclasses.replace(snap, ended=True)
         return render_view(snap, self.output.poll(), str(self.output.log_dir))
 
-    def tick(self, ended: bool = False) -> None:
+    def tick(self, ended: bool) -> None:
         renderable = self._renderable(ended)
         if renderable is not None:
             self.live.update(renderable, refresh=True)
@@ -93,8 +113,9 @@ class TerminalView(_Ticker):
     def stop(self) -> None:
         """Stop refreshing; the last frame, up to date, stays on the screen."""
         super().stop()
-        self.tick(ended=True)
+        self.safe_tick(ended=True)
         self.live.stop()
+        self.report_error()
 
 
 class PlainStatus(_Ticker):
@@ -106,8 +127,12 @@ class PlainStatus(_Ticker):
         self.tail = StoreTail(db_path)
         self.stream = stream
 
-    def tick(self) -> None:
+    def tick(self, ended: bool) -> None:
         snap = read_snapshot(self.tail)
         if snap is not None and snap.phases:
             stream = self.stream or sys.stdout
             print(status_line(snap), file=stream, flush=True)
+
+    def stop(self) -> None:
+        super().stop()
+        self.report_error()

@@ -55,11 +55,17 @@ def build_series(steps: Iterable[StepRow], max_points: int = MAX_POINTS) -> Seri
 
 
 def _rank_series(rank: int, rows: Mapping[int, StepRow], first: int, size: int) -> RankSeries:
+    if size == 1:  # every step is a point (always so live): no bucket arithmetic
+        ordered = [rows[step] for step in sorted(rows)]
+        columns: dict[str, tuple[float | None, ...]] = {
+            name: tuple(getattr(r, name) for r in ordered)
+            for name in SERIES_PHASES + SERIES_MEMORY}
+        return RankSeries(rank, tuple(r.step for r in ordered), columns)
     buckets: dict[int, list[StepRow]] = {}
     for step in sorted(rows):
         buckets.setdefault(first + (step - first) // size * size, []).append(rows[step])
     xs = tuple(buckets)
-    columns: dict[str, tuple[float | None, ...]] = {}
+    columns = {}
     for name in SERIES_PHASES:
         columns[name] = tuple(_mean(getattr(r, name) for r in buckets[x]) for x in xs)
     for name in SERIES_MEMORY:

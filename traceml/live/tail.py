@@ -50,23 +50,26 @@ class StoreTail:
         """The recent run (rows read so far, bounded) and the summary window it asked for."""
         reader = StoreReader(str(self.db_path))
         try:
-            for row in self._new_rows(reader, "steps"):
+            senders = [dict(r) for r in reader.senders()]
+            # Newer rows than this cannot all be kept: a late first poll skips the backlog.
+            most = 2 * max(1, len(senders))
+            for row in self._new_rows(reader, "steps", most * self.steps_kept):
                 self._add_step(row)
-            for row in self._new_rows(reader, "process"):
+            for row in self._new_rows(reader, "process", most * self.samples_kept):
                 self._add_sample(self._process, _process_sample(row), row["rank"])
-            for row in self._new_rows(reader, "system"):
+            for row in self._new_rows(reader, "system", most * self.samples_kept):
                 self._add_sample(self._system, _system_sample(row), row["node_rank"])
             meta, rejected = reader.meta(), reader.rejected()
-            senders = [dict(r) for r in reader.senders()]
         finally:
             reader.close()
         return self._run(meta, senders, rejected), int(
             meta.get("summary_window_rows") or DEFAULT_WINDOW_ROWS)
 
-    def _new_rows(self, reader: StoreReader, table: str) -> list[dict[str, Any]]:
+    def _new_rows(self, reader: StoreReader, table: str, limit: int) -> list[dict[str, Any]]:
+        """The newest ``limit`` rows added since the last poll, oldest first."""
         rows = [dict(r) for r in reader.db.execute(
-            f"SELECT rowid AS row_id, * FROM {table} WHERE rowid > ? ORDER BY rowid",
-            (self._after[table],))]
+            f"SELECT * FROM (SELECT rowid AS row_id, * FROM {table} WHERE rowid > ? "
+            "ORDER BY rowid DESC LIMIT ?) ORDER BY row_id", (self._after[table], limit))]
         if rows:
             self._after[table] = rows[-1]["row_id"]
         return rows

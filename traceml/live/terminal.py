@@ -96,6 +96,8 @@ def phase_table(snap: Snapshot) -> RenderableType:
     """Per rank, median / worst ms of each phase; the worst rank of each phase named."""
     rows = snap.phases
     if not rows:
+        if snap.report.meta.mode == "watch":
+            return Text("traceml watch times no steps: System and Process only.", style="dim")
         return Text("Waiting for the first training steps...", style="dim")
     shown = _shown_ranks(rows)
     title = (f"Step time, ms: median / worst of the last {snap.report.step_time.scope.num_steps}"

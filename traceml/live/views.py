@@ -6,7 +6,8 @@ files (``--redirects 3``, ``--tee 0``, under ``--log-dir`` or
 last lines and the folder is printed at the start and the end. Without a
 terminal: plain output, workers untouched, a status line now and then.
 ``--mode=dashboard``: the server runs in the collector; the launcher prints
-its address (and that it moved, when the asked port was taken).
+its address (and that it moved, when the asked port was taken). Both views
+run on the collector's node only, where every rank's data arrives.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ def _say(message: str) -> None:
 
 def start_live_view(cfg: RunConfig, session_dir: Path, ready: Mapping[str, Any]) -> LiveView:
     """Start the view of ``cfg.mode`` (before the workers start); ``ready`` is what the
-    collector reported when it started."""
+    collector reported when it started, empty on a node without the collector."""
+    if cfg.mode != "summary" and not ready:
+        _say(f"--mode={cfg.mode}: the live view runs on the collector's node (node 0), "
+             "where every rank's data arrives; this node's output stays plain")
+        return _NoView()
     if cfg.mode == "dashboard":
         announce_dashboard(ready, cfg.dashboard_port)
         return _NoView()

@@ -134,6 +134,10 @@ def _run_meta(meta: dict[str, Any], senders: list[dict[str, Any]], steps: tuple[
     seen = {s["rank"] for s in senders if s["rank"] is not None}
     reported = [s["world_size"] for s in senders if s["world_size"]]
     world_size = max(reported + [int(meta.get("expected_world_size") or 0), len(seen)])
+    if meta.get("mode", "run") == "run":
+        # A rank that never said goodbye was lost (killed, or its node died):
+        # its data stops early.  Watch mode has no agent to say goodbye.
+        seen = {s["rank"] for s in senders if s["rank"] is not None and s["said_bye"]}
     missing = tuple(r for r in range(world_size) if r not in seen)
     exit_code = meta.get("exit_code")
     cuda = any(s.peak_allocated_bytes is not None for s in steps) or any(

@@ -94,7 +94,12 @@
 
   function renderTable(doc) {
     const rows = doc.phases;
-    if (!rows.length) { fill("table", el("p", { class: "empty" }, "Waiting for the first steps…")); return; }
+    if (!rows.length) {
+      const watch = doc.summary.meta.mode === "watch";
+      fill("table", el("p", { class: "empty" }, watch ?
+        "traceml watch times no steps: System and Process only." : "Waiting for the first steps…"));
+      return;
+    }
     const steps = doc.summary.step_time.scope.num_steps || 0;
     $("table-title").textContent = `Step time per rank, ms: median / worst of ${steps} aligned steps`;
     const cols = PHASES.map((p) => p[0]).concat(["total_ms"]);

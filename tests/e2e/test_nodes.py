@@ -1,0 +1,195 @@
+"""Several nodes on one machine: two launchers over loopback act as two nodes
+(static and c10d rendezvous); node loss; mismatching options; watch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import read_store, read_summary, script
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Nodes:
+    """Launch `traceml run` once per node with shared options."""
+
+    def __init__(self, tmp_path: Path, session: str, common: list[str],
+                 env: dict[str, str] | None = None) -> None:
+        self.tmp_path, self.session, self.common = tmp_path, session, common
+        self.evidence = tmp_path / "evidence"
+        self.evidence.mkdir(exist_ok=True)
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", EVIDENCE_DIR=str(self.evidence),
+                        **(env or {}))
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, *extra: str, command: str = "run") -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "traceml", command, "--logs-dir",
+               str(self.tmp_path / "logs"), "--session-id", self.session, *self.common, *extra]
+        proc = subprocess.Popen(cmd, env=self.env, cwd=self.tmp_path, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def finish(self, timeout: float = 180) -> list[tuple[int, str, str]]:
+        out = []
+        for proc in self.procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            out.append((proc.returncode, stdout, stderr))
+        return out
+
+    @property
+    def session_dir(self) -> Path:
+        return self.tmp_path / "logs" / self.session
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+
+
+def kill_tree(pid: int) -> None:
+    import psutil
+
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _system_nodes(session_dir: Path) -> set[int]:
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{session_dir / 'telemetry.sqlite'}?mode=ro", uri=True)
+    try:
+        return {r[0] for r in db.execute("SELECT DISTINCT node_rank FROM system")}
+    finally:
+        db.close()
+
+
+def _assert_all_ranks(nodes: Nodes, world: int) -> dict[str, Any]:
+    summary = read_summary(nodes.session_dir)
+    assert summary is not None
+    assert summary["meta"]["world_size"] == world and summary["meta"]["missing_ranks"] == []
+    assert sorted(summary["step_time"]["scope"]["ranks"]) == list(range(world))
+    assert {n["node_rank"] for n in summary["meta"]["nodes"]} == {0, 1}
+    evidence = [p.read_text() for p in nodes.evidence.glob("rank*.json")]
+    assert len(evidence) == world and all(
+        f'"allreduce": {world * (world + 1) / 2}' in e for e in evidence)
+    assert _system_nodes(nodes.session_dir) == {0, 1}  # node 1's system samples arrived
+    return summary
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_two_nodes_static(tmp_path: Path, nproc: int) -> None:
+    common = ["--nnodes=2", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+              f"--master-port={free_port()}", f"--aggregator-port={free_port()}",
+              "--aggregator-bind-host=127.0.0.1"]
+    nodes = Nodes(tmp_path, "st", common)
+    nodes.start("--node-rank=0", script("allreduce.py"))
+    nodes.start("--node-rank=1", script("allreduce.py"))
+    results = nodes.finish()
+    assert [r[0] for r in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
+    _assert_all_ranks(nodes, 2 * nproc)
+    assert "TraceML Run Summary" in results[0][1]
+    assert "node 0 writes the summary" in results[1][2]
+
+
+def test_two_nodes_c10d_with_curve(tmp_path: Path) -> None:
+    # Bound beyond 127.0.0.1, every sender must speak CURVE with the session secret.
+    port = free_port()
+    common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--aggregator-port={port}",
+              "--aggregator-bind-host=127.0.0.2", "--aggregator-host=127.0.0.2"]
+    nodes = Nodes(tmp_path, "c1", common, env={"TRACEML_SECRET": "correct horse"})
+    nodes.start(script("allreduce.py"))
+    deadline = time.monotonic() + 60  # the first launcher takes the collector port
+    while time.monotonic() < deadline and not (nodes.session_dir / "telemetry.sqlite").exists():
+        time.sleep(0.05)
+    nodes.start(script("allreduce.py"))
+    results = nodes.finish()
+    assert [r[0] for r in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
+    summary = _assert_all_ranks(nodes, 4)
+    assert summary["meta"]["transport"]["rejected"] == 0
+
+
+def test_node_lost_mid_run(tmp_path: Path) -> None:
+    common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+              f"--master-port={free_port()}", f"--aggregator-port={free_port()}",
+              "--aggregator-bind-host=127.0.0.1"]
+    nodes = Nodes(tmp_path, "lost", common)
+    node0 = nodes.start("--node-rank=0", script("allreduce.py"), "400", "0.02")
+    node1 = nodes.start("--node-rank=1", script("allreduce.py"), "400", "0.02")
+    store = nodes.session_dir / "telemetry.sqlite"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if store.exists() and {s["rank"] for s in read_store(store)[0]} == {0, 1}:
+            break
+        time.sleep(0.1)
+    else:
+        nodes.kill_all()
+        raise AssertionError("both nodes never stored steps")
+    kill_tree(node1.pid)  # the whole node goes away: launcher, workers, sampler
+    killed = time.monotonic()
+    # Rank 0 now hangs in gloo until torch's 30-minute timeout; node 0 must not.
+    summary_path = nodes.session_dir / "final_summary.json"
+    while time.monotonic() - killed < 60 and not summary_path.exists():
+        time.sleep(0.2)
+    nodes.kill_all()
+    _, err = node0.communicate(timeout=60)
+    node1.wait()
+    summary = read_summary(nodes.session_dir)
+    assert summary is not None and summary["meta"]["partial"] is True
+    assert summary["meta"]["missing_ranks"] == [1]
+    # Either node 0 noticed the silence, or its rank failed and the run ended:
+    # both say which node is gone.
+    assert "node 1" in err, err[-3000:]
+
+
+def test_mismatching_node_is_reported_not_hung(tmp_path: Path) -> None:
+    common = ["--nnodes=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+              f"--aggregator-port={free_port()}", "--aggregator-bind-host=127.0.0.1"]
+    nodes = Nodes(tmp_path, "mm", common)
+    node0 = nodes.start("--node-rank=0", "--nproc-per-node=1", script("allreduce.py"))
+    node1 = nodes.start("--node-rank=1", "--nproc-per-node=2", script("allreduce.py"))
+    try:
+        _, err1 = node1.communicate(timeout=90)
+        assert node1.returncode == 2
+        lines = [ln for ln in err1.splitlines() if ln.startswith("traceml:")]
+        assert len(lines) == 1 and "--nproc-per-node" in lines[0], err1
+    finally:
+        nodes.kill_all()
+        node0.communicate(timeout=60)
+
+
+def test_watch_reports_system_and_process_only(tmp_path: Path) -> None:
+    (tmp_path / "plain.py").write_text(
+        "import time\nx = [0] * 10**6\nt = time.time()\nwhile time.time() - t < 2.5:\n"
+        "    pass\nprint('done')\n")
+    for name, target in (("torch", script("loop.py")), ("plain", str(tmp_path / "plain.py"))):
+        nodes = Nodes(tmp_path, f"w-{name}", ["--nproc-per-node=2", "--sample-interval=0.25"])
+        nodes.start(target, command="watch")
+        ((code, out, err),) = nodes.finish()
+        assert code == 0, err[-2000:]
+        summary = read_summary(nodes.session_dir)
+        assert summary is not None
+        assert summary["step_time"]["diagnosis"]["label"] == "STEP TIME NOT MEASURED"
+        assert summary["process"]["scope"]["ranks"] == [0, 1], summary["process"]["scope"]
+        assert summary["system"]["diagnosis"]["kind"] != "NOT_MEASURED"
+        steps, senders = read_store(nodes.session_dir / "telemetry.sqlite")
+        assert steps == []  # nothing was injected

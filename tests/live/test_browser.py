@@ -1,0 +1,137 @@
+"""The dashboard and final_summary.html in a real headless Chromium (Playwright)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.live.conftest import (
+    LIVE_SCRIPTS,
+    ROOT,
+    artifact,
+    assert_every_rank_charted,
+    chart_facts,
+    open_page,
+    wait_for,
+)
+from traceml.diagnosis.samples import from_jsonable
+from traceml.report import build_report
+from traceml.report.html import write_html
+
+SCENARIOS = ROOT / "tests" / "fixtures" / "scenarios"
+
+
+def test_html_report_of_an_eight_rank_run(tmp_path: Path, browser: Any) -> None:
+    run = from_jsonable(json.loads((SCENARIOS / "compute_straggler_8r" / "run.json").read_text()))
+    report = build_report(run, 10000)
+    path = write_html(tmp_path / "final_summary.html", report, run)
+    page, watch = open_page(browser, "file://")
+    page.goto(path.as_uri())
+    facts = wait_for(lambda: (f := chart_facts(page))["renders"] and f, 20, "the page to render")
+    assert_every_rank_charted(facts, list(range(8)))
+    assert facts["verdict"] == report.primary.finding.label == "COMPUTE STRAGGLER"
+    assert facts["final"]
+    page.select_option("#heat-phase", "forward_ms")
+    assert page.eval_on_selector("#heatmap", "c => c.dataset.ranks") == "0,1,2,3,4,5,6,7"
+    page.screenshot(path=str(artifact("html-report-8-ranks.png")), full_page=True)
+    assert watch.errors == [] and watch.outside_requests == []
+    page.close()
+
+
+def _start_run(tmp_path: Path, port: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", LIVE_STOP_FILE=str(tmp_path / "stop"),
+               LIVE_MAX_S="150")
+    cmd = [sys.executable, "-m", "traceml", "run", "--logs-dir", str(tmp_path / "logs"),
+           "--session-id", "dash", "--mode", "dashboard", "--dashboard-port", str(port), "--html",
+           "--nproc-per-node", "2", str(LIVE_SCRIPTS / "gated.py"), "--slow-rank", "1",
+           "--slow-ms", "8"]
+    with (tmp_path / "out.txt").open("wb") as out, (tmp_path / "err.txt").open("wb") as err:
+        return subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=tmp_path)
+
+
+def _dashboard_url(tmp_path: Path, taken_port: int) -> str:
+    pattern = re.compile(rf"dashboard port {taken_port} is in use; dashboard at "
+                         r"(http://127\.0\.0\.1:\d+/) instead")
+
+    def printed() -> str | None:
+        found = pattern.search((tmp_path / "err.txt").read_text())
+        return found.group(1) if found else None
+
+    return wait_for(printed, 90, "the dashboard URL on stderr")
+
+
+def _ranks_drawn(page: Any) -> dict[str, Any] | None:
+    facts = chart_facts(page)
+    points = [p["points"] for p in facts["phases"]]
+    return facts if len(points) == 2 and min(points) > 0 else None
+
+
+def test_dashboard_follows_a_two_rank_run_to_its_verdict(tmp_path: Path, browser: Any) -> None:
+    with socket.socket() as taken:  # the asked port is in use: traceml says so, takes another
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _start_run(tmp_path, port)
+        try:
+            url = _dashboard_url(tmp_path, port)
+        except AssertionError:
+            proc.kill()
+            raise
+    page, watch = open_page(browser, url.rstrip("/"))
+    try:
+        page.goto(url)
+        first = wait_for(lambda: _ranks_drawn(page), 60, "charts for both ranks")
+        assert not first["final"]
+        later = wait_for(lambda: (f := chart_facts(page))["renders"] > first["renders"] + 1 and all(
+            b["last"] > a["last"] for a, b in zip(first["phases"], f["phases"])) and f,
+            30, "the live page to show new steps")
+        assert_every_rank_charted(later, [0, 1])
+        page.screenshot(path=str(artifact("dashboard-live.png")), full_page=True)
+        (tmp_path / "stop").touch()
+        final = wait_for(lambda: (f := chart_facts(page))["final"] and f, 90, "the final verdict")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    page.screenshot(path=str(artifact("dashboard-final.png")), full_page=True)
+    summary = json.loads((tmp_path / "logs" / "dash" / "final_summary.json").read_text())
+    assert final["verdict"] == summary["primary"]["label"]
+    assert_every_rank_charted(final, [0, 1])
+    assert watch.errors == [] and watch.outside_requests == []
+    page.close()
+    _check_html_reports(tmp_path, browser, summary["primary"]["label"])
+
+
+def _report_facts(browser: Any, path: Path) -> dict[str, Any]:
+    """What an HTML report file draws; it must not err nor reach out."""
+    page, watch = open_page(browser, "file://")
+    page.goto(path.as_uri())
+    facts = wait_for(lambda: (f := chart_facts(page))["renders"] and f, 20, f"{path.name}")
+    assert watch.errors == [] and watch.outside_requests == []
+    page.close()
+    return facts
+
+
+def _check_html_reports(tmp_path: Path, browser: Any, verdict: str) -> None:
+    """--html on run wrote final_summary.html; traceml report --html OUT writes another."""
+    session = tmp_path / "logs" / "dash"
+    out = tmp_path / "report.html"
+    res = subprocess.run([sys.executable, "-m", "traceml", "report", str(session), "--html",
+                          str(out)], capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert f"HTML report written to {out}" in res.stderr
+    for path in (session / "final_summary.html", out):
+        facts = _report_facts(browser, path)
+        assert_every_rank_charted(facts, [0, 1])
+        assert facts["verdict"] == verdict and facts["final"]
+    page, _ = open_page(browser, "file://")
+    page.goto(out.as_uri())
+    page.screenshot(path=str(artifact("html-report-2-ranks.png")), full_page=True)
+    page.close()

@@ -1,0 +1,115 @@
+"""Snapshot, series and the store tail: what every live view and the HTML page draw."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from tests.live.conftest import GIB, T0, fixed_run
+from traceml.collector.store import SenderState, StoreWriter
+from traceml.diagnosis.samples import StepRow
+from traceml.live.series import build_series, series_to_json
+from traceml.live.snapshot import (
+    LIVE_WINDOW_STEPS,
+    build_snapshot,
+    live_snapshot,
+    snapshot_to_json,
+)
+from traceml.live.tail import StoreTail
+from traceml.protocol import PROCESS_FIELDS, STEP_FIELDS, SYSTEM_FIELDS, Sender
+from traceml.report import build_report, report_to_json
+
+
+def row(rank: int, step: int, total_ms: float = 10.0) -> StepRow:
+    return StepRow(rank, step, 1.0, 2.0, 3.0, 1.0, total_ms, total_ms - 7.0, None, None, GIB)
+
+
+def test_series_keeps_every_step_when_short() -> None:
+    series = build_series([row(0, s, 10.0 + s) for s in range(5)] + [row(1, 2)])
+    assert series.bucket_steps == 1
+    assert [r.rank for r in series.ranks] == [0, 1]
+    assert series.ranks[0].steps == (0, 1, 2, 3, 4)
+    assert series.ranks[0].columns["total_ms"] == (10.0, 11.0, 12.0, 13.0, 14.0)
+    assert series.ranks[1].columns["peak_reserved_bytes"] == (None,)
+
+
+def test_series_buckets_long_runs_alike_on_every_rank() -> None:
+    rows = [row(r, s, float(s)) for r in (0, 1) for s in range(10)]
+    series = build_series(rows, max_points=4)
+    assert series.bucket_steps == 3
+    for rank_series in series.ranks:
+        assert rank_series.steps == (0, 3, 6, 9)
+        assert rank_series.columns["total_ms"] == (1.0, 4.0, 7.0, 9.0)
+        assert rank_series.columns["rss_bytes"] == (GIB, GIB, GIB, GIB)
+    encoded = series_to_json(series)
+    assert encoded["ranks"][0]["step"] == [0, 3, 6, 9]  # type: ignore[index, call-overload]
+
+
+def test_live_snapshot_reports_the_recent_window() -> None:
+    run = fixed_run(num_steps=LIVE_WINDOW_STEPS + 50)
+    snap = live_snapshot(run, window_rows=10000, now=T0 + 30)
+    assert snap.report.step_time.scope.num_steps == LIVE_WINDOW_STEPS
+    assert snap.elapsed_s == 30 and not snap.ended
+    assert [(p.rank, p.last_step) for p in snap.phases] == [(0, 149), (1, 149)]
+    assert snap.worst_ranks["input_ms"] == 1
+    assert snap.phases[1].median_ms["input_ms"] == 41.0
+    assert snap.phases[1].worst_ms["input_ms"] == 42.0
+
+
+def test_the_page_document_holds_the_report_unchanged() -> None:
+    run = fixed_run()
+    report = build_report(run, 10000)
+    doc = snapshot_to_json(build_snapshot(run, report, ended=True), live=False)
+    assert doc["summary"] == report_to_json(report)
+    assert doc["ended"] is True and doc["live"] is False
+    assert [n["name"] for n in doc["nodes"]] == ["n0 gpu-box", "n0 gpu0"]  # type: ignore[union-attr, index]
+
+
+def test_a_rank_without_window_steps_still_has_a_row() -> None:
+    run = fixed_run()
+    odd = dataclasses.replace(run, steps=run.steps + (row(2, 50),),
+                              meta=dataclasses.replace(run.meta, world_size=3))
+    snap = live_snapshot(odd, 10000, now=T0)
+    assert [(p.rank, p.last_step, p.num_steps) for p in snap.phases] == [
+        (0, 11, 0), (1, 11, 0), (2, 50, 0)]
+    assert snap.phases[2].median_ms == {} and snap.worst_ranks == {}
+
+
+def _sender(rank: int, restart: int = 0) -> Sender:
+    return Sender(role="agent", host="h", pid=100 + rank, node_rank=0, rank=rank, local_rank=rank,
+                  world_size=2, restart=restart)
+
+
+def _steps(writer: StoreWriter, rank: int, steps: range, restart: int = 0) -> None:
+    values = {"t_begin": T0, "input_ms": 1.0, "forward_ms": 2.0, "backward_ms": 3.0,
+              "optimizer_ms": 1.0, "total_ms": 10.0, "wait_ms": 3.0, "rss_bytes": GIB}
+    rows = [[s if f == "step" else values.get(f, 0) for f in STEP_FIELDS] for s in steps]
+    writer.add_steps(_sender(rank, restart), STEP_FIELDS, rows)
+
+
+def test_tail_reads_only_new_rows_and_keeps_a_bounded_history(tmp_path: Path) -> None:
+    db = tmp_path / "telemetry.sqlite"
+    writer = StoreWriter(str(db))
+    writer.set_meta({"session_id": "s", "started_at": T0, "summary_window_rows": 50})
+    for rank in (0, 1):
+        writer.save_sender(SenderState(_sender(rank), T0, T0))
+        _steps(writer, rank, range(8))
+        writer.add_process(_sender(rank), PROCESS_FIELDS,
+                           [[T0 + i, 50.0, GIB, 64 * GIB, 8, None, None, None] for i in range(5)])
+    writer.add_system(_sender(0), SYSTEM_FIELDS, [[T0, 10.0, 20.0, 64 * GIB, []]])
+    writer.commit()
+    tail = StoreTail(db, steps_kept=5, samples_kept=3)
+    run, window_rows = tail.poll()
+    assert window_rows == 50 and run.meta.session_id == "s"
+    assert [(r.rank, r.step) for r in run.steps] == [(r, s) for r in (0, 1) for s in range(3, 8)]
+    assert len(run.process) == 6 and len(run.system) == 1
+    _steps(writer, 0, range(8, 10))
+    _steps(writer, 1, range(2), restart=1)  # rank 1 restarted: its steps count from 0
+    writer.commit()
+    run, _ = tail.poll()
+    assert [(r.rank, r.step) for r in run.steps] == [(0, s) for s in range(5, 10)] + [(1, 0), (1, 1)]
+    _steps(writer, 0, range(10, 1000))  # a long pause: only what can be kept is read
+    writer.commit()
+    run, _ = tail.poll()
+    assert [r.step for r in run.steps if r.rank == 0] == list(range(995, 1000))
+    writer.close()

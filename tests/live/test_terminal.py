@@ -1,0 +1,154 @@
+"""The --mode=cli view: snapshots rendered into a fixed-width console, compared as text."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from pathlib import Path
+
+from rich.console import Console, RenderableType
+
+from tests.live.conftest import T0, fixed_run
+from traceml.diagnosis.samples import RunData
+from traceml.live.snapshot import live_snapshot
+from traceml.live.terminal import render_view, status_line
+from traceml.live.worker_output import OutputLine, WorkerOutput, clean_line
+
+
+def render(renderable: RenderableType, width: int = 100, height: int = 40) -> str:
+    console = Console(width=width, height=height, record=True, file=io.StringIO(),
+                      color_system=None, legacy_windows=False)
+    console.print(renderable)
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
+
+
+OUTPUT = (OutputLine(0, "rank 0 step 10 loss 1.2345", False),
+          OutputLine(1, "Traceback (most recent call last): " + "x" * 90, True))
+
+EXPECTED_VIEW = """\
+traceml session live-demo | 2 ranks on 1 node | cuda | 0:01:05 | running
+Step time, ms: median / worst of the last 11 aligned steps
+rank   step      input    forward   backward  optimizer       wait    total
+───────────────────────────────────────────────────────────────────────────
+r0       11  5.00/6.00  30.0/30.0  56.0/56.0  10.0/10.0  0.00/0.00  101/102
+r1       11  41.0/42.0  30.0/30.0  20.0/20.0  10.0/10.0  0.00/0.00  101/102
+worst               r1         r0         r0         r0         r0       r0
+Diagnosis: INPUT STRAGGLER [crit] (Step Time, r1)
+  r1 input was 41.1 ms vs 5.1 ms on the other ranks (+36.0 ms, 35.6% of the 101.1 ms median step).
+  Next: Check r1's data path: its shard size, DataLoader num_workers, and storage or preprocessing
+  load on its node; every rank should load alike.
+  Step Time INPUT STRAGGLER | Step Memory BALANCED | Process NORMAL | System NORMAL
+System
+n0 gpu-box  CPU ██░░░░░░ 25%  RAM ██░░░░░░ 30%
+n0 gpu0     util ███████░ 90%  mem █░░░░░░░ 10.0/80.0 GiB  temp 61C
+Process
+r0 n0  CPU ░░░░░░░░ 100%  RSS ░░░░░░░░ 2.0 GiB  GPU mem ░░░░░░░░ 5.0/80.0 GiB
+r1 n0  CPU ░░░░░░░░ 100%  RSS ░░░░░░░░ 2.0 GiB  GPU mem ░░░░░░░░ 5.0/80.0 GiB
+Worker output (last lines by local rank; all of it in logs/live-demo/workers)
+[0] rank 0 step 10 loss 1.2345
+[1] Traceback (most recent call last): xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx…
+"""
+
+
+def test_view_of_a_two_rank_run() -> None:
+    snap = live_snapshot(fixed_run(), 10000, now=T0 + 65)
+    assert render(render_view(snap, OUTPUT, "logs/live-demo/workers")) == EXPECTED_VIEW
+
+
+EXPECTED_80X24 = """\
+traceml session live-demo | 2 ranks on 1 node | cuda | 0:01:05 | running
+Step time, ms: median / worst of the last 11 aligned steps
+rank   step      input    forward   backward  optimizer       wait    total
+───────────────────────────────────────────────────────────────────────────
+r0       11  5.00/6.00  30.0/30.0  56.0/56.0  10.0/10.0  0.00/0.00  101/102
+r1       11  41.0/42.0  30.0/30.0  20.0/20.0  10.0/10.0  0.00/0.00  101/102
+worst               r1         r0         r0         r0         r0       r0
+Diagnosis: INPUT STRAGGLER [crit] (Step Time, r1)
+  r1 input was 41.1 ms vs 5.1 ms on the other ranks (+36.0 ms, 35.6% of the
+  101.1 ms median step).
+  Next: Check r1's data path: its shard size, DataLoader num_workers, and
+  storage or preprocessing load on its node; every rank should load alike.
+  Step Time INPUT STRAGGLER | Step Memory BALANCED | Process NORMAL | System
+  NORMAL
+System
+n0 gpu-box  CPU ██░░░░░░ 25%  RAM ██░░░░░░ 30%
+n0 gpu0     util ███████░ 90%  mem █░░░░░░░ 10.0/80.0 GiB  temp 61C
+Process
+r0 n0  CPU ░░░░░░░░ 100%  RSS ░░░░░░░░ 2.0 GiB  GPU mem ░░░░░░░░ 5.0/80.0 GiB
+r1 n0  CPU ░░░░░░░░ 100%  RSS ░░░░░░░░ 2.0 GiB  GPU mem ░░░░░░░░ 5.0/80.0 GiB
+Worker output (last lines by local rank; all of it in logs/live-demo/workers)
+[1] Traceback (most recent call last): xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx…
+[0] rank 0 step 10 loss 1.2345
+[1] Traceback (most recent call last): xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx…
+"""
+
+
+def test_an_80x24_terminal_gets_as_many_output_lines_as_fit() -> None:
+    snap = live_snapshot(fixed_run(), 10000, now=T0 + 65)
+    text = render(render_view(snap, OUTPUT * 5, "logs/live-demo/workers"), width=80, height=24)
+    assert text == EXPECTED_80X24
+    assert len(text.splitlines()) == 24
+
+
+EXPECTED_WAITING = """\
+traceml session live-demo | 2 ranks on 1 node | cuda | 0:00:03 | ended
+Waiting for the first training steps...
+Diagnosis: STEP TIME NOT MEASURED [info] (Step Time)
+  No training step was recorded.
+  Step Time STEP TIME NOT MEASURED | Step Memory STEP MEMORY NOT MEASURED | Process PROCESS NOT
+  MEASURED | System SYSTEM NOT MEASURED
+System
+  no samples yet
+Process
+  no samples yet
+Worker output (last lines by local rank; all of it in w)
+  (nothing yet)
+"""
+
+
+def test_view_before_the_first_step_and_once_ended() -> None:
+    empty = RunData(fixed_run().meta, (), (), ())
+    snap = dataclasses.replace(live_snapshot(empty, 10000, now=T0 + 3.9), ended=True)
+    assert render(render_view(snap, (), "w")) == EXPECTED_WAITING
+
+
+def test_many_ranks_show_the_slowest_sixteen() -> None:
+    base = fixed_run()
+    steps = tuple(dataclasses.replace(row, rank=rank, total_ms=row.total_ms + rank)
+                  for rank in range(20) for row in base.steps if row.rank == 0)
+    run = RunData(dataclasses.replace(base.meta, world_size=20), steps, (), ())
+    text = render(render_view(live_snapshot(run, 10000, now=T0), (), None), width=120)
+    assert "\n16 slowest of 20 ranks shown\n" in text
+    ranks = [line.split()[0] for line in text.splitlines()
+             if line.startswith("r") and line[1].isdigit()]
+    assert ranks == [f"r{rank}" for rank in range(4, 20)]
+
+
+def test_status_line_without_a_terminal() -> None:
+    snap = live_snapshot(fixed_run(), 10000, now=T0 + 65)
+    assert status_line(snap) == ("traceml: 0:01:05 | step r0 11, r1 11 | step time median 101 ms,"
+                                 " worst 101 ms (r0) | INPUT STRAGGLER [crit]")
+
+
+def test_clean_line_shows_what_a_terminal_would() -> None:
+    assert clean_line("epoch 1:  10%\r epoch 1:  50%\r epoch 1: 100%\r") == " epoch 1: 100%"
+    assert clean_line("\x1b[31mred\x1b[0m and\tplain\x07") == "red and plain"
+
+
+def test_worker_output_follows_the_log_files(tmp_path: Path) -> None:
+    old = tmp_path / "earlier_run" / "attempt_0" / "0"
+    old.mkdir(parents=True)
+    (old / "stdout.log").write_text("from an earlier run\n")
+    output = WorkerOutput(tmp_path, num_lines=3, skip=frozenset({"earlier_run"}))
+    assert output.poll() == ()
+    rank0 = tmp_path / "run_x" / "attempt_0" / "0"
+    rank1 = tmp_path / "run_x" / "attempt_0" / "1"
+    rank0.mkdir(parents=True)
+    rank1.mkdir(parents=True)
+    (rank0 / "stdout.log").write_text("one\ntwo\npart")
+    (rank1 / "stderr.log").write_text("boom\n")
+    assert [(o.local_rank, o.text, o.is_err) for o in output.poll()] == [
+        (0, "one", False), (1, "boom", True), (0, "two", False)]  # the files interleaved
+    with (rank0 / "stdout.log").open("a") as f:
+        f.write("ial line\n\nlast\n")
+    assert [o.text for o in output.poll()] == ["two", "partial line", "last"]

@@ -1,0 +1,80 @@
+"""``traceml watch``: process telemetry of the workers, sampled from outside
+by the launcher (launcher side).  Nothing is injected into the workers.
+
+Each worker is found as a child of this launcher with torch's ``RANK`` in its
+environment; its CPU % and RSS come from psutil.  Device memory per process
+is not measured here (the rules abstain).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import psutil
+
+from traceml import protocol
+from traceml.protocol import Sender
+from traceml.security import CurveKeys
+from traceml.sender import BatchSender
+
+
+class ProcessWatcher:
+    """Samples every local worker each interval and reports it as that rank."""
+
+    def __init__(self, endpoint: str, session_id: str, node_rank: int | None,
+                 interval_s: float, keys: CurveKeys | None = None) -> None:
+        self.node_rank = node_rank
+        self.host = socket.gethostname()
+        self.ram_total = psutil.virtual_memory().total
+        self.num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        self.workers: dict[int, tuple[psutil.Process, Sender]] = {}
+        identity = Sender(role="watch", host=self.host, pid=os.getpid(),
+                          node_rank=node_rank if node_rank is not None else -1)
+        self.sender = BatchSender(endpoint, session_id, identity, interval_s,
+                                  producers=[self.produce], keys=keys)
+
+    def start(self) -> None:
+        self.sender.start()
+
+    def stop(self) -> None:
+        self.sender.stop()
+
+    def _discover(self) -> None:
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return
+        for child in children:
+            if child.pid in self.workers:
+                continue
+            try:
+                env = child.environ()
+            except psutil.Error:
+                continue
+            if "RANK" not in env:
+                continue
+            child.cpu_percent(None)  # prime
+            node = int(env.get("GROUP_RANK", self.node_rank or 0))
+            self.workers[child.pid] = (child, Sender(
+                role="rank", host=self.host, pid=child.pid, node_rank=node,
+                rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", "0")),
+                world_size=int(env.get("WORLD_SIZE", "1")),
+                restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))))
+
+    def produce(self) -> list[tuple[str, dict[str, Any]]]:
+        self._discover()
+        for pid, (proc, who) in list(self.workers.items()):
+            try:
+                with proc.oneshot():
+                    row = (time.time(), proc.cpu_percent(None), proc.memory_info().rss,
+                           self.ram_total, self.num_cpus, None, None, None)
+            except psutil.Error:
+                del self.workers[pid]
+                continue
+            self.sender.send(protocol.KIND_PROCESS,
+                             protocol.rows_payload(protocol.PROCESS_FIELDS, [row]), who)
+        return []
