@@ -1,0 +1,149 @@
+"""How many ranks one collector can take.
+
+Starts a real collector process, then N simulated ranks (spread over a few
+sender processes, each rank with its own identity and sequence numbers) that
+each push a batch of step rows every flush interval at STEPS_PER_S steps per
+second, plus one process sample per second, for DURATION seconds.  Reports
+messages and step rows ingested per second, drops (sender-side queue full)
+and sequence gaps, the collector's CPU and memory, and how long the final
+summary takes to build and write.
+
+    python scripts/bench_collector_scale.py [--ranks 64 256 1024] [--duration 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sqlite3
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import zmq
+
+from traceml import protocol
+from traceml.collector.server import CollectorConfig
+from traceml.launcher.collector_process import CollectorProcess
+from traceml.protocol import Envelope, Sender
+
+SESSION = "scale"
+FLUSH_S = 0.5
+
+
+def simulate(endpoint: str, ranks: range, world: int, steps_per_s: float, duration_s: float,
+             out: "mp.Queue[tuple[int, int, int]]") -> None:
+    """One sender process speaking for several ranks."""
+    context = zmq.Context()
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(endpoint)
+    seqs = {r: 0 for r in ranks}
+    steps = {r: 0 for r in ranks}
+    sent = dropped = rows_sent = 0
+    per_flush = max(1, round(steps_per_s * FLUSH_S))
+    start = time.monotonic()
+    tick = 0
+    while time.monotonic() - start < duration_s:
+        now = time.time()
+        for r in ranks:
+            who = Sender("rank", f"sim{r // 8}", 10_000 + r, r // 8, rank=r, local_rank=r % 8,
+                         world_size=world)
+            rows = [(steps[r] + i, now, 1.0, 2.0, 3.0, 0.5, 7.0, 0.5, 1, 1, 1, 1, 0,
+                     300 << 20, None, None) for i in range(per_flush)]
+            messages = [(protocol.KIND_STEPS, protocol.rows_payload(protocol.STEP_FIELDS, rows))]
+            if tick % 2 == 0:
+                messages.append((protocol.KIND_PROCESS, protocol.rows_payload(
+                    protocol.PROCESS_FIELDS, [(now, 95.0, 300 << 20, 64 << 30, 2, None, None,
+                                               None)])))
+            for kind, payload in messages:
+                env = Envelope(SESSION, kind, who, seqs[r], now, payload)
+                seqs[r] += 1
+                try:
+                    sock.send(protocol.encode(env), zmq.NOBLOCK)
+                    sent += 1
+                    rows_sent += len(rows) if kind == protocol.KIND_STEPS else 0
+                except zmq.Again:
+                    dropped += 1
+            steps[r] += per_flush
+        tick += 1
+        time.sleep(max(0.0, start + tick * FLUSH_S - time.monotonic()))
+    sock.close()
+    context.term()
+    out.put((sent, dropped, rows_sent))
+
+
+def count_steps(db_path: Path) -> int:
+    try:
+        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
+        try:
+            return int(db.execute("SELECT COUNT(*) FROM steps").fetchone()[0])
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return 0
+
+
+def bench(num_ranks: int, steps_per_s: float, duration_s: float, senders: int) -> None:
+    from traceml.report.session import write_summary
+
+    with tempfile.TemporaryDirectory() as tmp:
+        session_dir = Path(tmp) / SESSION
+        session_dir.mkdir()
+        db_path = session_dir / "telemetry.sqlite"
+        collector = CollectorProcess(CollectorConfig(
+            session_id=SESSION, bind_host="127.0.0.1", port=0, db_path=str(db_path),
+            parent_pid=os.getpid()))
+        collector.set_meta(session_id=SESSION, command=["bench"], started_at=time.time(),
+                           summary_window_rows=10000, mode="run",
+                           expected_world_size=num_ranks)
+        proc = psutil.Process(collector.proc.pid)
+        proc.cpu_percent(None)
+        out: mp.Queue[tuple[int, int, int]] = mp.Queue()
+        chunks = [range(i, num_ranks, senders) for i in range(senders)]
+        workers = [mp.Process(target=simulate, args=(
+            f"tcp://127.0.0.1:{collector.port}", c, num_ranks, steps_per_s, duration_s, out))
+            for c in chunks]
+        start = time.monotonic()
+        for w in workers:
+            w.start()
+        peak_rss = 0
+        while any(w.is_alive() for w in workers):
+            peak_rss = max(peak_rss, proc.memory_info().rss)
+            time.sleep(0.5)
+        results = [out.get() for _ in workers]
+        cpu_pct = proc.cpu_percent(None)
+        sent, dropped, rows_sent = (sum(x) for x in zip(*results))
+        deadline = time.monotonic() + 60
+        while count_steps(db_path) < rows_sent and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ingest_s = time.monotonic() - start
+        stored = count_steps(db_path)
+        collector.set_meta(ended_at=time.time(), exit_code=0)
+        collector.stop()
+        t0 = time.monotonic()
+        write_summary(session_dir)
+        summary_s = time.monotonic() - t0
+    print(f"{num_ranks:5d} ranks  {sent / ingest_s:8.0f} msg/s  {stored / ingest_s:9.0f} rows/s  "
+          f"stored {stored}/{rows_sent} rows  dropped {dropped}  collector CPU {cpu_pct:4.0f}%  "
+          f"RSS {peak_rss / 2**20:5.0f} MiB  final summary {summary_s:5.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--steps-per-s", type=float, default=10.0)
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--senders", type=int, default=4)
+    args = parser.parse_args()
+    print(f"{args.steps_per_s:g} steps/s per rank for {args.duration:g} s, "
+          f"{args.senders} sender processes, {os.cpu_count()} CPUs")
+    for n in args.ranks:
+        bench(n, args.steps_per_s, args.duration, args.senders)
+
+
+if __name__ == "__main__":
+    main()
