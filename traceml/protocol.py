@@ -47,6 +47,9 @@ STEP_FIELDS: tuple[str, ...] = (
     "rss_bytes",
     "peak_allocated_bytes",
     "peak_reserved_bytes",
+    "gpu_forward_ms",
+    "gpu_backward_ms",
+    "gpu_optimizer_ms",
 )
 
 # A rank's process telemetry, every sample interval.

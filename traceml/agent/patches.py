@@ -104,9 +104,12 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
                 return orig(self, *args, **kwargs)
             probe.mute += 1
             timed = grad_enabled()
+            timer = probe.cuda_timer if timed else None
             try:
                 if timed:
                     tracker.enter(FORWARD, clock())
+                    if timer is not None:
+                        timer.start(FORWARD)
                 else:
                     tracker.nograd_forward(clock())
             except Exception as exc:  # fail open
@@ -116,6 +119,8 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
             finally:
                 probe.mute -= 1
                 if timed:
+                    if timer is not None:
+                        timer.stop()
                     # A loss module's time is forward time, but only a module
                     # with parameters counts as a forward pass.
                     probe.exit(_holds_parameters(self))
@@ -132,13 +137,18 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
                 return orig(*args, **kwargs)
             probe.in_backward = True
             probe.mute += 1
+            timer = probe.cuda_timer
             try:
                 tracker.enter(BACKWARD, clock())
+                if timer is not None:
+                    timer.start(BACKWARD)
             except Exception as exc:  # fail open
                 probe.on_error(exc)
             try:
                 return orig(*args, **kwargs)
             finally:
+                if timer is not None:
+                    timer.stop()
                 probe.exit()
                 probe.mute -= 1
                 probe.in_backward = False
@@ -155,11 +165,16 @@ def _wrap_scaler_step(probe: Probe) -> Callable[[Any], Any]:
                 return orig(self, optimizer, *args, **kwargs)
             before = probe.num_optimizer_calls
             probe.enter(OPTIMIZER)
+            timer = probe.cuda_timer
+            if timer is not None:
+                timer.start(OPTIMIZER)
             probe.opt_depth += 1
             try:
                 return orig(self, optimizer, *args, **kwargs)
             finally:
                 probe.opt_depth -= 1
+                if timer is not None:
+                    timer.stop()
                 probe.exit()
                 probe.optimizer_done(skipped=probe.num_optimizer_calls == before)
         return step
@@ -184,6 +199,8 @@ class OptimizerHooks:
         if depth == 0:
             try:
                 probe.tracker.enter(OPTIMIZER, probe.clock())
+                if probe.cuda_timer is not None:
+                    probe.cuda_timer.start(OPTIMIZER)
             except Exception as exc:  # fail open
                 probe.on_error(exc)
         probe.opt_depth = depth + 1
@@ -195,6 +212,8 @@ class OptimizerHooks:
         probe.opt_depth -= 1
         if probe.opt_depth == 0:
             try:
+                if probe.cuda_timer is not None:
+                    probe.cuda_timer.stop()
                 now = probe.clock()
                 probe.tracker.exit(now)
                 probe.tracker.optimizer_done(now)

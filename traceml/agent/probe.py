@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from traceml.agent.steps import StepTracker
 
@@ -26,6 +27,8 @@ class Probe:
         self.opt_depth = 0
         self.num_optimizer_calls = 0
         self.thread_id = threading.main_thread().ident
+        # CudaPhaseTimer once this rank uses CUDA; None on CPU (one check per phase).
+        self.cuda_timer: Any = None
 
     def enter(self, phase: int) -> None:
         try:

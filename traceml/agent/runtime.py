@@ -17,6 +17,7 @@ from collections import deque
 from typing import Any
 
 from traceml import protocol
+from traceml.agent.cuda_timing import CudaPhaseTimer
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
 from traceml.agent.steps import StepTiming, StepTracker
@@ -61,8 +62,9 @@ class AgentRuntime:
         self.env = env
         self.identity = identity
         # The training thread only appends here; the sender thread drains.
-        self.steps: deque[tuple[StepTiming, tuple[int, int] | None]] = deque(
+        self.steps: deque[tuple[StepTiming, tuple[int, int] | None, Any]] = deque(
             maxlen=MAX_QUEUED_STEPS)
+        self._final = False  # at exit, steps whose GPU events are not done go without
         self.num_steps = 0
         self._cuda: Any = None
         self.tracker = StepTracker(self._emit_step)
@@ -87,9 +89,14 @@ class AgentRuntime:
             device = cuda.current_device()
             peaks = (int(cuda.max_memory_allocated(device)), int(cuda.max_memory_reserved(device)))
             cuda.reset_peak_memory_stats(device)
-            self.steps.append((t, peaks))
+            timer = self.probe.cuda_timer
+            if timer is None:  # CUDA came up during this step: time phases from the next
+                self.probe.cuda_timer = CudaPhaseTimer(cuda)
+                self.steps.append((t, peaks, None))
+            else:
+                self.steps.append((t, peaks, timer.take_step()))
         else:
-            self.steps.append((t, None))
+            self.steps.append((t, None, None))
 
     def start(self) -> None:
         global _ACTIVE
@@ -152,27 +159,36 @@ class AgentRuntime:
         """
         rows: list[tuple[Any, ...]] = []
         rss = self._rss.read()
+        timer = self.probe.cuda_timer
         while self.steps:
-            timing, peaks = self.steps.popleft()
-            rows.append(self._row(timing, rss, peaks))
+            timing, peaks, spans = self.steps[0]
+            gpu = None
+            if spans is not None and timer is not None:
+                gpu = timer.resolve(spans)
+                if gpu is None and not self._final:
+                    break  # the GPU is behind: this step (and the rest) wait a flush
+            self.steps.popleft()
+            rows.append(self._row(timing, rss, peaks, gpu))
         self.num_steps += len(rows)
         if not rows:
             return []
         return [(protocol.KIND_STEPS, protocol.rows_payload(protocol.STEP_FIELDS, rows))]
 
-    def _row(self, t: StepTiming, rss: int | None,
-             peaks: tuple[int, int] | None) -> tuple[Any, ...]:
+    def _row(self, t: StepTiming, rss: int | None, peaks: tuple[int, int] | None,
+             gpu: tuple[float, float, float] | None) -> tuple[Any, ...]:
         inp, fwd, bwd, opt = t.phase_s
         alloc, reserved = peaks if peaks is not None else (None, None)
+        gpu_fwd, gpu_bwd, gpu_opt = gpu if gpu is not None else (None, None, None)
         return (
             t.step, self._wall_offset + t.t_begin,
             inp * 1e3, fwd * 1e3, bwd * 1e3, opt * 1e3, t.total_s * 1e3, t.wait_s * 1e3,
             t.counts[0], t.counts[1], t.counts[2], t.counts[3], t.num_skipped, rss,
-            alloc, reserved,
+            alloc, reserved, gpu_fwd, gpu_bwd, gpu_opt,
         )
 
     def _bye(self) -> list[tuple[str, dict[str, Any]]]:
-        return [(protocol.KIND_BYE, {"num_steps": self.num_steps, "t": time.time()})]
+        self._final = True
+        return self._drain_steps() + [(protocol.KIND_BYE, {"num_steps": self.num_steps, "t": time.time()})]
 
     def step_enter(self) -> None:
         """``trace_step`` entered (main thread)."""

@@ -96,7 +96,14 @@ def _step_row(r: dict[str, Any]) -> StepRow:
         wait_ms=r["wait_ms"], peak_allocated_bytes=r["peak_allocated_bytes"],
         peak_reserved_bytes=r["peak_reserved_bytes"], rss_bytes=r["rss_bytes"],
         t=(r["t_begin"] + r["total_ms"] / 1e3) if r["t_begin"] is not None else None,
+        gpu_ms=_gpu_ms(r),
     )
+
+
+def _gpu_ms(r: dict[str, Any]) -> float | None:
+    """GPU time of the step's forward, backward and optimizer (None off CUDA)."""
+    parts = [r.get(k) for k in ("gpu_forward_ms", "gpu_backward_ms", "gpu_optimizer_ms")]
+    return None if any(p is None for p in parts) else float(sum(parts))  # type: ignore[arg-type]
 
 
 def _process_sample(r: dict[str, Any]) -> ProcessSample:

@@ -1,0 +1,65 @@
+"""CUDA phase timing logic with stand-in events (no GPU here): exclusive
+times, and steps that wait until the GPU has passed their events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from traceml.agent.cuda_timing import CudaPhaseTimer
+from traceml.agent.steps import BACKWARD, FORWARD, OPTIMIZER
+
+
+class FakeCuda:
+    """torch.cuda stand-in: events take the fake GPU clock when recorded."""
+
+    def __init__(self) -> None:
+        self.gpu_ms = 0.0
+        self.done_until = float("inf")
+
+    def Event(self, enable_timing: bool = False) -> Any:  # noqa: N802 (torch's name)
+        cuda = self
+
+        class Event:
+            t = 0.0
+
+            def record(self) -> None:
+                self.t = cuda.gpu_ms
+
+            def query(self) -> bool:
+                return self.t <= cuda.done_until
+
+            def elapsed_time(self, end: Any) -> float:
+                return float(end.t - self.t)
+
+        return Event()
+
+
+def test_plain_step() -> None:
+    cuda = FakeCuda()
+    timer = CudaPhaseTimer(cuda)
+    for phase, ms in ((FORWARD, 2.0), (BACKWARD, 4.0), (OPTIMIZER, 1.0)):
+        timer.start(phase)
+        cuda.gpu_ms += ms
+        timer.stop()
+    spans = timer.take_step()
+    assert timer.resolve(spans) == (2.0, 4.0, 1.0)
+
+
+def test_closure_is_exclusive_and_waits_for_gpu() -> None:
+    cuda = FakeCuda()
+    timer = CudaPhaseTimer(cuda)
+    timer.start(OPTIMIZER)
+    cuda.gpu_ms += 0.5
+    timer.start(FORWARD)
+    cuda.gpu_ms += 2.0
+    timer.stop()
+    timer.start(BACKWARD)
+    cuda.gpu_ms += 3.0
+    timer.stop()
+    cuda.gpu_ms += 1.0
+    timer.stop()
+    spans = timer.take_step()
+    cuda.done_until = 4.0  # the GPU has not reached the optimizer's end yet
+    assert timer.resolve(spans) is None
+    cuda.done_until = float("inf")
+    assert timer.resolve(spans) == (2.0, 3.0, 1.5)
