@@ -9,7 +9,11 @@ of many alternating blocks.  Prints the added cost per step (µs) and the traced
 untraced ratio for a short (~1 ms) and a long (~20 ms) step, then times
 ``traceml run`` against ``torchrun`` on an empty script.
 
-    python scripts/bench_overhead.py [--blocks 15] [--startup-runs 5]
+    python scripts/bench_overhead.py [--blocks 15] [--startup-runs 5] [--dashboard]
+
+``--dashboard`` runs the collector as ``--mode=dashboard`` does, with a page
+polling the live data once a second, to show the live view costs training
+nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -33,6 +39,7 @@ from traceml.agent.runtime import AgentRuntime
 from traceml.collector.server import CollectorConfig
 from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
+from traceml.live.page import SNAPSHOT_PATH
 from traceml.protocol import Sender
 
 
@@ -62,13 +69,18 @@ def measure(name: str, run_block, inst: Instrumentation, blocks: int) -> None:  
     run_block()  # warm-up
     plain: list[tuple[float, float]] = []
     traced: list[tuple[float, float]] = []
-    for _ in range(blocks):
-        plain.append(run_block())
-        inst.install()
-        try:
-            traced.append(run_block())
-        finally:
-            inst.uninstall()
+    for i in range(blocks):
+        # ABBA order, so that whatever favours the first or second block of a
+        # pair (allocator state, frequency) does not land on one side.
+        for traced_first in ((False, True) if i % 2 == 0 else (True, False)):
+            if traced_first:
+                inst.install()
+                try:
+                    traced.append(run_block())
+                finally:
+                    inst.uninstall()
+            else:
+                plain.append(run_block())
     # The fastest block of each kind is the one least disturbed by the rest of
     # the machine (as timeit reports); blocks alternate, so drift hits both.
     for i, clock in enumerate(("wall", "cpu")):
@@ -99,26 +111,66 @@ def startup(runs: int) -> None:
           f"added {ours - base:+.2f} s (median of {runs})")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class DashboardPoller(threading.Thread):
+    """A browser stand-in: fetches the live data once a second."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url.rstrip("/") + SNAPSHOT_PATH
+        self.done = threading.Event()
+        self.answered = 0
+        self.start()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as response:
+                    response.read()
+                self.answered += 1
+            except OSError:
+                pass
+
+    def stop(self) -> int:
+        self.done.set()
+        self.join(5)
+        return self.answered
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--startup-runs", type=int, default=5)
+    parser.add_argument("--dashboard", action="store_true",
+                        help="collector with the live dashboard, polled once a second")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         collector = CollectorProcess(CollectorConfig(
             session_id="bench", bind_host="127.0.0.1", port=0,
-            db_path=os.path.join(tmp, "telemetry.sqlite"), parent_pid=os.getpid()))
+            db_path=os.path.join(tmp, "telemetry.sqlite"), parent_pid=os.getpid(),
+            dashboard_port=free_port() if args.dashboard else None))
+        poller = (DashboardPoller(collector.ready["dashboard"]["url"]) if args.dashboard
+                  else None)
         env = AgentEnv(session_id="bench", endpoint=f"tcp://127.0.0.1:{collector.port}",
                        launcher_pid=os.getppid())
         runtime = AgentRuntime(env, Sender("rank", socket.gethostname(), os.getpid(), 0, rank=0))
         runtime.sender.start()
         inst = Instrumentation(runtime.probe)
-        print(f"torch {torch.__version__}, 1 thread, collector live on port {collector.port}")
+        mode = "with the live dashboard polled 1/s" if args.dashboard else "summary mode"
+        print(f"torch {torch.__version__}, 1 thread, collector live on port {collector.port}, "
+              f"{mode}")
         measure("short step", make_loop(64, 2, 32, 400), inst, args.blocks)
         measure("long step", make_loop(512, 6, 256, 20), inst, args.blocks)
         runtime.tracker.close()
         runtime.sender.stop()
+        if poller is not None:
+            print(f"dashboard polls answered: {poller.stop()}")
         collector.stop()
         print(f"steps sent to the collector: {runtime.num_steps}, "
               f"messages sent {runtime.sender.num_sent}, dropped {runtime.sender.num_dropped}")
