@@ -12,4 +12,9 @@ if { [ ! -x /usr/bin/chromium ] || ! command -v tmux >/dev/null; } && command -v
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium tmux >/dev/null
 fi
 "$PY" -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+# The framework extras the tests in tests/frameworks/ run (torch stays pinned).
+if [ "${SKIP_FRAMEWORK_EXTRAS:-0}" != "1" ]; then
+    "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" \
+        -r requirements-frameworks.txt
+fi
 "$PY" -m pip install --quiet --disable-pip-version-check --no-deps -e .

@@ -66,6 +66,25 @@ def init(logs_dir: str = "./logs", session_id: str | None = None,
     return session.env  # type: ignore[no-any-return]
 
 
+def _load_own_steps(session_dir: Any, load_run: Any) -> Any:
+    """Load the run once this rank's finished steps have reached the store
+    (they travel in batches), waiting a bounded time."""
+    runtime = _runtime()
+    if runtime is None:
+        return load_run(session_dir)
+    import time
+
+    finished = runtime.flush_and_count()
+    rank = runtime.identity.rank
+    deadline = time.monotonic() + 5.0
+    while True:
+        run, window = load_run(session_dir)
+        stored = sum(1 for row in run.steps if row.rank == rank)
+        if stored >= finished or time.monotonic() >= deadline:
+            return run, window
+        time.sleep(0.05)
+
+
 def summary() -> dict[str, float | str]:
     """The flat ``{"traceml/...": value}`` summary of the run so far.
 
@@ -83,7 +102,7 @@ def summary() -> dict[str, float | str]:
         from traceml.report import build_report, flatten_summary, report_to_json
         from traceml.report.session import load_run
 
-        run, window = load_run(Path(env.session_dir))
+        run, window = _load_own_steps(Path(env.session_dir), load_run)
         return flatten_summary(report_to_json(build_report(run, window)))
     except Exception as exc:  # never raise into training
         _warn_once(f"traceml.summary(): telemetry not readable here: {exc}")

@@ -48,6 +48,8 @@ class BatchSender:
         self.num_dropped = 0
         self._seqs: dict[Sender, int] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.num_flushes = 0
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
         self._socket: Any = None
         self._context: Any = None
@@ -56,9 +58,16 @@ class BatchSender:
     def start(self) -> None:
         self._thread.start()
 
+    def flush_soon(self) -> int:
+        """Wake the thread to send now; returns the flush count to wait past."""
+        done = self.num_flushes
+        self._wake.set()
+        return done
+
     def stop(self, timeout_s: float = 3.0) -> None:
         """Flush what is left and close; bounded in time."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
@@ -66,8 +75,13 @@ class BatchSender:
         try:
             self._open()
             self.send(protocol.KIND_HELLO, {"t": time.time()})
-            while not self._stop.wait(self.interval_s):
+            while not self._stop.is_set():
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
                 self._flush(self.producers)
+                self.num_flushes += 1
             self._flush(self.producers + self.final_producers)
         except Exception as exc:  # fail open: telemetry stops, training goes on
             self._warn(f"telemetry sender stopped: {exc!r}")

@@ -18,12 +18,13 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=1)
     args = parser.parse_args()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accum)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    model = nn.Sequential(
+        nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    num_rows = args.steps * args.accum * 32 * accelerator.num_processes
-    data = TensorDataset(torch.randn(num_rows, 64), torch.randint(0, 10, (num_rows,)))
+    num_rows = args.steps * args.accum * 64 * accelerator.num_processes
+    data = TensorDataset(torch.randn(num_rows, 256), torch.randint(0, 10, (num_rows,)))
     model, optimizer, loader = accelerator.prepare(
-        model, optimizer, DataLoader(data, batch_size=32))
+        model, optimizer, DataLoader(data, batch_size=64))
     for x, y in loader:
         with accelerator.accumulate(model):
             accelerator.backward(nn.functional.cross_entropy(model(x), y))

@@ -23,7 +23,7 @@ class RandomTokens(Dataset):  # type: ignore[type-arg]
         return self.num_rows
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(i))
+        ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(i))
         return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--callback", action="store_true")
     args = parser.parse_args()
-    config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+    config = GPT2Config(vocab_size=256, n_positions=128, n_embd=128, n_layer=2, n_head=4)
     training = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="traceml-hf-"), max_steps=args.steps,
         per_device_train_batch_size=8, gradient_accumulation_steps=args.accum,

@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 class Classifier(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        self.net = nn.Sequential(
+            nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
     def training_step(self, batch: list[torch.Tensor], idx: int) -> torch.Tensor:
         x, y = batch
@@ -34,8 +35,8 @@ class Classifier(L.LightningModule):
 
 
 def random_loader(num_rows: int) -> DataLoader:  # type: ignore[type-arg]
-    data = TensorDataset(torch.randn(num_rows, 64), torch.randint(0, 10, (num_rows,)))
-    return DataLoader(data, batch_size=32)
+    data = TensorDataset(torch.randn(num_rows, 256), torch.randint(0, 10, (num_rows,)))
+    return DataLoader(data, batch_size=64)
 
 
 def main() -> None:
@@ -55,7 +56,7 @@ def main() -> None:
         max_steps=args.steps, accumulate_grad_batches=args.accum, val_check_interval=10,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=callbacks,
     )
-    num_rows = args.steps * args.accum * 32 * world_size
+    num_rows = args.steps * args.accum * 64 * world_size
     trainer.fit(Classifier(), random_loader(num_rows), random_loader(128))
 
 

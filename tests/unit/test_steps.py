@@ -186,3 +186,36 @@ def test_incomplete_last_step_is_dropped() -> None:
     s.phase(FORWARD, 2)  # crashed before backward/optimizer
     s.tr.close()
     assert len(s.steps) == 1
+
+
+def test_work_after_an_eval_loop_stays_out_of_the_next_step() -> None:
+    # A plain DataLoader ends the evaluation loop with a fetch that raises
+    # StopIteration; then come metrics, logging, a checkpoint (300 s here).
+    s = Script()
+    s.train_iter()
+    s.eval_pass(2)
+    s.tr.enter(INPUT, s.t)
+    s.t += 0.25
+    s.tr.exit(s.t, exhausted=True)
+    s.gap(300)
+    s.train_iter()
+    s.train_iter()
+    s.tr.close()
+    assert len(s.steps) == 3
+    assert s.steps[0].total_s == pytest.approx(7.5)
+    assert s.steps[1].total_s == pytest.approx(7.5) and s.steps[1].counts == (1, 1, 1, 1)
+
+
+def test_a_training_loader_running_out_still_begins_the_last_step() -> None:
+    # Accelerate's loaders fetch one batch ahead: the last step's only fetch is
+    # the one that raises StopIteration.
+    s = Script()
+    s.train_iter()
+    s.tr.enter(INPUT, s.t)
+    s.t += 0.25
+    s.tr.exit(s.t, exhausted=True)
+    s.phase(FORWARD, 2)
+    s.phase(BACKWARD, 3)
+    s.phase(OPTIMIZER, 1)
+    s.tr.close()
+    assert len(s.steps) == 2 and s.steps[1].counts == (1, 1, 1, 1)

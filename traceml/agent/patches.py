@@ -71,10 +71,14 @@ def _wrap_next(probe: Probe) -> Callable[[Any], Any]:
                 tracker.enter(INPUT, clock())
             except Exception as exc:  # fail open
                 probe.on_error(exc)
+            exhausted = False
             try:
                 return orig(self)
+            except StopIteration:
+                exhausted = True
+                raise
             finally:
-                probe.exit()
+                probe.exit(exhausted=exhausted)
         return __next__
     return make
 

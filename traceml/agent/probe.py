@@ -36,9 +36,9 @@ class Probe:
         except Exception as exc:  # fail open: never break training
             self.on_error(exc)
 
-    def exit(self, count: bool = True) -> None:
+    def exit(self, count: bool = True, exhausted: bool = False) -> None:
         try:
-            self.tracker.exit(self.clock(), count)
+            self.tracker.exit(self.clock(), count, exhausted)
         except Exception as exc:
             self.on_error(exc)
 

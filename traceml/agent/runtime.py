@@ -190,6 +190,15 @@ class AgentRuntime:
         self._final = True
         return self._drain_steps() + [(protocol.KIND_BYE, {"num_steps": self.num_steps, "t": time.time()})]
 
+    def flush_and_count(self, timeout_s: float = 2.0) -> int:
+        """Send the finished steps now (user thread, for ``traceml.summary()``);
+        returns how many steps this rank has finished."""
+        before = self.sender.flush_soon()
+        deadline = time.monotonic() + timeout_s
+        while self.sender.num_flushes <= before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.tracker.next_step
+
     def step_enter(self) -> None:
         """``trace_step`` entered (main thread)."""
         if not self.probe.skip():

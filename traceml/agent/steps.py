@@ -91,8 +91,11 @@ class StepTracker:
                 self._on_training(now)
         self._stack.append([phase, now, 0.0])
 
-    def exit(self, now: float, count: bool = True) -> None:
-        """The innermost phase ends; ``count=False`` adds its time but not a call."""
+    def exit(self, now: float, count: bool = True, exhausted: bool = False) -> None:
+        """The innermost phase ends; ``count=False`` adds its time but not a call.
+
+        ``exhausted``: a fetch that found its loader empty (StopIteration).
+        """
         if not self._stack:
             return
         stack = self._stack
@@ -104,6 +107,11 @@ class StepTracker:
         if own < 0.0:
             own = 0.0
         if phase == INPUT and not stack:
+            if exhausted and self._nograd_start is not None:
+                # The end of an evaluation loop's loader begins nothing, so the
+                # work after the evaluation stays out of the next step too.
+                self._end_evaluation()
+                return
             self._add_pending(start, own)
             return
         if self._open:
@@ -155,15 +163,19 @@ class StepTracker:
 
     def _add_pending(self, start: float, own: float) -> None:
         if self._nograd_start is not None:
-            # A fetch after a no-grad forward: that was an evaluation pass.
-            if self._open and self._complete and not self._manual:
-                self._finish(self._nograd_start, keep=True)
-            self._nograd_start = None
-            self._drop_pending()
+            self._end_evaluation()
         if self._pending_start is None:
             self._pending_start = start
         self._pending_s += own
         self._pending_n += 1
+
+    def _end_evaluation(self) -> None:
+        """A fetch after a no-grad forward: that was an evaluation pass."""
+        nograd_start = self._nograd_start
+        if nograd_start is not None and self._open and self._complete and not self._manual:
+            self._finish(nograd_start, keep=True)
+        self._nograd_start = None
+        self._drop_pending()
 
     def _drop_pending(self) -> None:
         self._pending_start = None
