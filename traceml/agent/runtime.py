@@ -28,6 +28,7 @@ from traceml.security import session_keys
 
 _ACTIVE: AgentRuntime | None = None
 MAX_QUEUED_STEPS = 100_000
+RSS_TICK_S = 0.1  # the sender thread stamps finished steps with RSS this often
 
 
 def active() -> AgentRuntime | None:
@@ -65,6 +66,9 @@ class AgentRuntime:
         self.steps: deque[tuple[StepTiming, tuple[int, int] | None, Any]] = deque(
             maxlen=MAX_QUEUED_STEPS)
         self._final = False  # at exit, steps whose GPU events are not done go without
+        self._outbox: list[tuple[Any, ...]] = []  # stamped steps waiting for the next send
+        self._next_send = 0.0
+        self._send_now = False  # traceml.summary() wants the steps in the store now
         self.num_steps = 0
         self._cuda: Any = None
         self.tracker = StepTracker(self._emit_step)
@@ -76,7 +80,7 @@ class AgentRuntime:
         self.process_sampler = ProcessSampler(env.sample_interval_s)
         self.sender = BatchSender(
             env.endpoint, env.session_id, identity,
-            min(env.flush_interval_s, env.sample_interval_s),
+            min(RSS_TICK_S, env.flush_interval_s, env.sample_interval_s),
             producers=[self._drain_steps, self.process_sampler.produce],
             final_producers=[self._bye],
             keys=session_keys(env.secure, env.secret, env.session_id),
@@ -152,12 +156,22 @@ class AgentRuntime:
             print(f"traceml: warning: {message}", file=sys.stderr)
 
     def _drain_steps(self) -> list[tuple[str, dict[str, Any]]]:
-        """Sender thread: turn the finished steps into one batch.
+        """Sender thread, every RSS tick: stamp the finished steps with host RSS
+        (read here, off the training path, at the tick's resolution) and send
+        them as one batch once per flush interval."""
+        self._stamp_steps()
+        now = time.monotonic()
+        if not self._outbox or (now < self._next_send and not self._final
+                                and not self._send_now):
+            return []
+        self._send_now = False
+        self._next_send = now + self.env.flush_interval_s
+        rows, self._outbox = self._outbox, []
+        self.num_steps += len(rows)
+        return [(protocol.KIND_STEPS, protocol.rows_payload(protocol.STEP_FIELDS, rows))]
 
-        Host RSS is read here, once per batch, and stamped on the batch's steps:
-        off the training path, at the flush interval's resolution.
-        """
-        rows: list[tuple[Any, ...]] = []
+    def _stamp_steps(self) -> None:
+        rows = self._outbox
         rss = self._rss.read()
         timer = self.probe.cuda_timer
         while self.steps:
@@ -169,10 +183,6 @@ class AgentRuntime:
                     break  # the GPU is behind: this step (and the rest) wait a flush
             self.steps.popleft()
             rows.append(self._row(timing, rss, peaks, gpu))
-        self.num_steps += len(rows)
-        if not rows:
-            return []
-        return [(protocol.KIND_STEPS, protocol.rows_payload(protocol.STEP_FIELDS, rows))]
 
     def _row(self, t: StepTiming, rss: int | None, peaks: tuple[int, int] | None,
              gpu: tuple[float, float, float] | None) -> tuple[Any, ...]:
@@ -193,6 +203,7 @@ class AgentRuntime:
     def flush_and_count(self, timeout_s: float = 2.0) -> int:
         """Send the finished steps now (user thread, for ``traceml.summary()``);
         returns how many steps this rank has finished."""
+        self._send_now = True
         before = self.sender.flush_soon()
         deadline = time.monotonic() + timeout_s
         while self.sender.num_flushes <= before and time.monotonic() < deadline:
