@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ def _wrap_next(probe: Probe) -> Callable[[Any], Any]:
 
     def make(orig: Any) -> Any:
         def __next__(self: Any) -> Any:
-            if probe.skip():
+            if probe.off or get_ident() != probe.thread_id:
                 return orig(self)
             try:
                 tracker.enter(INPUT, clock())
@@ -78,7 +79,10 @@ def _wrap_next(probe: Probe) -> Callable[[Any], Any]:
                 exhausted = True
                 raise
             finally:
-                probe.exit(exhausted=exhausted)
+                try:
+                    tracker.exit(clock(), True, exhausted)
+                except Exception as exc:  # fail open
+                    probe.on_error(exc)
         return __next__
     return make
 
@@ -104,7 +108,7 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
 
     def make(orig: Any) -> Any:
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if probe.mute or is_compiling() or probe.skip():
+            if probe.mute or probe.off or is_compiling() or get_ident() != probe.thread_id:
                 return orig(self, *args, **kwargs)
             probe.mute += 1
             timed = grad_enabled()
@@ -127,7 +131,13 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
                         timer.stop()
                     # A loss module's time is forward time, but only a module
                     # with parameters counts as a forward pass.
-                    probe.exit(_holds_parameters(self))
+                    counted = _HOLDS_PARAMETERS.get(id(self))
+                    if counted is None:
+                        counted = _holds_parameters(self)
+                    try:
+                        tracker.exit(clock(), counted)
+                    except Exception as exc:  # fail open
+                        probe.on_error(exc)
         return __call__
     return make
 
@@ -137,7 +147,7 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
 
     def make(orig: Any) -> Any:
         def backward(*args: Any, **kwargs: Any) -> Any:
-            if probe.in_backward or probe.skip():
+            if probe.in_backward or probe.off or get_ident() != probe.thread_id:
                 return orig(*args, **kwargs)
             probe.in_backward = True
             probe.mute += 1
@@ -153,7 +163,10 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
             finally:
                 if timer is not None:
                     timer.stop()
-                probe.exit()
+                try:
+                    tracker.exit(clock())
+                except Exception as exc:  # fail open
+                    probe.on_error(exc)
                 probe.mute -= 1
                 probe.in_backward = False
         backward.__doc__ = orig.__doc__

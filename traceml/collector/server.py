@@ -89,6 +89,10 @@ class Collector:
         except (ProtocolError, ValueError, TypeError, KeyError) as exc:
             self.reject(f"bad {env.kind} payload: {type(exc).__name__}")
 
+    def all_said_bye(self) -> bool:
+        """Every sender that spoke has said goodbye: nothing more is in flight."""
+        return all(state.said_bye for state in self.senders.values())
+
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
@@ -295,6 +299,7 @@ def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> 
             drain_since = now
         if drain_since is not None and (
             now - last_data >= DRAIN_IDLE_S or now - drain_since >= DRAIN_MAX_S
+            or (collector.ended and collector.all_said_bye())
         ):
             return
 
