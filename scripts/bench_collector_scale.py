@@ -34,7 +34,7 @@ FLUSH_S = 0.5
 
 
 def simulate(endpoint: str, ranks: range, world: int, steps_per_s: float, duration_s: float,
-             out: "mp.Queue[tuple[int, int, int]]") -> None:
+             out: mp.Queue[tuple[int, int, int]]) -> None:
     """One sender process speaking for several ranks."""
     context = zmq.Context()
     sock = context.socket(zmq.PUSH)

@@ -63,7 +63,7 @@ def init(logs_dir: str = "./logs", session_id: str | None = None,
         _warn_once(f"traceml.init(): tracing not started: {exc}")
         return None
     _session = session
-    return session.env  # type: ignore[no-any-return]
+    return session.env
 
 
 def _load_own_steps(session_dir: Any, load_run: Any) -> Any:

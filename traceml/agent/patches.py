@@ -24,6 +24,7 @@ Instrumented (SPEC R-AG-2):
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 from threading import get_ident
@@ -262,11 +263,12 @@ def _scaler_classes() -> list[type]:
     if amp is not None:
         classes.append(amp.GradScaler)
     try:
-        from torch.cuda.amp import GradScaler as CudaScaler
+        cuda_amp: Any = importlib.import_module("torch.cuda.amp")
     except ImportError:
-        CudaScaler = None
-    if CudaScaler is not None and "step" in CudaScaler.__dict__:
-        classes.append(CudaScaler)
+        cuda_amp = None
+    cuda_scaler: Any = getattr(cuda_amp, "GradScaler", None)
+    if cuda_scaler is not None and "step" in cuda_scaler.__dict__:
+        classes.append(cuda_scaler)
     return classes
 
 

@@ -21,10 +21,10 @@ from traceml.agent.cuda_timing import CudaPhaseTimer
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
 from traceml.agent.steps import StepTiming, StepTracker
-from traceml.sender import BatchSender
 from traceml.environment import AgentEnv
 from traceml.protocol import Sender
 from traceml.security import session_keys
+from traceml.sender import BatchSender
 
 _ACTIVE: AgentRuntime | None = None
 MAX_QUEUED_STEPS = 100_000

@@ -33,8 +33,8 @@ def phase_table(steps: tuple[StepRow, ...]) -> str:
         return "traceml: no training steps were captured."
     headers = ["rank", "steps", "input ms", "forward ms", "backward ms", "optimizer ms",
                "wait ms", "total ms"]
-    return "traceml: mean time per step\n" + tabulate(table, headers=headers,
-                                                      disable_numparse=True)
+    rendered: str = tabulate(table, headers=headers, disable_numparse=True)
+    return "traceml: mean time per step\n" + rendered
 
 
 def finish(session_dir: Path, collector_alive: bool, html: bool = False) -> None:

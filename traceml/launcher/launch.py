@@ -17,21 +17,21 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 import traceml
+from traceml import environment
 from traceml.collector.server import CollectorConfig
 from traceml.collector.store import STORE_FILENAME
 from traceml.config import RunConfig
-from traceml import environment
 from traceml.environment import AgentEnv
 from traceml.errors import UsageError
+from traceml.launcher import topology
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.launcher.ending import finish
-from traceml.launcher import topology
 from traceml.launcher.nodes import JoinCheck, SilenceWatch, Waiting, wait_for_nodes
 from traceml.launcher.process_watcher import ProcessWatcher
 from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
-from traceml.security import session_keys
 from traceml.live.views import start_live_view
+from traceml.security import session_keys
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
 
@@ -50,10 +50,10 @@ def exit_status_of(exc: BaseException) -> int:
 def run_torch(torch_args: Any) -> int:
     """torchrun's own launch path; returns the training's exit status."""
     try:
-        torchrun.run(torch_args)
+        torchrun.run(torch_args)  # type: ignore[no-untyped-call]
     except (ChildFailedError, SignalException) as exc:
         if isinstance(exc, ChildFailedError):
-            print(exc.format_msg(), file=sys.stderr)
+            print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
         return exit_status_of(exc)
     return 0
 
