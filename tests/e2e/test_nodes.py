@@ -192,3 +192,21 @@ def test_watch_reports_system_and_process_only(tmp_path: Path) -> None:
         assert summary["system"]["diagnosis"]["kind"] != "NOT_MEASURED"
         steps, senders = read_store(nodes.session_dir / "telemetry.sqlite")
         assert steps == []  # nothing was injected
+
+
+def test_node_that_never_comes_is_named_within_the_join_timeout(tmp_path: Path) -> None:
+    common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=join_timeout=5",
+              f"--aggregator-port={free_port()}", "--aggregator-bind-host=127.0.0.1"]
+    nodes = Nodes(tmp_path, "alone", common)
+    start = time.monotonic()
+    nodes.start(script("allreduce.py"))
+    ((code, out, err),) = nodes.finish(timeout=120)
+    assert code == 1
+    assert time.monotonic() - start < 60  # torch's join timeout, not 10-15 minutes
+    assert "Traceback" not in err
+    assert "rendezvous failed" in err and "never joined" in err
+    summary = read_summary(nodes.session_dir)
+    assert summary is not None and summary["meta"]["partial"] is True
+    assert summary["meta"]["missing_ranks"] == [0, 1]
+    assert "TraceML Run Summary" in out

@@ -15,6 +15,7 @@ from typing import Any
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 import traceml
 from traceml import environment
@@ -55,6 +56,13 @@ def run_torch(torch_args: Any) -> int:
         if isinstance(exc, ChildFailedError):
             print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
         return exit_status_of(exc)
+    except RendezvousError as exc:
+        # torchrun would print a traceback; the reason fits on one line.
+        reason = str(exc) or "no other node joined in time"
+        print(f"traceml: torch's rendezvous failed ({type(exc).__name__}): {reason}; "
+              "check that every node runs the same command and can reach the endpoint",
+              file=sys.stderr)
+        return 1
     return 0
 
 

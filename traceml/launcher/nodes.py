@@ -149,15 +149,21 @@ class Waiting(threading.Thread):
 
 
 def wait_for_nodes(db_path: Path, num_nodes: int) -> list[str]:
-    """Wait until every node's launcher said goodbye; the hosts still missing."""
+    """Wait until every node's launcher that reported said goodbye; what is missing.
+
+    A node that never reported (it never joined) is not waited for, only named.
+    """
     deadline = time.monotonic() + NODES_FINISH_TIMEOUT_S
     announced = False
     while True:
         rows = _read_store(db_path, "SELECT node_rank, host, said_bye FROM senders "
                                     "WHERE role = 'system' AND node_rank >= 0")
+        seen = {r[0] for r in rows}
         done = {r[0] for r in rows if r[2]}
-        if len(done) >= num_nodes or time.monotonic() >= deadline:
-            return [f"node {r[0]} ({r[1]})" for r in rows if r[0] not in done]
+        if done >= seen or time.monotonic() >= deadline:
+            missing = [f"node {r[0]} ({r[1]})" for r in rows if r[0] not in done]
+            never = max(0, num_nodes - len(seen))
+            return missing + ([f"{never} node(s) that never joined"] if never else [])
         if not announced:
             announced = True
             _say(f"waiting up to {NODES_FINISH_TIMEOUT_S:.0f} s for the other nodes to finish")
