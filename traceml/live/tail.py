@@ -19,10 +19,10 @@ from traceml.collector.store import StoreReader
 from traceml.diagnosis.samples import ProcessSample, RunData, StepRow, SystemSample
 from traceml.report.session import (
     DEFAULT_WINDOW_ROWS,
-    _process_sample,
-    _run_meta,
-    _step_row,
-    _system_sample,
+    process_sample,
+    run_meta,
+    step_row,
+    system_sample,
 )
 
 LIVE_STEPS_KEPT = 300
@@ -56,9 +56,9 @@ class StoreTail:
             for row in self._new_rows(reader, "steps", most * self.steps_kept):
                 self._add_step(row)
             for row in self._new_rows(reader, "process", most * self.samples_kept):
-                self._add_sample(self._process, _process_sample(row), row["rank"])
+                self._add_sample(self._process, process_sample(row), row["rank"])
             for row in self._new_rows(reader, "system", most * self.samples_kept):
-                self._add_sample(self._system, _system_sample(row), row["node_rank"])
+                self._add_sample(self._system, system_sample(row), row["node_rank"])
             meta, rejected = reader.meta(), reader.rejected()
         finally:
             reader.close()
@@ -82,7 +82,7 @@ class StoreTail:
             self._steps.pop(rank, None)  # a restarted rank counts its steps from 0 again
         self._restart[rank] = restart
         rows = self._steps.setdefault(rank, {})
-        rows[row["step"]] = _step_row(row)
+        rows[row["step"]] = step_row(row)
         if len(rows) > self.steps_kept:
             for step in sorted(rows)[: len(rows) - self.steps_kept]:
                 del rows[step]
@@ -97,4 +97,4 @@ class StoreTail:
         process = tuple(sorted((s for q in self._process.values() for s in q),
                                key=lambda s: s.t))
         system = tuple(sorted((s for q in self._system.values() for s in q), key=lambda s: s.t))
-        return RunData(_run_meta(meta, senders, steps, process, rejected), steps, process, system)
+        return RunData(run_meta(meta, senders, steps, process, rejected), steps, process, system)

@@ -78,18 +78,18 @@ def load_run(session_dir: Path) -> tuple[RunData, int]:
     try:
         meta = reader.meta()
         senders = [dict(r) for r in reader.senders()]
-        steps = tuple(_step_row(dict(r)) for r in reader.steps())
-        process = tuple(_process_sample(dict(r)) for r in reader.process())
-        system = tuple(_system_sample(dict(r)) for r in reader.system() if r["node_rank"] >= 0)
+        steps = tuple(step_row(dict(r)) for r in reader.steps())
+        process = tuple(process_sample(dict(r)) for r in reader.process())
+        system = tuple(system_sample(dict(r)) for r in reader.system() if r["node_rank"] >= 0)
         rejected = reader.rejected()
     finally:
         reader.close()
-    run_meta = _run_meta(meta, senders, steps, process, rejected)
+    described = run_meta(meta, senders, steps, process, rejected)
     window = int(meta.get("summary_window_rows") or DEFAULT_WINDOW_ROWS)
-    return RunData(run_meta, steps, process, system), window
+    return RunData(described, steps, process, system), window
 
 
-def _step_row(r: dict[str, Any]) -> StepRow:
+def step_row(r: dict[str, Any]) -> StepRow:
     return StepRow(
         rank=r["rank"], step=r["step"], input_ms=r["input_ms"], forward_ms=r["forward_ms"],
         backward_ms=r["backward_ms"], optimizer_ms=r["optimizer_ms"], total_ms=r["total_ms"],
@@ -106,7 +106,7 @@ def _gpu_ms(r: dict[str, Any]) -> float | None:
     return None if any(p is None for p in parts) else float(sum(parts))  # type: ignore[arg-type]
 
 
-def _process_sample(r: dict[str, Any]) -> ProcessSample:
+def process_sample(r: dict[str, Any]) -> ProcessSample:
     return ProcessSample(
         rank=r["rank"], node_rank=r["node_rank"], t=r["t"], cpu_pct=r["cpu_pct"] or 0.0,
         rss_bytes=r["rss_bytes"] or 0, host_ram_total_bytes=r["host_ram_total_bytes"] or 0,
@@ -116,7 +116,7 @@ def _process_sample(r: dict[str, Any]) -> ProcessSample:
     )
 
 
-def _system_sample(r: dict[str, Any]) -> SystemSample:
+def system_sample(r: dict[str, Any]) -> SystemSample:
     gpus = tuple(GpuSample(*g) for g in orjson.loads(r["gpus"] or "[]"))
     return SystemSample(node_rank=r["node_rank"], host=r["host"], t=r["t"],
                         cpu_pct=r["cpu_pct"] or 0.0, ram_pct=r["ram_pct"] or 0.0,
@@ -136,7 +136,7 @@ def _nodes(senders: list[dict[str, Any]]) -> tuple[NodeInfo, ...]:
     return tuple(NodeInfo(n, hosts[n], tuple(sorted(ranks[n]))) for n in sorted(hosts))
 
 
-def _run_meta(meta: dict[str, Any], senders: list[dict[str, Any]], steps: tuple[StepRow, ...],
+def run_meta(meta: dict[str, Any], senders: list[dict[str, Any]], steps: tuple[StepRow, ...],
               process: tuple[ProcessSample, ...], rejected: dict[str, int]) -> RunMeta:
     seen = {s["rank"] for s in senders if s["rank"] is not None}
     reported = [s["world_size"] for s in senders if s["world_size"]]
