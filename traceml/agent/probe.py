@@ -36,9 +36,9 @@ class Probe:
         except Exception as exc:  # fail open: never break training
             self.on_error(exc)
 
-    def exit(self, count: bool = True, exhausted: bool = False) -> None:
+    def exit(self) -> None:
         try:
-            self.tracker.exit(self.clock(), count, exhausted)
+            self.tracker.exit(self.clock())
         except Exception as exc:
             self.on_error(exc)
 
@@ -48,11 +48,6 @@ class Probe:
         except Exception as exc:
             self.on_error(exc)
 
-    def nograd_forward(self) -> None:
-        try:
-            self.tracker.nograd_forward(self.clock())
-        except Exception as exc:
-            self.on_error(exc)
 
     def skip(self) -> bool:
         """True when a wrapper must pass straight through."""

@@ -53,12 +53,11 @@ def finish(session_dir: Path, collector_alive: bool, html: bool = False) -> None
         return
     sys.stdout.write(files.text)
     sys.stdout.flush()
-    print(phase_table(files.report_steps), file=sys.stderr)
+    print(phase_table(files.run.steps), file=sys.stderr)
     print(f"traceml: summary written to {files.json_path} and {files.text_path.name}",
           file=sys.stderr)
     if html:  # --html: the same report with its plots, one self-contained file
         from traceml.report.html import HTML_NAME, write_html
-        from traceml.report.session import load_run
 
-        path = write_html(session_dir / HTML_NAME, files.report, load_run(session_dir)[0])
+        path = write_html(session_dir / HTML_NAME, files.report, files.run)
         print(f"traceml: HTML report written to {path}", file=sys.stderr)

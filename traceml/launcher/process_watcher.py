@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from traceml import protocol
+from traceml.agent.process_sampler import usable_cpus
 from traceml.protocol import Sender
 from traceml.security import CurveKeys
 from traceml.sender import BatchSender
@@ -29,8 +30,7 @@ class ProcessWatcher:
         self.node_rank = node_rank
         self.host = socket.gethostname()
         self.ram_total = psutil.virtual_memory().total
-        self.num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
+        self.num_cpus = usable_cpus()
         self.workers: dict[int, tuple[psutil.Process, Sender]] = {}
         identity = Sender(role="watch", host=self.host, pid=os.getpid(),
                           node_rank=node_rank if node_rank is not None else -1)

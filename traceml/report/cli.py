@@ -62,8 +62,6 @@ def main(argv: Sequence[str]) -> int:
           file=sys.stderr)
     if html_target is not None:  # the same report with its plots, one self-contained file
         from traceml.report.html import write_html
-        from traceml.report.session import load_run
-
-        path = write_html(html_target, files.report, load_run(session_dir)[0])
+        path = write_html(html_target, files.report, files.run)
         print(f"traceml: HTML report written to {path}", file=sys.stderr)
     return 0

@@ -44,7 +44,7 @@ class SummaryFiles:
     text: str
     json_path: Path
     text_path: Path
-    report_steps: tuple[StepRow, ...]
+    run: RunData
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -176,4 +176,4 @@ def write_summary(session_dir: Path, window_rows: int | None = None) -> SummaryF
     json_path, text_path = session_dir / JSON_NAME, session_dir / TEXT_NAME
     write_atomic(json_path, orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     write_atomic(text_path, text.encode())
-    return SummaryFiles(report, summary, text, json_path, text_path, run.steps)
+    return SummaryFiles(report, summary, text, json_path, text_path, run)
