@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from traceml.agent.patches import Instrumentation
 from traceml.agent.runtime import AgentRuntime
+from traceml.agent.steps import CLOSE
 from traceml.collector.server import CollectorConfig
 from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
@@ -167,7 +168,7 @@ def main() -> None:
               f"{mode}")
         measure("short step", make_loop(64, 2, 32, 400), inst, args.blocks)
         measure("long step", make_loop(512, 6, 256, 20), inst, args.blocks)
-        runtime.tracker.close()
+        runtime.probe.log((CLOSE, 0.0))  # what the agent logs at exit
         runtime.sender.stop()
         if poller is not None:
             print(f"dashboard polls answered: {poller.stop()}")

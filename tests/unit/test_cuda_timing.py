@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from traceml.agent.cuda_timing import CudaPhaseTimer
+from traceml.agent.runtime import merge_device_marks
 from traceml.agent.steps import BACKWARD, FORWARD, OPTIMIZER
 
 
@@ -63,3 +64,13 @@ def test_closure_is_exclusive_and_waits_for_gpu() -> None:
     assert timer.resolve(spans) is None
     cuda.done_until = float("inf")
     assert timer.resolve(spans) == (2.0, 3.0, 1.5)
+
+
+def test_a_steps_device_marks_merge() -> None:
+    """Each optimizer end of an iteration logs (peaks, spans); the step keeps
+    the highest peaks and every span."""
+    assert merge_device_marks(()) == (None, None)
+    peaks, spans = merge_device_marks((((10, 20), ["a"]), ((15, 18), ["b"])))
+    assert peaks == (15, 20)
+    assert spans == ["a", "b"]
+    assert merge_device_marks((((1, 2), None),)) == ((1, 2), None)  # the timer started after it

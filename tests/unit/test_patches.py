@@ -3,6 +3,8 @@ GradScaler skips, activation checkpointing, and a clean uninstall."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -17,18 +19,29 @@ from traceml.agent.probe import Probe
 from traceml.agent.steps import StepTiming, StepTracker
 
 
+class Steps:
+    """The steps of the events logged so far, replayed as the sender thread does."""
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        self.done: list[StepTiming] = []
+        self.tracker = StepTracker(self.done.append)
+
+    def __call__(self) -> list[StepTiming]:
+        self.tracker.replay(self.probe.events)
+        return self.done
+
+
 @pytest.fixture
-def steps() -> Iterator[list[StepTiming]]:
-    out: list[StepTiming] = []
-    tracker = StepTracker(out.append)
+def steps() -> Iterator[Steps]:
     errors: list[BaseException] = []
-    inst = Instrumentation(Probe(tracker, time.perf_counter, errors.append))
+    probe = Probe(time.perf_counter, errors.append)
+    inst = Instrumentation(probe)
     inst.install()
     try:
-        yield out
+        yield Steps(probe)
     finally:
         inst.uninstall()
-        tracker.close()
     assert errors == []
 
 
@@ -36,19 +49,20 @@ def _loader(n: int = 6) -> DataLoader[tuple[torch.Tensor, ...]]:
     return DataLoader(TensorDataset(torch.randn(n * 4, 8), torch.randn(n * 4, 1)), batch_size=4)
 
 
-def test_plain_loop(steps: list[StepTiming]) -> None:
+def test_plain_loop(steps: Steps) -> None:
     model = nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in _loader():
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    steps_seen = len(steps) + 1  # the last one closes at exit
-    assert steps_seen == 6
-    assert all(t.counts == (1, 1, 1, 1) for t in steps)
+    done = steps()
+    assert len(done) + 1 == 6  # the last one closes at exit
+    assert all(t.counts == (1, 1, 1, 1) for t in done)
+    assert steps.probe.events == type(steps.probe.events)()  # the replay consumed the log
 
 
-def test_activation_checkpointing_counts_forward_once(steps: list[StepTiming]) -> None:
+def test_activation_checkpointing_counts_forward_once(steps: Steps) -> None:
     inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     head = nn.Linear(8, 1)
     opt = torch.optim.SGD(list(inner.parameters()) + list(head.parameters()), lr=0.1)
@@ -62,11 +76,12 @@ def test_activation_checkpointing_counts_forward_once(steps: list[StepTiming]) -
         opt.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
-    assert len(steps) == 3
-    assert all(t.counts[1] <= 1 and t.counts[2] == 1 for t in steps)
+    done = steps()
+    assert len(done) == 3
+    assert all(t.counts[1] <= 1 and t.counts[2] == 1 for t in done)
 
 
-def test_grad_scaler_skip_is_recognised(steps: list[StepTiming]) -> None:
+def test_grad_scaler_skip_is_recognised(steps: Steps) -> None:
     model = nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
@@ -78,36 +93,63 @@ def test_grad_scaler_skip_is_recognised(steps: list[StepTiming]) -> None:
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-    assert len(steps) == 3
-    assert [t.num_skipped for t in steps] == [0, 1, 0]
+    done = steps()
+    assert len(done) == 3
+    assert [t.num_skipped for t in done] == [0, 1, 0]
 
 
 def test_uninstall_restores_torch() -> None:
     before = (nn.Module.__call__, torch.Tensor.backward, torch.autograd.backward)
-    tracker = StepTracker(lambda t: None)
-    inst = Instrumentation(Probe(tracker, time.perf_counter, lambda e: None))
+    inst = Instrumentation(Probe(time.perf_counter, lambda e: None))
     inst.install()
     assert nn.Module.__call__ is not before[0]
     inst.uninstall()
     assert (nn.Module.__call__, torch.Tensor.backward, torch.autograd.backward) == before
 
 
-def test_internal_error_fails_open() -> None:
+class BrokenTimer:
+    """A CUDA phase timer whose events fail, as after a CUDA error."""
+
+    def start(self, phase: int) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def stop(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_failing_timer_fails_open() -> None:
     errors: list[BaseException] = []
-
-    def boom(t: StepTiming) -> None:
-        raise RuntimeError("agent bug")
-
-    probe = Probe(StepTracker(boom), time.perf_counter, errors.append)
+    probe = Probe(time.perf_counter, errors.append)
+    probe.cuda_timer = BrokenTimer()
     inst = Instrumentation(probe)
     inst.install()
     try:
         model = nn.Linear(8, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = model.weight.detach().clone()
         for x, y in _loader(3):
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
-            opt.step()  # training goes on although the tracker raises
+            opt.step()  # training goes on although the timer raises
     finally:
         inst.uninstall()
-    assert errors and "agent bug" in str(errors[0])
+    assert errors and "illegal memory access" in str(errors[0])
+    assert not torch.equal(before, model.weight)  # the optimizer still stepped
+
+
+def test_installing_does_not_import_dynamo() -> None:
+    """Importing torch._dynamo has side effects on a user's process (a DDP gloo
+    job that never compiles was seen hanging at exit once it was imported)."""
+    code = (
+        "import sys, time, torch\n"
+        "from traceml.agent.patches import Instrumentation\n"
+        "from traceml.agent.probe import Probe\n"
+        "inst = Instrumentation(Probe(time.perf_counter, print))\n"
+        "inst.install()\n"
+        "torch.nn.Linear(2, 2)(torch.randn(1, 2)).sum().backward()\n"
+        "inst.uninstall()\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -1,26 +1,50 @@
-"""StepTracker on hand-built event sequences with a fake clock."""
+"""StepTracker on hand-built event logs with a fake clock."""
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Any
+
 import pytest
 
-from traceml.agent.steps import BACKWARD, FORWARD, INPUT, OPTIMIZER, StepTiming, StepTracker
+from traceml.agent.steps import (
+    BACKWARD,
+    CLOSE,
+    END,
+    END_EXHAUSTED,
+    END_UNCOUNTED,
+    FORWARD,
+    INPUT,
+    MANUAL_ENTER,
+    MANUAL_EXIT,
+    MARK,
+    NOGRAD_FORWARD,
+    OPTIMIZER,
+    OPTIMIZER_END,
+    OPTIMIZER_SKIPPED,
+    StepTiming,
+    StepTracker,
+)
 
 
 class Script:
-    """Feeds events at fake times: each call advances the clock."""
+    """Logs events at fake times, as the patches do, and replays them at once
+    (the replay is incremental: state carries over between replays)."""
 
     def __init__(self) -> None:
         self.t = 0.0
         self.steps: list[StepTiming] = []
         self.tr = StepTracker(self.steps.append)
+        self.events: deque[tuple[int, Any]] = deque()
+
+    def log(self, code: int) -> None:
+        self.events.append((code, self.t))
+        self.tr.replay(self.events)
 
     def phase(self, phase: int, dur: float, count: bool = True) -> None:
-        self.tr.enter(phase, self.t)
+        self.log(phase)
         self.t += dur
-        self.tr.exit(self.t, count)
-        if phase == OPTIMIZER:
-            self.tr.optimizer_done(self.t)
+        self.log(OPTIMIZER_END if phase == OPTIMIZER else END if count else END_UNCOUNTED)
 
     def gap(self, dur: float) -> None:
         self.t += dur
@@ -37,7 +61,7 @@ class Script:
     def eval_pass(self, batches: int, fetch: float = 4, fwd: float = 5) -> None:
         for _ in range(batches):
             self.phase(INPUT, fetch)
-            self.tr.nograd_forward(self.t)
+            self.log(NOGRAD_FORWARD)
             self.gap(fwd)
 
 
@@ -45,7 +69,7 @@ def test_plain_loop_steps_add_up() -> None:
     s = Script()
     for _ in range(4):
         s.train_iter()
-    s.tr.close()
+    s.log(CLOSE)
     assert [t.step for t in s.steps] == [0, 1, 2, 3]
     for t in s.steps[:3]:
         assert t.phase_s == (1, 2, 3, 1)
@@ -63,7 +87,7 @@ def test_gradient_accumulation_is_one_step() -> None:
             s.phase(FORWARD, 2)
             s.phase(BACKWARD, 3)
         s.phase(OPTIMIZER, 1)
-    s.tr.close()
+    s.log(CLOSE)
     assert len(s.steps) == 3
     assert all(t.counts == (4, 4, 4, 1) for t in s.steps)
     assert s.steps[0].phase_s == (4, 8, 12, 1)
@@ -79,7 +103,7 @@ def test_two_optimizers_with_dataloader_is_one_step() -> None:
         s.phase(FORWARD, 2)
         s.phase(BACKWARD, 3)
         s.phase(OPTIMIZER, 1)
-    s.tr.close()
+    s.log(CLOSE)
     assert len(s.steps) == 3
     assert s.steps[0].counts == (1, 2, 2, 2)
     assert s.steps[0].total_s == pytest.approx(13)
@@ -89,7 +113,7 @@ def test_without_dataloader_forward_begins_the_step() -> None:
     s = Script()
     for _ in range(3):
         s.train_iter(fetch=0, tail=2)
-    s.tr.close()
+    s.log(CLOSE)
     assert len(s.steps) == 3
     assert s.steps[0].total_s == pytest.approx(8)
     assert s.steps[0].phase_s == (0, 2, 3, 1)
@@ -99,14 +123,13 @@ def test_closure_optimizer_time_is_exclusive() -> None:
     s = Script()
     for _ in range(2):
         s.phase(INPUT, 1)
-        s.tr.enter(OPTIMIZER, s.t)
+        s.log(OPTIMIZER)
         s.gap(0.5)
         s.phase(FORWARD, 2)
         s.phase(BACKWARD, 3)
         s.gap(0.25)
-        s.tr.exit(s.t)
-        s.tr.optimizer_done(s.t)
-    s.tr.close()
+        s.log(OPTIMIZER_END)
+    s.log(CLOSE)
     assert len(s.steps) == 2
     assert s.steps[0].phase_s == pytest.approx((1, 2, 3, 0.75))
     assert s.steps[0].counts == (1, 1, 1, 1)
@@ -118,7 +141,7 @@ def test_eval_loop_is_kept_out_of_steps() -> None:
     s.eval_pass(3)  # 27 s of evaluation
     s.train_iter()
     s.train_iter()
-    s.tr.close()
+    s.log(CLOSE)
     assert len(s.steps) == 3
     first, second = s.steps[0], s.steps[1]
     assert first.total_s == pytest.approx(7.5)  # closed where evaluation began
@@ -132,12 +155,12 @@ def test_nograd_forward_inside_a_step_is_not_evaluation() -> None:
     s = Script()
     for _ in range(3):
         s.phase(INPUT, 1)
-        s.tr.nograd_forward(s.t)
+        s.log(NOGRAD_FORWARD)
         s.gap(4)
         s.phase(FORWARD, 2)
         s.phase(BACKWARD, 3)
         s.phase(OPTIMIZER, 1)
-    s.tr.close()
+    s.log(CLOSE)
     assert len(s.steps) == 3
     assert s.steps[0].phase_s == (1, 2, 3, 1)
     assert s.steps[0].total_s == pytest.approx(11)
@@ -150,11 +173,10 @@ def test_skipped_scaler_step_still_ends_iteration() -> None:
         s.phase(INPUT, 1)
         s.phase(FORWARD, 2)
         s.phase(BACKWARD, 3)
-        s.tr.enter(OPTIMIZER, s.t)
+        s.log(OPTIMIZER)
         s.gap(0.5)
-        s.tr.exit(s.t)
-        s.tr.optimizer_done(s.t, skipped=(i == 1))
-    s.tr.close()
+        s.log(OPTIMIZER_SKIPPED if i == 1 else OPTIMIZER_END)
+    s.log(CLOSE)
     assert len(s.steps) == 3
     assert [t.num_skipped for t in s.steps] == [0, 1, 0]
 
@@ -164,15 +186,15 @@ def test_manual_boundaries_replace_detection() -> None:
     s.train_iter()  # automatic step, open when trace_step first enters
     for _ in range(2):
         s.phase(INPUT, 1)  # the seed README fetches outside the context
-        s.tr.manual_enter(s.t)
+        s.log(MANUAL_ENTER)
         s.phase(FORWARD, 2)
         s.phase(BACKWARD, 3)
         s.phase(OPTIMIZER, 1)
         s.phase(FORWARD, 2)  # a second optimizer inside the same context
         s.phase(OPTIMIZER, 1)
-        s.tr.manual_exit(s.t)
+        s.log(MANUAL_EXIT)
         s.gap(5)  # outside any step
-    s.tr.close()
+    s.log(CLOSE)
     assert len(s.steps) == 3
     assert s.steps[1].phase_s == (1, 4, 3, 2)
     assert s.steps[1].total_s == pytest.approx(10)
@@ -184,7 +206,7 @@ def test_incomplete_last_step_is_dropped() -> None:
     s.train_iter()
     s.phase(INPUT, 1)
     s.phase(FORWARD, 2)  # crashed before backward/optimizer
-    s.tr.close()
+    s.log(CLOSE)
     assert len(s.steps) == 1
 
 
@@ -194,13 +216,13 @@ def test_work_after_an_eval_loop_stays_out_of_the_next_step() -> None:
     s = Script()
     s.train_iter()
     s.eval_pass(2)
-    s.tr.enter(INPUT, s.t)
+    s.log(INPUT)
     s.t += 0.25
-    s.tr.exit(s.t, exhausted=True)
+    s.log(END_EXHAUSTED)
     s.gap(300)
     s.train_iter()
     s.train_iter()
-    s.tr.close()
+    s.log(CLOSE)
     assert len(s.steps) == 3
     assert s.steps[0].total_s == pytest.approx(7.5)
     assert s.steps[1].total_s == pytest.approx(7.5) and s.steps[1].counts == (1, 1, 1, 1)
@@ -211,11 +233,27 @@ def test_a_training_loader_running_out_still_begins_the_last_step() -> None:
     # the one that raises StopIteration.
     s = Script()
     s.train_iter()
-    s.tr.enter(INPUT, s.t)
+    s.log(INPUT)
     s.t += 0.25
-    s.tr.exit(s.t, exhausted=True)
+    s.log(END_EXHAUSTED)
     s.phase(FORWARD, 2)
     s.phase(BACKWARD, 3)
     s.phase(OPTIMIZER, 1)
-    s.tr.close()
+    s.log(CLOSE)
     assert len(s.steps) == 2 and s.steps[1].counts == (1, 1, 1, 1)
+
+
+def test_marks_belong_to_the_step_they_were_logged_in() -> None:
+    s = Script()
+    for i in range(3):
+        s.phase(INPUT, 1)
+        s.phase(FORWARD, 2)
+        s.phase(BACKWARD, 3)
+        s.phase(OPTIMIZER, 1)
+        s.events.append((MARK, f"opt1-{i}"))  # logged at each optimizer's end, as on CUDA
+        s.phase(OPTIMIZER, 1)  # a second optimizer in the same iteration
+        s.events.append((MARK, f"opt2-{i}"))
+        s.gap(0.5)
+    s.log(CLOSE)
+    assert [t.marks for t in s.steps] == [("opt1-0", "opt2-0"), ("opt1-1", "opt2-1"),
+                                          ("opt1-2", "opt2-2")]

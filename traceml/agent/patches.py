@@ -4,7 +4,10 @@ Each patch has ``install()``/``uninstall()``; nothing is patched at import
 time.  Every wrapper passes straight through when the probe is off, when it
 runs on a thread other than the main one, or while a forward/backward is
 already being timed, so nested modules and autograd re-entry cost one
-attribute check.
+attribute check.  A timed wrapper only logs ``(code, clock())`` events (see
+`traceml.agent.steps`): the step state machine runs later, in the sender
+thread, so the training thread pays a clock read and a deque append per
+event.
 
 Instrumented (SPEC R-AG-2):
 
@@ -34,12 +37,28 @@ import torch
 from torch.utils.data import dataloader as _dataloader
 
 from traceml.agent.probe import Probe
-from traceml.agent.steps import BACKWARD, FORWARD, INPUT, OPTIMIZER
+from traceml.agent.steps import (
+    BACKWARD,
+    END,
+    END_EXHAUSTED,
+    END_UNCOUNTED,
+    FORWARD,
+    INPUT,
+    NOGRAD_FORWARD,
+    OPTIMIZER,
+    OPTIMIZER_END,
+    OPTIMIZER_SKIPPED,
+)
 
 
 def _compiling_check() -> Callable[[], bool]:
+    """torch's "is dynamo tracing this code" check: False when run eagerly and
+    constant True while dynamo traces, so a traced wrapper takes the plain
+    path (no graph break).  The dynamo-only variant is one Python frame.
+    Never touches ``torch._dynamo`` unless torch is older than 2.3: importing
+    it has side effects on the user's process."""
     compiler = getattr(torch, "compiler", None)
-    fn = getattr(compiler, "is_compiling", None)
+    fn = getattr(compiler, "is_dynamo_compiling", None) or getattr(compiler, "is_compiling", None)
     if fn is None:  # torch < 2.3
         fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
     return fn if fn is not None else (lambda: False)
@@ -62,28 +81,32 @@ class Patch:
             self.original = None
 
 
+def _timer_call(probe: Probe, call: Callable[..., None], *args: Any) -> None:
+    """A CUDA timer call, fail open (a CUDA error turns the agent off, not training)."""
+    try:
+        call(*args)
+    except Exception as exc:
+        probe.on_error(exc)
+
+
 def _wrap_next(probe: Probe) -> Callable[[Any], Any]:
-    tracker, clock = probe.tracker, probe.clock
+    log, clock = probe.log, probe.clock
 
     def make(orig: Any) -> Any:
         def __next__(self: Any) -> Any:
             if probe.off or get_ident() != probe.thread_id:
                 return orig(self)
+            log((INPUT, clock()))
             try:
-                tracker.enter(INPUT, clock())
-            except Exception as exc:  # fail open
-                probe.on_error(exc)
-            exhausted = False
-            try:
-                return orig(self)
+                batch = orig(self)
             except StopIteration:
-                exhausted = True
+                log((END_EXHAUSTED, clock()))
                 raise
-            finally:
-                try:
-                    tracker.exit(clock(), True, exhausted)
-                except Exception as exc:  # fail open
-                    probe.on_error(exc)
+            except BaseException:
+                log((END, clock()))
+                raise
+            log((END, clock()))
+            return batch
         return __next__
     return make
 
@@ -105,46 +128,43 @@ def _holds_parameters(module: Any) -> bool:
 def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
     is_compiling = _compiling_check()
     grad_enabled = torch.is_grad_enabled
-    tracker, clock = probe.tracker, probe.clock
+    log, clock = probe.log, probe.clock
 
     def make(orig: Any) -> Any:
-        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # ``*args`` holds the module too: a nested call (the common case, every
+        # submodule of a timed forward) forwards the tuple as it came.
+        def __call__(*args: Any, **kwargs: Any) -> Any:
             if probe.mute or probe.off or is_compiling() or get_ident() != probe.thread_id:
-                return orig(self, *args, **kwargs)
+                return orig(*args, **kwargs)
             probe.mute += 1
-            timed = grad_enabled()
-            timer = probe.cuda_timer if timed else None
+            if not grad_enabled():
+                log((NOGRAD_FORWARD, clock()))
+                try:
+                    return orig(*args, **kwargs)
+                finally:
+                    probe.mute -= 1
+            timer = probe.cuda_timer
+            log((FORWARD, clock()))
+            if timer is not None:
+                _timer_call(probe, timer.start, FORWARD)
             try:
-                if timed:
-                    tracker.enter(FORWARD, clock())
-                    if timer is not None:
-                        timer.start(FORWARD)
-                else:
-                    tracker.nograd_forward(clock())
-            except Exception as exc:  # fail open
-                probe.on_error(exc)
-            try:
-                return orig(self, *args, **kwargs)
+                return orig(*args, **kwargs)
             finally:
                 probe.mute -= 1
-                if timed:
-                    if timer is not None:
-                        timer.stop()
-                    # A loss module's time is forward time, but only a module
-                    # with parameters counts as a forward pass.
-                    counted = _HOLDS_PARAMETERS.get(id(self))
-                    if counted is None:
-                        counted = _holds_parameters(self)
-                    try:
-                        tracker.exit(clock(), counted)
-                    except Exception as exc:  # fail open
-                        probe.on_error(exc)
+                if timer is not None:
+                    _timer_call(probe, timer.stop)
+                # A loss module's time is forward time, but only a module
+                # with parameters counts as a forward pass.
+                counted = _HOLDS_PARAMETERS.get(id(args[0]))
+                if counted is None:
+                    counted = _holds_parameters(args[0])
+                log((END if counted else END_UNCOUNTED, clock()))
         return __call__
     return make
 
 
 def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
-    tracker, clock = probe.tracker, probe.clock
+    log, clock = probe.log, probe.clock
 
     def make(orig: Any) -> Any:
         def backward(*args: Any, **kwargs: Any) -> Any:
@@ -153,21 +173,15 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
             probe.in_backward = True
             probe.mute += 1
             timer = probe.cuda_timer
-            try:
-                tracker.enter(BACKWARD, clock())
-                if timer is not None:
-                    timer.start(BACKWARD)
-            except Exception as exc:  # fail open
-                probe.on_error(exc)
+            log((BACKWARD, clock()))
+            if timer is not None:
+                _timer_call(probe, timer.start, BACKWARD)
             try:
                 return orig(*args, **kwargs)
             finally:
                 if timer is not None:
-                    timer.stop()
-                try:
-                    tracker.exit(clock())
-                except Exception as exc:  # fail open
-                    probe.on_error(exc)
+                    _timer_call(probe, timer.stop)
+                log((END, clock()))
                 probe.mute -= 1
                 probe.in_backward = False
         backward.__doc__ = orig.__doc__
@@ -176,25 +190,30 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
     return make
 
 
+def _optimizer_ends(probe: Probe, skipped: bool) -> None:
+    """The outermost optimizer step of an iteration ended (training thread)."""
+    if probe.cuda_timer is not None:
+        _timer_call(probe, probe.cuda_timer.stop)
+    probe.log((OPTIMIZER_SKIPPED if skipped else OPTIMIZER_END, probe.clock()))
+    if probe.on_optimizer_end is not None:
+        _timer_call(probe, probe.on_optimizer_end)
+
+
 def _wrap_scaler_step(probe: Probe) -> Callable[[Any], Any]:
     def make(orig: Any) -> Any:
         def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             if probe.opt_depth or probe.skip():
                 return orig(self, optimizer, *args, **kwargs)
             before = probe.num_optimizer_calls
-            probe.enter(OPTIMIZER)
-            timer = probe.cuda_timer
-            if timer is not None:
-                timer.start(OPTIMIZER)
+            probe.log((OPTIMIZER, probe.clock()))
+            if probe.cuda_timer is not None:
+                _timer_call(probe, probe.cuda_timer.start, OPTIMIZER)
             probe.opt_depth += 1
             try:
                 return orig(self, optimizer, *args, **kwargs)
             finally:
                 probe.opt_depth -= 1
-                if timer is not None:
-                    timer.stop()
-                probe.exit()
-                probe.optimizer_done(skipped=probe.num_optimizer_calls == before)
+                _optimizer_ends(probe, skipped=probe.num_optimizer_calls == before)
         return step
     return make
 
@@ -206,44 +225,40 @@ class OptimizerHooks:
         self.probe = probe
         self.handles: list[Any] = []
 
-    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _hooks(self) -> tuple[Callable[..., None], Callable[..., None]]:
         probe = self.probe
-        probe.num_optimizer_calls += 1
-        if probe.skip():
-            return
-        depth = probe.opt_depth
-        if depth and probe.tracker.depth(OPTIMIZER) == 0:
-            depth = 0  # a previous step raised before its post hook ran
-        if depth == 0:
-            try:
-                probe.tracker.enter(OPTIMIZER, probe.clock())
-                if probe.cuda_timer is not None:
-                    probe.cuda_timer.start(OPTIMIZER)
-            except Exception as exc:  # fail open
-                probe.on_error(exc)
-        probe.opt_depth = depth + 1
+        log, clock = probe.log, probe.clock
 
-    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        probe = self.probe
-        if probe.opt_depth == 0 or probe.skip():
-            return
-        probe.opt_depth -= 1
-        if probe.opt_depth == 0:
-            try:
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            probe.num_optimizer_calls += 1
+            if probe.off or get_ident() != probe.thread_id:
+                return
+            if probe.opt_depth == 0:
+                log((OPTIMIZER, clock()))
                 if probe.cuda_timer is not None:
-                    probe.cuda_timer.stop()
-                now = probe.clock()
-                probe.tracker.exit(now)
-                probe.tracker.optimizer_done(now)
-            except Exception as exc:  # fail open
-                probe.on_error(exc)
+                    _timer_call(probe, probe.cuda_timer.start, OPTIMIZER)
+            probe.opt_depth += 1
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if probe.opt_depth == 0 or probe.off or get_ident() != probe.thread_id:
+                return
+            probe.opt_depth -= 1
+            if probe.opt_depth:
+                return
+            if probe.cuda_timer is None and probe.on_optimizer_end is None:
+                log((OPTIMIZER_END, clock()))
+            else:
+                _optimizer_ends(probe, skipped=False)
+
+        return pre, post
 
     def install(self) -> None:
         from torch.optim import optimizer as opt_mod
 
+        pre, post = self._hooks()
         self.handles = [
-            opt_mod.register_optimizer_step_pre_hook(self._pre),
-            opt_mod.register_optimizer_step_post_hook(self._post),
+            opt_mod.register_optimizer_step_pre_hook(pre),
+            opt_mod.register_optimizer_step_post_hook(post),
         ]
 
     def uninstall(self) -> None:

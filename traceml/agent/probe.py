@@ -7,20 +7,27 @@ that never imports torch, does not import torch through the agent.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from traceml.agent.steps import StepTracker
+MAX_EVENTS = 1_000_000  # about 10 s of events at 10k steps/s should the consumer stall
 
 
 class Probe:
-    """Shared state of the patches: the tracker, the clock and the guards."""
+    """What the patches share: the event log, the clock and the guards.
 
-    def __init__(self, tracker: StepTracker, clock: Callable[[], float],
+    The patches run on the training thread and only append ``(code, time)``
+    events to ``events`` (codes in `traceml.agent.steps`); the sender thread
+    replays them through the `StepTracker`.
+    """
+
+    def __init__(self, clock: Callable[[], float],
                  on_error: Callable[[BaseException], None]) -> None:
-        self.tracker = tracker
-        self.clock = clock
         self.on_error = on_error
+        self.events: deque[tuple[Any, ...]] = deque(maxlen=MAX_EVENTS)
+        self.log = self.events.append
+        self.clock = clock
         self.off = False
         self.mute = 0  # >0 while a forward or backward is being timed
         self.in_backward = False
@@ -29,25 +36,9 @@ class Probe:
         self.thread_id = threading.main_thread().ident
         # CudaPhaseTimer once this rank uses CUDA; None on CPU (one check per phase).
         self.cuda_timer: Any = None
-
-    def enter(self, phase: int) -> None:
-        try:
-            self.tracker.enter(phase, self.clock())
-        except Exception as exc:  # fail open: never break training
-            self.on_error(exc)
-
-    def exit(self) -> None:
-        try:
-            self.tracker.exit(self.clock())
-        except Exception as exc:
-            self.on_error(exc)
-
-    def optimizer_done(self, skipped: bool) -> None:
-        try:
-            self.tracker.optimizer_done(self.clock(), skipped)
-        except Exception as exc:
-            self.on_error(exc)
-
+        # Called on the training thread when an iteration's optimizer steps end
+        # (CUDA peaks and spans); None on CPU.
+        self.on_optimizer_end: Callable[[], None] | None = None
 
     def skip(self) -> bool:
         """True when a wrapper must pass straight through."""

@@ -1,9 +1,10 @@
 """The agent of one training rank: tracker + patches + sender (agent side).
 
 Created once torch has been imported in an armed rank.  The training thread
-only appends finished steps to a deque; the sender thread drains it in
-batches.  Any error of the agent disables the failing part, warns once on
-stderr and leaves training unchanged.
+only appends phase events to the probe's log; the sender thread replays them
+through the step tracker and sends the finished steps in batches.  Any error
+of the agent disables the failing part, warns once on stderr and leaves
+training unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from traceml import protocol
 from traceml.agent.cuda_timing import CudaPhaseTimer
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
-from traceml.agent.steps import StepTiming, StepTracker
+from traceml.agent.steps import CLOSE, MANUAL_ENTER, MANUAL_EXIT, MARK, StepTiming, StepTracker
 from traceml.environment import AgentEnv
 from traceml.protocol import Sender
 from traceml.security import session_keys
@@ -62,17 +63,16 @@ class AgentRuntime:
     def __init__(self, env: AgentEnv, identity: Sender) -> None:
         self.env = env
         self.identity = identity
-        # The training thread only appends here; the sender thread drains.
-        self.steps: deque[tuple[StepTiming, tuple[int, int] | None, Any]] = deque(
-            maxlen=MAX_QUEUED_STEPS)
+        # Finished steps, from the tracker (sender thread) to the outbox.
+        self.steps: deque[StepTiming] = deque(maxlen=MAX_QUEUED_STEPS)
         self._final = False  # at exit, steps whose GPU events are not done go without
         self._outbox: list[tuple[Any, ...]] = []  # stamped steps waiting for the next send
         self._next_send = 0.0
         self._send_now = False  # traceml.summary() wants the steps in the store now
         self.num_steps = 0
         self._cuda: Any = None
-        self.tracker = StepTracker(self._emit_step)
-        self.probe = Probe(self.tracker, time.perf_counter, self._fail)
+        self.tracker = StepTracker(self.steps.append)
+        self.probe = Probe(time.perf_counter, self._fail)
         self.instrumentation: Any = None
         self._wall_offset = time.time() - time.perf_counter()
         self._rss = RssReader()
@@ -86,27 +86,29 @@ class AgentRuntime:
             keys=session_keys(env.secure, env.secret, env.session_id),
         )
 
-    def _emit_step(self, t: StepTiming) -> None:
-        """Training thread, once per step: queue it, with CUDA peaks when on CUDA."""
+    def _mark_device_step(self) -> None:
+        """Training thread, when an iteration's optimizer steps end (CUDA only):
+        log the device memory peaks since the last mark and the phases' CUDA
+        events, for the step being timed."""
         cuda = self._cuda
-        if cuda is not None and cuda.is_initialized():
-            device = cuda.current_device()
-            peaks = (int(cuda.max_memory_allocated(device)), int(cuda.max_memory_reserved(device)))
-            cuda.reset_peak_memory_stats(device)
-            timer = self.probe.cuda_timer
-            if timer is None:  # CUDA came up during this step: time phases from the next
-                self.probe.cuda_timer = CudaPhaseTimer(cuda)
-                self.steps.append((t, peaks, None))
-            else:
-                self.steps.append((t, peaks, timer.take_step()))
+        if not cuda.is_initialized():
+            return
+        device = cuda.current_device()
+        peaks = (int(cuda.max_memory_allocated(device)), int(cuda.max_memory_reserved(device)))
+        cuda.reset_peak_memory_stats(device)
+        timer = self.probe.cuda_timer
+        if timer is None:  # CUDA came up during this step: time phases from the next
+            self.probe.cuda_timer = CudaPhaseTimer(cuda)
+            self.probe.log((MARK, (peaks, None)))
         else:
-            self.steps.append((t, None, None))
+            self.probe.log((MARK, (peaks, timer.take_step())))
 
     def start(self) -> None:
         global _ACTIVE
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             self._cuda = torch.cuda
+            self.probe.on_optimizer_end = self._mark_device_step
         if self.env.mode == "run":
             from traceml.agent.patches import Instrumentation
 
@@ -122,10 +124,7 @@ class AgentRuntime:
         global _ACTIVE
         if _ACTIVE is not self:
             return
-        try:
-            self.tracker.close()
-        except Exception as exc:
-            self._fail(exc)
+        self.probe.log((CLOSE, 0.0))  # the sender's last flush closes the last step
         self._uninstall()
         self.sender.stop()
         _ACTIVE = None
@@ -156,9 +155,15 @@ class AgentRuntime:
             print(f"traceml: warning: {message}", file=sys.stderr)
 
     def _drain_steps(self) -> list[tuple[str, dict[str, Any]]]:
-        """Sender thread, every RSS tick: stamp the finished steps with host RSS
-        (read here, off the training path, at the tick's resolution) and send
-        them as one batch once per flush interval."""
+        """Sender thread, every RSS tick: replay the training thread's events,
+        stamp the finished steps with host RSS (read here, off the training
+        path, at the tick's resolution) and send them as one batch once per
+        flush interval."""
+        if not self.probe.off:
+            try:
+                self.tracker.replay(self.probe.events)
+            except Exception as exc:
+                self._fail(exc)
         self._stamp_steps()
         now = time.monotonic()
         if not self._outbox or (now < self._next_send and not self._final
@@ -175,7 +180,8 @@ class AgentRuntime:
         rss = self._rss.read()
         timer = self.probe.cuda_timer
         while self.steps:
-            timing, peaks, spans = self.steps[0]
+            timing = self.steps[0]
+            peaks, spans = merge_device_marks(timing.marks)
             gpu = None
             if spans is not None and timer is not None:
                 gpu = timer.resolve(spans)
@@ -213,14 +219,24 @@ class AgentRuntime:
     def step_enter(self) -> None:
         """``trace_step`` entered (main thread)."""
         if not self.probe.skip():
-            try:
-                self.tracker.manual_enter(time.perf_counter())
-            except Exception as exc:
-                self._fail(exc)
+            self.probe.log((MANUAL_ENTER, time.perf_counter()))
 
     def step_exit(self) -> None:
-        if not self.probe.skip():
-            try:
-                self.tracker.manual_exit(time.perf_counter())
-            except Exception as exc:
-                self._fail(exc)
+        probe = self.probe
+        if not probe.skip():
+            probe.log((MANUAL_EXIT, time.perf_counter()))
+            if probe.on_optimizer_end is not None:
+                try:
+                    probe.on_optimizer_end()
+                except Exception as exc:
+                    self._fail(exc)
+
+
+def merge_device_marks(marks: tuple[Any, ...]) -> tuple[tuple[int, int] | None, list[Any] | None]:
+    """A step's CUDA memory peaks (the highest of its marks) and CUDA event spans."""
+    if not marks:
+        return None, None
+    allocated = max(peaks[0] for peaks, _ in marks)
+    reserved = max(peaks[1] for peaks, _ in marks)
+    spans = [span for _, step_spans in marks if step_spans for span in step_spans]
+    return (allocated, reserved), (spans if any(s is not None for _, s in marks) else None)

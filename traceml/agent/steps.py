@@ -20,15 +20,33 @@ Boundaries (SPEC R-AG-3):
   each phase's time excludes the phases inside it.
 * `trace_step` switches to manual boundaries: a step ends when the context
   exits and the next one begins at its first fetch or at the next enter.
+
+The training thread does not run the tracker: the patches only append
+``(code, time)`` tuples to an event log (one clock read, one tuple, one
+append per event), and `StepTracker.replay` feeds the log to the tracker off
+the training path.  Event codes: 0-3 a phase begins (`INPUT` ... `OPTIMIZER`);
+the rest are below.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 INPUT, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
 PHASE_NAMES = ("input", "forward", "backward", "optimizer")
+
+END = 4  # the innermost phase ends
+END_UNCOUNTED = 5  # ... adding its time but not a call (a parameter-free module)
+END_EXHAUSTED = 6  # a fetch found its loader empty
+NOGRAD_FORWARD = 7  # an outermost forward with grad disabled begins
+OPTIMIZER_END = 8  # the outermost optimizer step ends: the iteration is complete
+OPTIMIZER_SKIPPED = 9  # ... a GradScaler step that skipped the update (inf grads)
+MANUAL_ENTER = 10  # trace_step entered
+MANUAL_EXIT = 11
+MARK = 12  # (MARK, payload): data of the running step (CUDA peaks and spans)
+CLOSE = 13  # process exit
 
 
 class StepTiming(NamedTuple):
@@ -44,6 +62,7 @@ class StepTiming(NamedTuple):
     phase_s: tuple[float, float, float, float]
     counts: tuple[int, int, int, int]
     num_skipped: int
+    marks: tuple[Any, ...] = ()  # MARK payloads logged while the step ran
 
     @property
     def wait_s(self) -> float:
@@ -71,71 +90,82 @@ class StepTracker:
         self._pending_s = 0.0
         self._pending_n = 0
         self._nograd_start: float | None = None
+        self._marks: list[Any] = []
 
     @property
     def next_step(self) -> int:
         return self._next_step
 
-    def depth(self, phase: int) -> int:
-        """How many frames of ``phase`` are open."""
-        return sum(1 for frame in self._stack if frame[0] == phase)
+    # -- the event log ------------------------------------------------------
 
-    # -- phases -----------------------------------------------------------
+    def replay(self, events: deque[tuple[Any, Any]], limit: int = -1) -> int:
+        """Consume the events logged so far, oldest first (one consumer thread),
+        at most ``limit`` of them when it is positive; returns how many.
 
-    def enter(self, phase: int, now: float) -> None:
-        """A phase begins.  Forward/backward/optimizer are training activity."""
-        if phase != INPUT and not self._stack:
-            # Fast path: inside an open, unfinished step with nothing pending.
-            if (not self._open or self._complete or self._pending_n
-                    or self._nograd_start is not None or self._manual):
-                self._on_training(now)
-        self._stack.append([phase, now, 0.0])
-
-    def exit(self, now: float, count: bool = True, exhausted: bool = False) -> None:
-        """The innermost phase ends; ``count=False`` adds its time but not a call.
-
-        ``exhausted``: a fetch that found its loader empty (StopIteration).
+        The phase begin/end cases, nine events in ten, are handled inline.
         """
-        if not self._stack:
-            return
+        pop = events.popleft
         stack = self._stack
-        phase, start, nested = stack.pop()
-        elapsed = now - start
-        if stack:
-            stack[-1][2] += elapsed
-        own = elapsed - nested
-        if own < 0.0:
-            own = 0.0
-        if phase == INPUT and not stack:
-            if exhausted and self._nograd_start is not None:
-                # The end of an evaluation loop's loader begins nothing, so the
-                # work after the evaluation stays out of the next step too.
-                self._end_evaluation()
-                return
-            self._add_pending(start, own)
-            return
-        if self._open:
-            self._acc[phase] += own
-            self._counts[phase] += count
+        done = 0
+        while done != limit:
+            try:
+                code, t = pop()
+            except IndexError:
+                break
+            done += 1
+            if code < END:  # a phase begins
+                if code != INPUT and not stack and (
+                        not self._open or self._complete or self._pending_n
+                        or self._nograd_start is not None or self._manual):
+                    self._on_training(t)
+                stack.append([code, t, 0.0])
+            elif code <= END_EXHAUSTED or code == OPTIMIZER_END or code == OPTIMIZER_SKIPPED:
+                if not stack:
+                    continue
+                # The innermost phase ends: its own time excludes nested phases.
+                phase, start, nested = stack.pop()
+                elapsed = t - start
+                if stack:
+                    stack[-1][2] += elapsed
+                own = elapsed - nested
+                if own < 0.0:
+                    own = 0.0
+                if phase == INPUT and not stack:
+                    if code == END_EXHAUSTED and self._nograd_start is not None:
+                        # The end of an evaluation loop's loader begins nothing, so
+                        # the work after the evaluation stays out of the next step too.
+                        self._end_evaluation()
+                    else:
+                        self._add_pending(start, own)
+                    continue
+                if self._open:
+                    self._acc[phase] += own
+                    self._counts[phase] += code != END_UNCOUNTED
+                    if code == OPTIMIZER_END or code == OPTIMIZER_SKIPPED:
+                        # An optimizer (or GradScaler) step finished: the
+                        # iteration is complete.
+                        self._complete = True
+                        self._last_opt_end = t
+                        self._num_skipped += code == OPTIMIZER_SKIPPED
+            elif code == NOGRAD_FORWARD:
+                # An outermost forward with grad disabled: maybe an evaluation pass.
+                if not stack and self._nograd_start is None:
+                    self._nograd_start = self._boundary(t)
+            elif code == MARK:
+                self._marks.append(t)
+            elif code == MANUAL_ENTER:
+                self._manual_enter(t)
+            elif code == MANUAL_EXIT:
+                if self._open:
+                    self._finish(t, keep=True)
+            elif code == CLOSE:
+                self.close()
+        return done
 
-    def optimizer_done(self, now: float, skipped: bool = False) -> None:
-        """An optimizer (or GradScaler) step finished: the iteration is complete."""
-        if not self._open:
-            return
-        self._complete = True
-        self._last_opt_end = now
-        if skipped:
-            self._num_skipped += 1
+    # -- internals ----------------------------------------------------------
 
-    def nograd_forward(self, now: float) -> None:
-        """An outermost forward with grad disabled: maybe an evaluation pass."""
-        if self._stack or self._nograd_start is not None:
-            return
-        self._nograd_start = self._pending_start if self._pending_start is not None else now
-
-    # -- manual boundaries (trace_step) -----------------------------------
-
-    def manual_enter(self, now: float) -> None:
+    def _manual_enter(self, now: float) -> None:
+        """``trace_step`` switches to manual boundaries."""
         if not self._manual:
             self._manual = True
             if self._open:
@@ -145,18 +175,10 @@ class StepTracker:
         self._nograd_start = None
         self._absorb_pending()
 
-    def manual_exit(self, now: float) -> None:
-        if self._open:
-            self._finish(now, keep=True)
-
-    # -- end of run ---------------------------------------------------------
-
     def close(self) -> None:
         """Process exit: emit the last step if it completed."""
         if self._open:
             self._finish(self._last_opt_end, keep=self._complete)
-
-    # -- internals ----------------------------------------------------------
 
     def _boundary(self, now: float) -> float:
         return self._pending_start if self._pending_start is not None else now
@@ -218,6 +240,7 @@ class StepTracker:
         self._acc = [0.0, 0.0, 0.0, 0.0]
         self._counts = [0, 0, 0, 0]
         self._num_skipped = 0
+        self._marks = []
 
     def _finish(self, end: float, keep: bool) -> None:
         self._open = False
@@ -225,6 +248,6 @@ class StepTracker:
             return
         timing = StepTiming(self._next_step, self._begin, max(0.0, end - self._begin),
                             tuple(self._acc), tuple(self._counts),  # type: ignore[arg-type]
-                            self._num_skipped)
+                            self._num_skipped, tuple(self._marks))
         self._next_step += 1
         self._emit(timing)
