@@ -11,7 +11,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-MAX_EVENTS = 1_000_000  # about 10 s of events at 10k steps/s should the consumer stall
+# The sender thread replays the log every 0.1 s; should it stall, the oldest
+# events go first (the replay tolerates a cut log).  About 20 MB, 20k steps.
+MAX_EVENTS = 250_000
 
 
 class Probe:

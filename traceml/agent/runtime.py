@@ -181,7 +181,7 @@ class AgentRuntime:
         timer = self.probe.cuda_timer
         while self.steps:
             timing = self.steps[0]
-            peaks, spans = merge_device_marks(timing.marks)
+            peaks, spans = merge_device_marks(timing.marks) if timing.marks else (None, None)
             gpu = None
             if spans is not None and timer is not None:
                 gpu = timer.resolve(spans)
