@@ -37,12 +37,13 @@ from typing import Any, NamedTuple
 INPUT, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
 PHASE_NAMES = ("input", "forward", "backward", "optimizer")
 
+# The phase-end codes are contiguous (END ... OPTIMIZER_SKIPPED): one comparison.
 END = 4  # the innermost phase ends
 END_UNCOUNTED = 5  # ... adding its time but not a call (a parameter-free module)
 END_EXHAUSTED = 6  # a fetch found its loader empty
-NOGRAD_FORWARD = 7  # an outermost forward with grad disabled begins
-OPTIMIZER_END = 8  # the outermost optimizer step ends: the iteration is complete
-OPTIMIZER_SKIPPED = 9  # ... a GradScaler step that skipped the update (inf grads)
+OPTIMIZER_END = 7  # the outermost optimizer step ends: the iteration is complete
+OPTIMIZER_SKIPPED = 8  # ... a GradScaler step that skipped the update (inf grads)
+NOGRAD_FORWARD = 9  # an outermost forward with grad disabled begins
 MANUAL_ENTER = 10  # trace_step entered
 MANUAL_EXIT = 11
 MARK = 12  # (MARK, payload): data of the running step (CUDA peaks and spans)
@@ -52,8 +53,8 @@ CLOSE = 13  # process exit
 class StepTiming(NamedTuple):
     """One finished training step of this rank (times in seconds).
 
-    A NamedTuple, not a dataclass: it is built on the training thread once per
-    step, and tuple construction is the cheapest there is.
+    A NamedTuple, not a dataclass: the replay builds one per step while it
+    holds the GIL, and tuple construction is the cheapest there is.
     """
 
     step: int
@@ -119,10 +120,10 @@ class StepTracker:
                         or self._nograd_start is not None or self._manual):
                     self._on_training(t)
                 stack.append([code, t, 0.0])
-            elif code <= END_EXHAUSTED or code == OPTIMIZER_END or code == OPTIMIZER_SKIPPED:
+            elif code <= OPTIMIZER_SKIPPED:  # the innermost phase ends
                 if not stack:
                     continue
-                # The innermost phase ends: its own time excludes nested phases.
+                # Its own time excludes the phases nested in it.
                 phase, start, nested = stack.pop()
                 elapsed = t - start
                 if stack:
@@ -141,7 +142,7 @@ class StepTracker:
                 if self._open:
                     self._acc[phase] += own
                     self._counts[phase] += code != END_UNCOUNTED
-                    if code == OPTIMIZER_END or code == OPTIMIZER_SKIPPED:
+                    if code >= OPTIMIZER_END:
                         # An optimizer (or GradScaler) step finished: the
                         # iteration is complete.
                         self._complete = True
