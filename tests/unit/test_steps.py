@@ -31,15 +31,17 @@ class Script:
     """Logs events at fake times, as the patches do, and replays them at once
     (the replay is incremental: state carries over between replays)."""
 
-    def __init__(self) -> None:
+    def __init__(self, replay_each: bool = True) -> None:
         self.t = 0.0
         self.steps: list[StepTiming] = []
         self.tr = StepTracker(self.steps.append)
         self.events: deque[tuple[int, Any]] = deque()
+        self.replay_each = replay_each
 
     def log(self, code: int) -> None:
         self.events.append((code, self.t))
-        self.tr.replay(self.events)
+        if self.replay_each:
+            self.tr.replay(self.events)
 
     def phase(self, phase: int, dur: float, count: bool = True) -> None:
         self.log(phase)
@@ -257,3 +259,48 @@ def test_marks_belong_to_the_step_they_were_logged_in() -> None:
     s.log(CLOSE)
     assert [t.marks for t in s.steps] == [("opt1-0", "opt2-0"), ("opt1-1", "opt2-1"),
                                           ("opt1-2", "opt2-2")]
+
+
+def test_one_batch_replay_equals_event_by_event() -> None:
+    """The sender thread replays whatever accumulated in 0.1 s at once."""
+    one, batch = Script(), Script(replay_each=False)
+    for s in (one, batch):
+        for i in range(6):
+            s.train_iter()
+            if i == 2:
+                s.eval_pass(3)
+        s.log(CLOSE)
+    assert batch.steps == []
+    assert batch.tr.replay(batch.events) == 6 * 8 + 3 * 3 + 1
+    assert len(one.steps) == 6
+    assert batch.steps == one.steps
+
+
+def test_manual_step_keeps_the_mark_logged_at_its_exit() -> None:
+    s = Script()
+    for i in range(2):
+        s.log(MANUAL_ENTER)
+        s.phase(FORWARD, 2)  # no optimizer: an inference loop under trace_step
+        s.events.append((MARK, f"device-{i}"))  # step_exit logs it before MANUAL_EXIT
+        s.log(MANUAL_EXIT)
+        s.gap(1)
+    s.log(CLOSE)
+    assert [t.marks for t in s.steps] == [("device-0",), ("device-1",)]
+
+
+@pytest.mark.parametrize("resync", [True, False])
+def test_a_cut_log_resynchronises_at_the_next_boundary(resync: bool) -> None:
+    s = Script()
+    s.train_iter()
+    s.phase(INPUT, 1)
+    s.log(OPTIMIZER)  # ... its end was dropped when the log overflowed
+    if resync:
+        s.tr.resync()
+    for _ in range(3):
+        s.train_iter()
+    s.log(CLOSE)
+    if resync:  # the interrupted step is dropped and detection goes on
+        assert [t.phase_s for t in s.steps] == [(1, 2, 3, 1)] * 4
+    else:  # the orphan optimizer phase swallows every later iteration into one step
+        assert len(s.steps) == 2
+        assert s.steps[1].counts[FORWARD] == 3

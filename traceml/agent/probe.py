@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 # The sender thread replays the log every 0.1 s; should it stall, the oldest
-# events go first (the replay tolerates a cut log).  About 20 MB, 20k steps.
+# events go first and the tracker resynchronises at the next step boundary.
+# About 20 MB, 20k steps.
 MAX_EVENTS = 250_000
 
 

@@ -77,6 +77,7 @@ class AgentRuntime:
         self._wall_offset = time.time() - time.perf_counter()
         self._rss = RssReader()
         self._warned = False
+        self._replay_failed = False  # after a tracker error, the log is no longer replayed
         self.process_sampler = ProcessSampler(env.sample_interval_s)
         self.sender = BatchSender(
             env.endpoint, env.session_id, identity,
@@ -145,9 +146,12 @@ class AgentRuntime:
                 self._warn(f"could not remove instrumentation: {exc!r}")
 
     def _fail(self, exc: BaseException) -> None:
+        """An agent error on the training thread (a CUDA timer call): every
+        wrapper passes straight through from now on.  The patches stay until
+        exit: the error may be raised inside torch's loop over the optimizer
+        hooks, which removing a hook there would break."""
         self.probe.off = True
         self._warn(f"step instrumentation disabled after an internal error: {exc!r}")
-        self._uninstall()
 
     def _warn(self, message: str) -> None:
         if not self._warned:
@@ -159,11 +163,21 @@ class AgentRuntime:
         stamp the finished steps with host RSS (read here, off the training
         path, at the tick's resolution) and send them as one batch once per
         flush interval."""
-        if not self.probe.off:
+        if not self._replay_failed:
+            events = self.probe.events
+            if len(events) == events.maxlen:
+                # The log overflowed since the last replay (the sender thread
+                # was starved): what is left starts mid-step.
+                self.tracker.resync()
             try:
-                self.tracker.replay(self.probe.events)
+                self.tracker.replay(events)
             except Exception as exc:
-                self._fail(exc)
+                # Sender thread: turn the wrappers into pass-throughs but leave
+                # torch's hook dicts alone (the training thread may be iterating
+                # them); shutdown removes the patches.
+                self._replay_failed = True
+                self.probe.off = True
+                self._warn(f"step instrumentation disabled after an internal error: {exc!r}")
         self._stamp_steps()
         now = time.monotonic()
         if not self._outbox or (now < self._next_send and not self._final
@@ -224,12 +238,13 @@ class AgentRuntime:
     def step_exit(self) -> None:
         probe = self.probe
         if not probe.skip():
-            probe.log((MANUAL_EXIT, time.perf_counter()))
-            if probe.on_optimizer_end is not None:
+            now = time.perf_counter()
+            if probe.on_optimizer_end is not None:  # the device mark belongs to this step
                 try:
                     probe.on_optimizer_end()
                 except Exception as exc:
                     self._fail(exc)
+            probe.log((MANUAL_EXIT, now))
 
 
 def merge_device_marks(marks: tuple[Any, ...]) -> tuple[tuple[int, int] | None, list[Any] | None]:

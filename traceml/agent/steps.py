@@ -176,6 +176,15 @@ class StepTracker:
         self._nograd_start = None
         self._absorb_pending()
 
+    def resync(self) -> None:
+        """The log lost events (it overflowed): drop the open step and every
+        open phase, and start again from the next boundary."""
+        self._stack.clear()
+        self._drop_pending()
+        self._nograd_start = None
+        if self._open:
+            self._finish(self._begin, keep=False)
+
     def close(self) -> None:
         """Process exit: emit the last step if it completed."""
         if self._open:
