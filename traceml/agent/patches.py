@@ -115,13 +115,11 @@ _HOLDS_PARAMETERS: dict[int, bool] = {}
 
 
 def _holds_parameters(module: Any) -> bool:
-    """Whether a module has parameters; cached by id (outermost calls only)."""
-    key = id(module)
-    known = _HOLDS_PARAMETERS.get(key)
-    if known is None:
-        if len(_HOLDS_PARAMETERS) > 4096:
-            _HOLDS_PARAMETERS.clear()
-        known = _HOLDS_PARAMETERS[key] = any(True for _ in module.parameters())
+    """Whether a module has parameters, for the cache the wrapper reads by id
+    (outermost calls only, so the cache stays small)."""
+    if len(_HOLDS_PARAMETERS) > 4096:
+        _HOLDS_PARAMETERS.clear()
+    known = _HOLDS_PARAMETERS[id(module)] = any(True for _ in module.parameters())
     return known
 
 
@@ -190,6 +188,13 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
     return make
 
 
+def _optimizer_begins(probe: Probe) -> None:
+    """The outermost optimizer step of an iteration begins (training thread)."""
+    probe.log((OPTIMIZER, probe.clock()))
+    if probe.cuda_timer is not None:
+        _timer_call(probe, probe.cuda_timer.start, OPTIMIZER)
+
+
 def _optimizer_ends(probe: Probe, skipped: bool) -> None:
     """The outermost optimizer step of an iteration ended (training thread)."""
     if probe.cuda_timer is not None:
@@ -205,9 +210,7 @@ def _wrap_scaler_step(probe: Probe) -> Callable[[Any], Any]:
             if probe.opt_depth or probe.skip():
                 return orig(self, optimizer, *args, **kwargs)
             before = probe.num_optimizer_calls
-            probe.log((OPTIMIZER, probe.clock()))
-            if probe.cuda_timer is not None:
-                _timer_call(probe, probe.cuda_timer.start, OPTIMIZER)
+            _optimizer_begins(probe)
             probe.opt_depth += 1
             try:
                 return orig(self, optimizer, *args, **kwargs)
@@ -227,27 +230,20 @@ class OptimizerHooks:
 
     def _hooks(self) -> tuple[Callable[..., None], Callable[..., None]]:
         probe = self.probe
-        log, clock = probe.log, probe.clock
 
         def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
             probe.num_optimizer_calls += 1
             if probe.off or get_ident() != probe.thread_id:
                 return
             if probe.opt_depth == 0:
-                log((OPTIMIZER, clock()))
-                if probe.cuda_timer is not None:
-                    _timer_call(probe, probe.cuda_timer.start, OPTIMIZER)
+                _optimizer_begins(probe)
             probe.opt_depth += 1
 
         def post(optimizer: Any, args: Any, kwargs: Any) -> None:
             if probe.opt_depth == 0 or probe.off or get_ident() != probe.thread_id:
                 return
             probe.opt_depth -= 1
-            if probe.opt_depth:
-                return
-            if probe.cuda_timer is None and probe.on_optimizer_end is None:
-                log((OPTIMIZER_END, clock()))
-            else:
+            if probe.opt_depth == 0:
                 _optimizer_ends(probe, skipped=False)
 
         return pre, post
