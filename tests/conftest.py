@@ -7,6 +7,8 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,17 @@ def read_summary(session_dir: Path) -> dict[str, Any] | None:
     text = (session_dir / "final_summary.txt").read_text()
     assert text.startswith("+") and "TraceML Run Summary" in text
     return summary
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float = 20.0,
+               every_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every_s)
+    return False
 
 
 def script(name: str) -> str:

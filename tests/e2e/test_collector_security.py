@@ -12,6 +12,7 @@ from pathlib import Path
 
 import zmq
 
+from tests.conftest import wait_until
 from traceml import protocol
 from traceml.collector.server import CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
@@ -36,15 +37,6 @@ def _rows(db_path: Path, sql: str) -> list[tuple[object, ...]]:
         return list(db.execute(sql))
     finally:
         db.close()
-
-
-def _poll(predicate, timeout_s: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_strangers_are_counted_and_dropped(tmp_path: Path) -> None:
@@ -78,12 +70,12 @@ def test_strangers_are_counted_and_dropped(tmp_path: Path) -> None:
         good.send(_envelope("safe", 0, rows=5))
         foreign = push("the secret")
         foreign.send(_envelope("other-session", 0))
-        stored = _poll(lambda: _rows(db, "SELECT COUNT(*) FROM steps")[0][0] == 5)
+        stored = wait_until(lambda: _rows(db, "SELECT COUNT(*) FROM steps")[0][0] == 5)
         assert stored, "the legitimate sender's steps never arrived"
         assert collector.alive()
-        assert _poll(lambda: dict(_rows(db, "SELECT reason, count FROM rejected")).get(
+        assert wait_until(lambda: dict(_rows(db, "SELECT reason, count FROM rejected")).get(
             "failed handshake (no or wrong session key)", 0) >= 3)
-        assert _poll(lambda: dict(_rows(db, "SELECT reason, count FROM rejected")).get(
+        assert wait_until(lambda: dict(_rows(db, "SELECT reason, count FROM rejected")).get(
             "foreign session", 0) == 1)
         for sock in (plain, wrong, big, good, foreign):
             sock.close(0)
@@ -106,8 +98,8 @@ def test_garbage_on_loopback_collector(tmp_path: Path) -> None:
         sock.connect(f"tcp://127.0.0.1:{collector.port}")
         for frame in (b"\x00\xff not json", b"[1, 2]", b'{"v": 99}', _envelope("s", 1)):
             sock.send(frame)
-        assert _poll(lambda: _rows(db, "SELECT COUNT(*) FROM steps")[0][0] == 1)
-        assert _poll(lambda: sum(c for _, c in _rows(db, "SELECT * FROM rejected")) == 3)
+        assert wait_until(lambda: _rows(db, "SELECT COUNT(*) FROM steps")[0][0] == 1)
+        assert wait_until(lambda: sum(c for _, c in _rows(db, "SELECT * FROM rejected")) == 3)
         assert collector.alive()
         sock.close(0)
     finally:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, read_store, read_summary, run_traceml, script
+from tests.conftest import ROOT, read_store, read_summary, run_traceml, script, wait_until
 
 EXAMPLES = ROOT / "examples" / "diagnosis"
 
@@ -78,14 +78,9 @@ def test_ctrl_c_writes_partial_summary_quickly(tmp_path: Path) -> None:
         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True)
     session = tmp_path / "logs" / "c"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        steps = read_store(session / "telemetry.sqlite")[0] if (
-            session / "telemetry.sqlite").exists() else []
-        if len({s["rank"] for s in steps}) == 2:
-            break
-        time.sleep(0.1)
-    else:
+    store = session / "telemetry.sqlite"
+    if not wait_until(lambda: store.exists() and len({s["rank"] for s in read_store(store)[0]}) == 2,
+                      90, 0.1):
         proc.kill()
         raise AssertionError("no steps from both ranks")
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_store, run_traceml, script
+from tests.conftest import read_store, run_traceml, script, wait_until
 
 LOOP = script("loop.py")
 
@@ -75,13 +75,10 @@ def test_collector_killed_mid_run(tmp_path: Path) -> None:
          "--session-id", "k", script("loop.py"), "--steps", "150", "--input-sleep-ms", "2"],
         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     store = tmp_path / "logs" / "k" / "telemetry.sqlite"
-    deadline = time.monotonic() + 60
-    collector_pid = None
-    while time.monotonic() < deadline and collector_pid is None:
-        if store.exists() and read_store(store)[0]:
-            collector_pid = _collector_pid(proc.pid)
-        time.sleep(0.05)
-    assert collector_pid, "the run never stored a step"
+    assert wait_until(lambda: store.exists() and read_store(store)[0], 60), \
+        "the run never stored a step"
+    collector_pid = _collector_pid(proc.pid)
+    assert collector_pid, "no collector process under the launcher"
     os.kill(collector_pid, signal.SIGKILL)
     killed_at = time.monotonic()
     out, err = proc.communicate(timeout=120)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import read_store, read_summary, script
+from tests.conftest import read_store, read_summary, script, wait_until
 
 
 def free_port() -> int:
@@ -117,9 +117,8 @@ def test_two_nodes_c10d_with_curve(tmp_path: Path) -> None:
               "--aggregator-bind-host=127.0.0.2", "--aggregator-host=127.0.0.2"]
     nodes = Nodes(tmp_path, "c1", common, env={"TRACEML_SECRET": "correct horse"})
     nodes.start(script("allreduce.py"))
-    deadline = time.monotonic() + 60  # the first launcher takes the collector port
-    while time.monotonic() < deadline and not (nodes.session_dir / "telemetry.sqlite").exists():
-        time.sleep(0.05)
+    # The first launcher takes the collector port.
+    assert wait_until((nodes.session_dir / "telemetry.sqlite").exists, 60)
     nodes.start(script("allreduce.py"))
     results = nodes.finish()
     assert [r[0] for r in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
@@ -135,20 +134,14 @@ def test_node_lost_mid_run(tmp_path: Path) -> None:
     node0 = nodes.start("--node-rank=0", script("allreduce.py"), "400", "0.02")
     node1 = nodes.start("--node-rank=1", script("allreduce.py"), "400", "0.02")
     store = nodes.session_dir / "telemetry.sqlite"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if store.exists() and {s["rank"] for s in read_store(store)[0]} == {0, 1}:
-            break
-        time.sleep(0.1)
-    else:
+    if not wait_until(lambda: store.exists() and {s["rank"] for s in read_store(store)[0]} == {0, 1},
+                      90, 0.1):
         nodes.kill_all()
         raise AssertionError("both nodes never stored steps")
     kill_tree(node1.pid)  # the whole node goes away: launcher, workers, sampler
-    killed = time.monotonic()
     # Rank 0 now hangs in gloo until torch's 30-minute timeout; node 0 must not.
     summary_path = nodes.session_dir / "final_summary.json"
-    while time.monotonic() - killed < 60 and not summary_path.exists():
-        time.sleep(0.2)
+    wait_until(summary_path.exists, 60, 0.2)
     nodes.kill_all()
     _, err = node0.communicate(timeout=60)
     node1.wait()

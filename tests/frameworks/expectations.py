@@ -89,3 +89,38 @@ def assert_input_bound(res: RunResult) -> None:
     assert share > 0.5, share
     summary: dict[str, Any] = json.loads((res.session_dir / "final_summary.json").read_text())
     assert summary["step_time"]["diagnosis"]["label"] == "INPUT-BOUND", summary["step_time"]
+
+
+# -- the scenarios every framework runs (each test file names its script) ----
+
+
+def check_steps_with_evaluation(tmp_path: Path, script: str, batch: int, accum: int,
+                                callback: bool = False) -> RunResult:
+    """9 optimizer steps with a slow evaluation every 3: one traceml step per
+    optimizer step, phases adding up, evaluation kept out of the steps."""
+    res = run_script(tmp_path, script, *eval_args(9, accum, batch),
+                     *(callback_args() if callback else []))
+    assert_one_step_per_optimizer_step(res, num_steps=9, accum=accum)
+    assert_phases_add_up(res)
+    assert_evaluation_kept_out(res)
+    if callback:
+        assert_steps_end_at_the_callback(res)
+    return res
+
+
+def check_ddp_two_ranks(tmp_path: Path, script: str, batch: int) -> RunResult:
+    """The same on 2 gloo ranks, each evaluating its half of the rows."""
+    res = run_script(tmp_path, script, *eval_args(6, 2, batch), nproc=2)
+    assert all(e["world_size"] == 2 for e in res.evidence().values())
+    assert_one_step_per_optimizer_step(res, num_steps=6, accum=2)
+    assert_phases_add_up(res)
+    assert_evaluation_kept_out(res, world_size=2)
+    return res
+
+
+def check_slow_dataset_is_input_bound(tmp_path: Path, script: str, batch: int) -> RunResult:
+    res = run_script(tmp_path, script, "--steps", "12", "--batch", str(batch),
+                     "--input-sleep-ms", str(INPUT_SLEEP_MS_PER_STEP / batch))
+    assert_one_step_per_optimizer_step(res, num_steps=12, accum=1)
+    assert_input_bound(res)
+    return res

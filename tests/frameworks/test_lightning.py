@@ -8,14 +8,10 @@ from pathlib import Path
 import pytest
 
 from tests.frameworks.expectations import (
-    INPUT_SLEEP_MS_PER_STEP,
-    assert_evaluation_kept_out,
-    assert_input_bound,
     assert_one_step_per_optimizer_step,
-    assert_phases_add_up,
-    assert_steps_end_at_the_callback,
-    callback_args,
-    eval_args,
+    check_ddp_two_ranks,
+    check_slow_dataset_is_input_bound,
+    check_steps_with_evaluation,
     run_script,
 )
 
@@ -29,13 +25,7 @@ BATCH = 8
 @pytest.mark.parametrize(("accum", "callback"), [(1, False), (2, False), (2, True)],
                          ids=["zero-code", "zero-code-accum", "callback-accum"])
 def test_trainer_steps_with_validation(tmp_path: Path, accum: int, callback: bool) -> None:
-    res = run_script(tmp_path, SCRIPT, *eval_args(9, accum, BATCH),
-                     *(callback_args() if callback else []))
-    assert_one_step_per_optimizer_step(res, num_steps=9, accum=accum)
-    assert_phases_add_up(res)
-    assert_evaluation_kept_out(res)
-    if callback:
-        assert_steps_end_at_the_callback(res)
+    check_steps_with_evaluation(tmp_path, SCRIPT, BATCH, accum, callback)
 
 
 def test_closure_optimizer_time_is_exclusive(tmp_path: Path) -> None:
@@ -48,16 +38,8 @@ def test_closure_optimizer_time_is_exclusive(tmp_path: Path) -> None:
 
 
 def test_ddp_two_ranks_from_torchelastic_env(tmp_path: Path) -> None:
-    res = run_script(tmp_path, SCRIPT, *eval_args(6, 2, BATCH), nproc=2)
-    assert all(e["world_size"] == 2 for e in res.evidence().values())
-    assert_one_step_per_optimizer_step(res, num_steps=6, accum=2)
-    assert_phases_add_up(res)
-    # Each rank validates its half of the rows.
-    assert_evaluation_kept_out(res, world_size=2)
+    check_ddp_two_ranks(tmp_path, SCRIPT, BATCH)
 
 
 def test_slow_dataset_is_input_bound(tmp_path: Path) -> None:
-    res = run_script(tmp_path, SCRIPT, "--steps", "12", "--batch", str(BATCH),
-                     "--input-sleep-ms", str(INPUT_SLEEP_MS_PER_STEP / BATCH))
-    assert_one_step_per_optimizer_step(res, num_steps=12, accum=1)
-    assert_input_bound(res)
+    check_slow_dataset_is_input_bound(tmp_path, SCRIPT, BATCH)

@@ -84,7 +84,8 @@ def main() -> None:
     )
     trainer.train()
     evaluations = sum(1 for entry in trainer.state.log_history if "eval_loss" in entry)
-    write_evidence(optimizer_steps=trainer.state.global_step, evaluations=evaluations)
+    write_evidence(optimizer_steps=trainer.state.global_step, world_size=trainer.args.world_size,
+                   evaluations=evaluations)
 
 
 if __name__ == "__main__":
