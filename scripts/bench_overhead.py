@@ -10,6 +10,7 @@ untraced ratio for a short (~1 ms) and a long (~20 ms) step, then times
 ``traceml run`` against ``torchrun`` on an empty script.
 
     python scripts/bench_overhead.py [--blocks 40] [--startup-runs 5] [--dashboard]
+                                     [--device cuda]
 
 ``--dashboard`` runs the collector as ``--mode=dashboard`` does, with a page
 polling the live data once a second, to show the live view costs training
@@ -44,11 +45,13 @@ from traceml.live.page import SNAPSHOT_PATH
 from traceml.protocol import Sender
 
 
-def make_loop(width: int, depth: int, batch: int, steps: int):  # type: ignore[no-untyped-def]
+def make_loop(width: int, depth: int, batch: int, steps: int,  # type: ignore[no-untyped-def]
+              device: str = "cpu"):
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(width, 1))
+    model = nn.Sequential(*layers, nn.Linear(width, 1)).to(device)
+    on_cuda = device.startswith("cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = TensorDataset(torch.randn(steps * batch, width), torch.randn(steps * batch, 1))
     loader = DataLoader(data, batch_size=batch)
@@ -58,9 +61,13 @@ def make_loop(width: int, depth: int, batch: int, steps: int):  # type: ignore[n
         """Seconds per step: (wall clock, CPU time of the training thread)."""
         wall, cpu = time.perf_counter(), time.thread_time()
         for x, y in loader:
+            if on_cuda:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
             opt.step()
+        if on_cuda:
+            torch.cuda.synchronize()
         return (time.perf_counter() - wall) / steps, (time.thread_time() - cpu) / steps
 
     return run_block
@@ -154,6 +161,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=40,
                         help="alternating block pairs for the short step (a quarter as many for the long)")
     parser.add_argument("--startup-runs", type=int, default=5)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda to time the agent's CUDA path (events, memory peaks)")
     parser.add_argument("--dashboard", action="store_true",
                         help="collector with the live dashboard, polled once a second")
     args = parser.parse_args()
@@ -171,12 +180,13 @@ def main() -> None:
         runtime.sender.start()
         inst = Instrumentation(runtime.probe)
         mode = "with the live dashboard polled 1/s" if args.dashboard else "summary mode"
-        print(f"torch {torch.__version__}, 1 thread, collector live on port {collector.port}, "
-              f"{mode}")
+        print(f"torch {torch.__version__} on {args.device}, 1 thread, "
+              f"collector live on port {collector.port}, {mode}")
         # The same 3-layer MLP, ~1 ms and ~20 ms a step on one core: the agent's
         # cost per step is the same, its share is not.
-        measure("short step", make_loop(64, 2, 128, 200), inst, args.blocks)
-        measure("long step", make_loop(512, 6, 128, 15), inst, max(4, args.blocks // 4))
+        measure("short step", make_loop(64, 2, 128, 200, args.device), inst, args.blocks)
+        measure("long step", make_loop(512, 6, 128, 15, args.device), inst,
+                max(4, args.blocks // 4))
         runtime.probe.log((CLOSE, 0.0))  # what the agent logs at exit
         runtime.sender.stop()
         if poller is not None:
@@ -184,7 +194,8 @@ def main() -> None:
         collector.stop()
         print(f"steps sent to the collector: {runtime.num_steps}, "
               f"messages sent {runtime.sender.num_sent}, dropped {runtime.sender.num_dropped}")
-    startup(args.startup_runs)
+    if args.startup_runs:
+        startup(args.startup_runs)
 
 
 if __name__ == "__main__":
