@@ -178,6 +178,8 @@ def main() -> None:
                        launcher_pid=os.getppid())
         runtime = AgentRuntime(env, Sender("rank", socket.gethostname(), os.getpid(), 0, rank=0))
         runtime.sender.start()
+        if args.device.startswith("cuda") and not runtime.watch_cuda():
+            parser.error("--device cuda: torch sees no CUDA device")
         inst = Instrumentation(runtime.probe)
         mode = "with the live dashboard polled 1/s" if args.dashboard else "summary mode"
         print(f"torch {torch.__version__} on {args.device}, 1 thread, "

@@ -104,12 +104,18 @@ class AgentRuntime:
         else:
             self.probe.log((MARK, (peaks, timer.take_step())))
 
+    def watch_cuda(self) -> bool:
+        """Take CUDA memory peaks and phase GPU times when this rank has CUDA."""
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_available():
+            return False
+        self._cuda = torch.cuda
+        self.probe.on_optimizer_end = self._mark_device_step
+        return True
+
     def start(self) -> None:
         global _ACTIVE
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            self._cuda = torch.cuda
-            self.probe.on_optimizer_end = self._mark_device_step
+        self.watch_cuda()
         if self.env.mode == "run":
             from traceml.agent.patches import Instrumentation
 
