@@ -96,12 +96,29 @@ def measure(name: str, run_block, inst: Instrumentation, blocks: int) -> None:  
         t = min(x[i] for x in traced)
         print(f"{name:<11}{clock:>5}  untraced {p * 1e3:8.3f} ms/step  traced {t * 1e3:8.3f} "
               f"ms/step  added {(t - p) * 1e6:7.1f} µs/step  ratio {t / p:.4f}")
+    # Paired: each traced block against the untraced block beside it, so a
+    # slow phase of the machine hits both; the median difference, with a 95%
+    # interval from order statistics (no distribution assumed).
+    diffs = sorted(t[0] - p[0] for p, t in zip(plain, traced))
+    ratios = sorted(t[0] / p[0] for p, t in zip(plain, traced))
+    lo, mid, hi = median_interval(diffs)
+    print(f"{name:<11}paired added {mid * 1e6:7.1f} µs/step, 95% interval {lo * 1e6:.1f} to "
+          f"{hi * 1e6:.1f} (median of {len(diffs)} adjacent pairs)  ratio "
+          f"{median_interval(ratios)[1]:.4f}")
     # An A/A check: the same comparison between two halves of the untraced
     # blocks, which differ by nothing.  Figures below it are noise.
     if len(plain) >= 4:
         halves = min(x[0] for x in plain[0::2]), min(x[0] for x in plain[1::2])
         print(f"{name:<11}  A/A  untraced vs untraced (alternate pairs): "
               f"{abs(halves[0] - halves[1]) * 1e6:6.1f} µs/step apart, the noise floor of this run")
+
+
+def median_interval(values: list[float]) -> tuple[float, float, float]:
+    """Median of sorted ``values`` and its ~95% confidence interval (sign-test
+    order statistics)."""
+    n = len(values)
+    k = max(0, int((n - 1.96 * n ** 0.5) / 2))
+    return values[k], statistics.median(values), values[n - 1 - k]
 
 
 def startup(runs: int) -> None:
