@@ -113,7 +113,7 @@ def test_torch_compile_has_no_graph_break(tmp_path: Path) -> None:
     assert_ok(res)
     assert "graph_breaks=0" in res.stdout, res.stdout
     assert "frames_ok=1" in res.stdout, res.stdout
-    assert len(res.steps) == 12
+    assert len(res.steps) == 6
     assert all(s["num_forward"] == 1 for s in res.steps)
 
 

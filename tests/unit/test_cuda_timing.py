@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from traceml.agent.cuda_timing import CudaPhaseTimer
+from traceml.agent.cuda_timing import CudaPhaseTimer, allocator_bytes
 from traceml.agent.runtime import merge_device_marks
 from traceml.agent.steps import BACKWARD, FORWARD, OPTIMIZER
 
@@ -74,3 +74,29 @@ def test_a_steps_device_marks_merge() -> None:
     assert peaks == (15, 20)
     assert spans == ["a", "b"]
     assert merge_device_marks((((1, 2), None),)) == ((1, 2), None)  # the timer started after it
+
+
+class StatsCuda:
+    """torch.cuda stand-in for the allocator's nested statistics."""
+
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self.stats = stats
+        self.reads = 0
+
+    def memory_stats_as_nested_dict(self, device: int) -> dict[str, Any]:
+        self.reads += 1
+        return self.stats
+
+
+def test_allocator_bytes_come_from_one_raw_read() -> None:
+    def stat(current: int, peak: int) -> dict[str, Any]:
+        return {"all": {"current": current, "peak": peak, "allocated": 0, "freed": 0},
+                "large_pool": {"current": 0, "peak": 0}}
+
+    cuda = StatsCuda({"allocated_bytes": stat(100, 300), "reserved_bytes": stat(512, 1024),
+                      "num_alloc_retries": 0})
+    assert allocator_bytes(cuda, 0, "peak") == (300, 1024)
+    assert allocator_bytes(cuda, 0, "current") == (100, 512)
+    assert cuda.reads == 2  # one read per call, both figures from it
+    # torch returns {} before the allocator is set up: zeros, as memory_allocated() gives
+    assert allocator_bytes(StatsCuda({}), 0, "peak") == (0, 0)

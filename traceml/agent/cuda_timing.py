@@ -107,3 +107,17 @@ def _current_stream_lookup(cuda: Any) -> Callable[[], Any] | None:
                                          device_type=key[2])
         return stream
     return current
+
+
+def allocator_bytes(cuda: Any, device: int, which: str) -> tuple[int, int]:
+    """(allocated, reserved) bytes of the caching allocator, ``which`` being
+    "current" or "peak", from one raw statistics read.  torch's
+    ``memory_allocated()``/``max_memory_allocated()`` and friends each flatten
+    every statistic in Python first (~110 µs apiece on an H200 host, against
+    ~17 µs for this read)."""
+    stats = cuda.memory_stats_as_nested_dict(device)
+
+    def get(name: str) -> int:
+        return int(stats.get(name, {}).get("all", {}).get(which, 0))
+
+    return get("allocated_bytes"), get("reserved_bytes")

@@ -124,77 +124,14 @@ def _holds_parameters(module: Any) -> bool:
     return known
 
 
-class NestedLeaves:
-    """torch's own leaf layers (Linear, LayerNorm, Dropout, activations ...)
-    that run only inside an outermost forward get the original
-    ``Module.__call__`` back on their class, so most submodule calls of a
-    real model skip the wrapper's pass-through frame.
-
-    Learned from the first `LEARN_FORWARDS` outermost forwards with grad (the
-    module trees they call, and every class called outermost, evaluation
-    included); a class seen outermost, or with a subclass seen outermost, is
-    never shadowed.  The one blind spot: such a leaf first called outermost
-    after the shadowing (an evaluation calling ``model.head`` directly) is
-    not timed.  Training thread only; errors end the learning, never
-    training.
-    """
-
-    LEARN_FORWARDS = 8
-
-    def __init__(self) -> None:
-        self.original: Any = None
-        self.left = 0
-        self.outermost: set[type] = set()
-        self.nested: set[type] = set()
-        self.shadowed: list[type] = []
-
-    def start(self, original: Any) -> None:
-        self.restore()
-        self.original = original
-        self.left = self.LEARN_FORWARDS
-        self.outermost.clear()
-        self.nested.clear()
-
-    def seen(self, module: Any, grad: bool) -> None:
-        """An outermost forward of ``module`` ended (during the learning)."""
-        try:
-            self.outermost.add(type(module))
-            for sub in module.modules():
-                cls = type(sub)
-                if (sub is not module and not sub._modules and "__call__" not in cls.__dict__
-                        and cls.__module__.startswith("torch.nn.modules.")):
-                    self.nested.add(cls)
-            if grad:
-                self.left -= 1
-                if self.left == 0:
-                    self._shadow()
-        except Exception:
-            self.left = 0
-
-    def _shadow(self) -> None:
-        for cls in self.nested:
-            if not any(issubclass(top, cls) for top in self.outermost):
-                cls.__call__ = self.original  # type: ignore[method-assign]
-                self.shadowed.append(cls)
-
-    def restore(self) -> None:
-        self.left = 0
-        for cls in self.shadowed:
-            if cls.__dict__.get("__call__") is self.original:
-                del cls.__call__
-        self.shadowed = []
-
-
-def _wrap_module_call(probe: Probe, leaves: NestedLeaves) -> Callable[[Any], Any]:
+def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
     is_compiling = _compiling_check()
     grad_enabled = torch.is_grad_enabled
     log, clock = probe.log, probe.clock
 
     def make(orig: Any) -> Any:
-        leaves.start(orig)
-
-        # ``*args`` holds the module too: a nested call (every submodule of a
-        # timed forward that is not a shadowed leaf) forwards the tuple as it came.
+        # ``*args`` holds the module too: a nested call (the common case, every
+        # submodule of a timed forward) forwards the tuple as it came.
         def __call__(*args: Any, **kwargs: Any) -> Any:
             if probe.mute or probe.off or is_compiling() or get_ident() != probe.thread_id:
                 return orig(*args, **kwargs)
@@ -205,8 +142,6 @@ def _wrap_module_call(probe: Probe, leaves: NestedLeaves) -> Callable[[Any], Any
                     return orig(*args, **kwargs)
                 finally:
                     probe.mute -= 1
-                    if leaves.left:
-                        leaves.seen(args[0], grad=False)
             timer = probe.cuda_timer
             log((FORWARD, clock()))
             if timer is not None:
@@ -223,8 +158,6 @@ def _wrap_module_call(probe: Probe, leaves: NestedLeaves) -> Callable[[Any], Any
                 if counted is None:
                     counted = _holds_parameters(args[0])
                 log((END if counted else END_UNCOUNTED, clock()))
-                if leaves.left:
-                    leaves.seen(args[0], grad=True)
         return __call__
     return make
 
@@ -365,10 +298,9 @@ class Instrumentation:
 
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
-        self.leaves = NestedLeaves()
         self.patches: list[Patch] = [
             Patch(_dataloader._BaseDataLoaderIter, "__next__", _wrap_next(probe)),
-            Patch(torch.nn.Module, "__call__", _wrap_module_call(probe, self.leaves)),
+            Patch(torch.nn.Module, "__call__", _wrap_module_call(probe)),
             Patch(torch.autograd, "backward", _wrap_backward(probe)),
         ]
         self.patches += [Patch(cls, "step", _wrap_scaler_step(probe)) for cls in _scaler_classes()]
@@ -391,7 +323,6 @@ class Instrumentation:
     def uninstall(self) -> None:
         if not self.installed:
             return
-        self.leaves.restore()
         self.hooks.uninstall()
         for patch in reversed(self.patches):
             patch.uninstall()

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from traceml import protocol
+from traceml.agent.cuda_timing import allocator_bytes
 
 
 class RssReader:
@@ -57,8 +58,8 @@ def device_memory() -> tuple[int | None, int | None, int | None]:
         return None, None, None
     device = torch.cuda.current_device()
     total = torch.cuda.get_device_properties(device).total_memory
-    return (int(torch.cuda.memory_allocated(device)), int(torch.cuda.memory_reserved(device)),
-            int(total))
+    allocated, reserved = allocator_bytes(torch.cuda, device, "current")
+    return allocated, reserved, int(total)
 
 
 class ProcessSampler:

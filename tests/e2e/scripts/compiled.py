@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 model = torch.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)),
                       backend="eager")
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(12):
+for _ in range(6):
     opt.zero_grad()
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
