@@ -16,15 +16,22 @@ class FakeCuda:
     def __init__(self) -> None:
         self.gpu_ms = 0.0
         self.done_until = float("inf")
+        self.streams_made = 0
+
+    def Stream(self, stream_id: int, device_index: int, device_type: int) -> Any:  # noqa: N802
+        self.streams_made += 1
+        return ("stream", stream_id, device_index, device_type)
 
     def Event(self, enable_timing: bool = False) -> Any:  # noqa: N802 (torch's name)
         cuda = self
 
         class Event:
             t = 0.0
+            stream: Any = None
 
-            def record(self) -> None:
+            def record(self, stream: Any = None) -> None:
                 self.t = cuda.gpu_ms
+                self.stream = stream
 
             def query(self) -> bool:
                 return self.t <= cuda.done_until
@@ -64,6 +71,33 @@ def test_closure_is_exclusive_and_waits_for_gpu() -> None:
     assert timer.resolve(spans) is None
     cuda.done_until = float("inf")
     assert timer.resolve(spans) == (2.0, 3.0, 1.5)
+
+
+class FakeTorchC:
+    """torch._C's raw current-device and current-stream lookups."""
+
+    def __init__(self) -> None:
+        self.current = 3  # the stream id `torch.cuda.stream(...)` would select
+
+    def _cuda_getDevice(self) -> int:  # noqa: N802 (torch's name)
+        return 0
+
+    def _cuda_getCurrentStream(self, device: int) -> tuple[int, int, int]:  # noqa: N802
+        return self.current, device, 1
+
+
+def test_events_record_on_the_current_stream_each_built_once() -> None:
+    cuda, torch_c = FakeCuda(), FakeTorchC()
+    timer = CudaPhaseTimer(cuda, torch_c)
+    for stream_id, phase in ((3, FORWARD), (7, BACKWARD), (3, OPTIMIZER)):
+        torch_c.current = stream_id  # `with torch.cuda.stream(s):` switches it
+        timer.start(phase)
+        timer.stop()
+    spans = timer.take_step()
+    assert [(start.stream[1], end.stream[1]) for _, start, end, _ in spans] == [
+        (3, 3), (7, 7), (3, 3)]
+    assert spans[0][1].stream is spans[2][2].stream
+    assert cuda.streams_made == 2  # one Stream object per stream, not per event
 
 
 def test_a_steps_device_marks_merge() -> None:

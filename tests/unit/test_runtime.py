@@ -90,15 +90,30 @@ def test_a_replay_error_turns_the_agent_off_and_training_goes_on(
     assert capsys.readouterr().err == ""  # warned once
 
 
+class TickingModel(nn.Module):
+    """A model during whose forward the sender thread ticks: the replay leaves
+    that forward open in the tracker."""
+
+    def __init__(self, runtime: AgentRuntime) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.layer = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runtime._drain_steps()
+        return self.layer(x)
+
+
 def test_an_overflowing_log_resynchronises(runtime: AgentRuntime) -> None:
-    runtime.probe.events = deque(maxlen=25)  # 2.5 iterations of events
+    runtime.probe.events = deque(maxlen=24)  # 3 iterations of events: the cut log starts at a fetch
     runtime.probe.log = runtime.probe.events.append
     install(runtime)
-    train(7)  # the sender thread starved: the log overflowed mid-step
-    runtime._drain_steps()
-    train(3)
+    TickingModel(runtime)(torch.randn(4, 8)).sum().backward()
+    train(7)  # the sender thread starved: the log overflowed, that forward's end is lost
+    steps = sent_steps(runtime._drain_steps())
+    train(2)  # 18 events: no second overflow
     runtime.probe.log((CLOSE, 0.0))
-    steps = sent_steps(runtime._bye())
+    steps += sent_steps(runtime._bye())
     assert len(steps) >= 3
     assert all(s["num_forward"] == 1 and s["num_optimizer"] == 1 for s in steps)
 

@@ -2,17 +2,17 @@
 
 On the training thread, each timed phase records a start and an end event on
 the current stream: no synchronisation, about 3 µs per event on an H200 host
-(``Event.record()`` without a stream builds a new Stream object first, which
-costs twice that again, so the timer caches the stream objects it records on).  The sender
-thread later asks each end event ``query()`` and, once the GPU has passed it,
-reads ``elapsed_time``; a step whose events are not done yet waits for the
-next flush.  Like the CPU times, a phase's GPU time excludes the phases nested
+(8 µs inside a launch-heavy loop, most of it in the driver).
+``Event.record()`` without a stream builds a new Stream object first, which
+costs twice that again, so the timer records on Stream objects it caches.
+The sender thread later asks each end event ``query()`` and, once the GPU has
+passed it, reads ``elapsed_time``; a step whose events are not done yet waits
+for the next flush.  Like the CPU times, a phase's GPU time excludes the phases nested
 in it (the forward and backward a closure runs inside the optimizer step).
 """
 
 from __future__ import annotations
 
-import sys
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -29,12 +29,14 @@ Span = tuple[int, Any, Any, int]
 class CudaPhaseTimer:
     """Records events around phases; resolves them later, off the training path."""
 
-    def __init__(self, cuda: Any) -> None:
+    def __init__(self, cuda: Any, torch_c: Any = None) -> None:
+        """``cuda`` is ``torch.cuda``; ``torch_c`` (``torch._C``) gives the raw
+        current-stream lookup, without it events use ``record()``."""
         self.cuda = cuda
         self._pool: deque[Any] = deque()
         self._open: list[tuple[int, Any]] = []  # phase, start event
         self._spans: list[Span] = []
-        self._stream = _current_stream_lookup(cuda)
+        self._stream = _current_stream_lookup(cuda, torch_c)
 
     def _event(self) -> Any:
         try:
@@ -84,15 +86,13 @@ class CudaPhaseTimer:
                 self._pool.append(end)
 
 
-def _current_stream_lookup(cuda: Any) -> Callable[[], Any] | None:
+def _current_stream_lookup(cuda: Any, torch_c: Any) -> Callable[[], Any] | None:
     """The current CUDA stream as a cached Stream object, from torch's raw
-    (stream id, device, type) lookup; None (use ``record()``) when ``cuda`` is
-    not torch's own module or this torch lacks the lookup."""
-    torch = sys.modules.get("torch")
-    C = getattr(torch, "_C", None)
-    get_device = getattr(C, "_cuda_getDevice", None)
-    get_stream = getattr(C, "_cuda_getCurrentStream", None)
-    if torch is None or cuda is not torch.cuda or get_device is None or get_stream is None:
+    (stream id, device, type) lookup; None (use ``record()``) when this torch
+    lacks the lookup."""
+    get_device = getattr(torch_c, "_cuda_getDevice", None)
+    get_stream = getattr(torch_c, "_cuda_getCurrentStream", None)
+    if get_device is None or get_stream is None:
         return None
     streams: dict[Any, Any] = {}
     make = cuda.Stream

@@ -82,14 +82,6 @@ class Patch:
             self.original = None
 
 
-def _timer_call(probe: Probe, call: Callable[..., None], *args: Any) -> None:
-    """A CUDA timer call, fail open (a CUDA error turns the agent off, not training)."""
-    try:
-        call(*args)
-    except Exception as exc:
-        probe.on_error(exc)
-
-
 def _wrap_next(probe: Probe) -> Callable[[Any], Any]:
     log, clock = probe.log, probe.clock
 
@@ -145,13 +137,13 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
             timer = probe.cuda_timer
             log((FORWARD, clock()))
             if timer is not None:
-                _timer_call(probe, timer.start, FORWARD)
+                probe.guarded(timer.start, FORWARD)
             try:
                 return orig(*args, **kwargs)
             finally:
                 probe.mute -= 1
                 if timer is not None:
-                    _timer_call(probe, timer.stop)
+                    probe.guarded(timer.stop)
                 # A loss module's time is forward time, but only a module
                 # with parameters counts as a forward pass.
                 counted = _HOLDS_PARAMETERS.get(id(args[0]))
@@ -174,12 +166,12 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
             timer = probe.cuda_timer
             log((BACKWARD, clock()))
             if timer is not None:
-                _timer_call(probe, timer.start, BACKWARD)
+                probe.guarded(timer.start, BACKWARD)
             try:
                 return orig(*args, **kwargs)
             finally:
                 if timer is not None:
-                    _timer_call(probe, timer.stop)
+                    probe.guarded(timer.stop)
                 log((END, clock()))
                 probe.mute -= 1
                 probe.in_backward = False
@@ -193,16 +185,16 @@ def _optimizer_begins(probe: Probe) -> None:
     """The outermost optimizer step of an iteration begins (training thread)."""
     probe.log((OPTIMIZER, probe.clock()))
     if probe.cuda_timer is not None:
-        _timer_call(probe, probe.cuda_timer.start, OPTIMIZER)
+        probe.guarded(probe.cuda_timer.start, OPTIMIZER)
 
 
 def _optimizer_ends(probe: Probe, skipped: bool) -> None:
     """The outermost optimizer step of an iteration ended (training thread)."""
     if probe.cuda_timer is not None:
-        _timer_call(probe, probe.cuda_timer.stop)
+        probe.guarded(probe.cuda_timer.stop)
     probe.log((OPTIMIZER_SKIPPED if skipped else OPTIMIZER_END, probe.clock()))
     if probe.on_optimizer_end is not None:
-        _timer_call(probe, probe.on_optimizer_end)
+        probe.guarded(probe.on_optimizer_end)
 
 
 def _wrap_scaler_step(probe: Probe) -> Callable[[Any], Any]:

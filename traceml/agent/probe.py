@@ -43,6 +43,14 @@ class Probe:
         # (CUDA peaks and spans); None on CPU.
         self.on_optimizer_end: Callable[[], None] | None = None
 
+    def guarded(self, call: Callable[..., Any], *args: Any) -> None:
+        """Run an agent call off the hot path (a CUDA timer or device mark),
+        fail open: an error turns the agent off, never training."""
+        try:
+            call(*args)
+        except Exception as exc:
+            self.on_error(exc)
+
     def skip(self) -> bool:
         """True when a wrapper must pass straight through."""
         return self.off or threading.get_ident() != self.thread_id

@@ -99,7 +99,7 @@ class AgentRuntime:
         cuda.reset_peak_memory_stats(device)
         timer = self.probe.cuda_timer
         if timer is None:  # CUDA came up during this step: time phases from the next
-            self.probe.cuda_timer = CudaPhaseTimer(cuda)
+            self.probe.cuda_timer = CudaPhaseTimer(cuda, sys.modules["torch"]._C)
             self.probe.log((MARK, (peaks, None)))
         else:
             self.probe.log((MARK, (peaks, timer.take_step())))
@@ -239,17 +239,14 @@ class AgentRuntime:
     def step_enter(self) -> None:
         """``trace_step`` entered (main thread)."""
         if not self.probe.skip():
-            self.probe.log((MANUAL_ENTER, time.perf_counter()))
+            self.probe.log((MANUAL_ENTER, self.probe.clock()))
 
     def step_exit(self) -> None:
         probe = self.probe
         if not probe.skip():
-            now = time.perf_counter()
+            now = probe.clock()
             if probe.on_optimizer_end is not None:  # the device mark belongs to this step
-                try:
-                    probe.on_optimizer_end()
-                except Exception as exc:
-                    self._fail(exc)
+                probe.guarded(probe.on_optimizer_end)
             probe.log((MANUAL_EXIT, now))
 
 

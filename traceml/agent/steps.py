@@ -99,16 +99,16 @@ class StepTracker:
 
     # -- the event log ------------------------------------------------------
 
-    def replay(self, events: deque[tuple[Any, Any]], limit: int = -1) -> int:
-        """Consume the events logged so far, oldest first (one consumer thread),
-        at most ``limit`` of them when it is positive; returns how many.
+    def replay(self, events: deque[tuple[Any, Any]]) -> int:
+        """Consume the events logged so far, oldest first (one consumer thread);
+        returns how many.
 
         The phase begin/end cases, nine events in ten, are handled inline.
         """
         pop = events.popleft
         stack = self._stack
         done = 0
-        while done != limit:
+        while True:
             try:
                 code, t = pop()
             except IndexError:
