@@ -42,19 +42,22 @@ def simulate(endpoint: str, ranks: range, world: int, steps_per_s: float, durati
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(endpoint)
     seqs = {r: 0 for r in ranks}
-    steps = {r: 0 for r in ranks}
     sent = dropped = rows_sent = 0
     per_flush = max(1, round(steps_per_s * FLUSH_S))
     start = time.monotonic()
     tick = 0
-    while time.monotonic() - start < duration_s:
+    while True:
+        last = time.monotonic() - start >= duration_s
         now = time.time()
         for r in ranks:
             who = Sender("rank", f"sim{r // 8}", 10_000 + r, r // 8, rank=r, local_rank=r % 8,
                          world_size=world)
-            rows = [(steps[r] + i, now, 1.0, 2.0, 3.0, 0.5, 7.0, 0.5, 1, 1, 1, 1, 0,
-                     300 << 20, None, None) for i in range(per_flush)]
-            messages = [(protocol.KIND_STEPS, protocol.rows_payload(protocol.STEP_FIELDS, rows))]
+            events = [(protocol.RSS, 300 << 20)]
+            for i in range(per_flush):
+                events += iteration_events((tick * per_flush + i) / steps_per_s)
+            if last:
+                events.append((protocol.CLOSE, 0.0))
+            messages = [(protocol.KIND_EVENTS, protocol.events_payload(tick, now, events))]
             if tick % 2 == 0:
                 messages.append((protocol.KIND_PROCESS, protocol.rows_payload(
                     protocol.PROCESS_FIELDS, [(now, 95.0, 300 << 20, 64 << 30, 2, None, None,
@@ -65,15 +68,26 @@ def simulate(endpoint: str, ranks: range, world: int, steps_per_s: float, durati
                 try:
                     sock.send(protocol.encode(env), zmq.NOBLOCK)
                     sent += 1
-                    rows_sent += len(rows) if kind == protocol.KIND_STEPS else 0
+                    rows_sent += per_flush if kind == protocol.KIND_EVENTS else 0
                 except zmq.Again:
                     dropped += 1
-            steps[r] += per_flush
+        if last:
+            break
         tick += 1
         time.sleep(max(0.0, start + tick * FLUSH_S - time.monotonic()))
     sock.close()
     context.term()
     out.put((sent, dropped, rows_sent))
+
+
+def iteration_events(t: float) -> list[tuple[int, float]]:
+    """One training iteration's events as a rank logs them: fetch, forward,
+    loss, backward, optimizer."""
+    return [(protocol.INPUT, t), (protocol.END, t + 0.001),
+            (protocol.FORWARD, t + 0.001), (protocol.END, t + 0.02),
+            (protocol.FORWARD, t + 0.02), (protocol.END_UNCOUNTED, t + 0.021),
+            (protocol.BACKWARD, t + 0.021), (protocol.END, t + 0.06),
+            (protocol.OPTIMIZER, t + 0.06), (protocol.OPTIMIZER_END, t + 0.07)]
 
 
 def count_steps(db_path: Path) -> int:

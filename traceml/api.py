@@ -67,22 +67,30 @@ def init(logs_dir: str = "./logs", session_id: str | None = None,
 
 
 def _load_own_steps(session_dir: Any, load_run: Any) -> Any:
-    """Load the run once this rank's finished steps have reached the store
+    """Load the run once the collector has stored this rank's steps so far
     (they travel in batches), waiting a bounded time."""
     runtime = _runtime()
-    if runtime is None:
-        return load_run(session_dir)
-    import time
+    if runtime is not None:
+        import time
 
-    finished = runtime.flush_and_count()
-    rank = runtime.identity.rank
-    deadline = time.monotonic() + 5.0
-    while True:
-        run, window = load_run(session_dir)
-        stored = sum(1 for row in run.steps if row.rank == rank)
-        if stored >= finished or time.monotonic() >= deadline:
-            return run, window
-        time.sleep(0.05)
+        seq = runtime.flush_events()
+        deadline = time.monotonic() + 5.0
+        while (seq is not None and _stored_seq(session_dir, runtime.identity.sender_id) < seq
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+    return load_run(session_dir)
+
+
+def _stored_seq(session_dir: Any, sender_id: str) -> int:
+    """The last message of ``sender_id`` the collector has committed."""
+    from traceml.report.session import open_store
+
+    reader = open_store(session_dir)
+    try:
+        return max((r["last_seq"] for r in reader.senders() if r["sender_id"] == sender_id),
+                   default=-1)
+    finally:
+        reader.close()
 
 
 def summary() -> dict[str, float | str]:

@@ -21,12 +21,40 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
 KIND_STEPS = "steps"
+KIND_EVENTS = "events"
 KIND_PROCESS = "process"
 KIND_SYSTEM = "system"
 KIND_HELLO = "hello"
 KIND_BYE = "bye"
 KIND_CONTROL = "control"
-KINDS = frozenset({KIND_STEPS, KIND_PROCESS, KIND_SYSTEM, KIND_HELLO, KIND_BYE, KIND_CONTROL})
+KINDS = frozenset({KIND_STEPS, KIND_EVENTS, KIND_PROCESS, KIND_SYSTEM, KIND_HELLO, KIND_BYE,
+                   KIND_CONTROL})
+
+# A rank's step events (KIND_EVENTS): ``(code, value)`` pairs in the order the
+# training thread logged them, the value a perf_counter time unless the code
+# says otherwise.  The collector's step tracker (`traceml.collector.steps`)
+# turns them into steps.  Codes 0-3: a phase begins.
+INPUT, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
+PHASE_NAMES = ("input", "forward", "backward", "optimizer")
+# The phase-end codes are contiguous (END ... OPTIMIZER_SKIPPED): one comparison.
+END = 4  # the innermost phase ends
+END_UNCOUNTED = 5  # ... adding its time but not a call (a parameter-free module)
+END_EXHAUSTED = 6  # a fetch found its loader empty
+OPTIMIZER_END = 7  # the outermost optimizer step ends: the iteration is complete
+OPTIMIZER_SKIPPED = 8  # ... a GradScaler step that skipped the update (inf grads)
+NOGRAD_FORWARD = 9  # an outermost forward with grad disabled begins
+MANUAL_ENTER = 10  # trace_step entered
+MANUAL_EXIT = 11
+# (MARK, payload): device data of the running step.  In the rank's log the
+# payload holds CUDA events; on the wire it is DEVICE_MARK_FIELDS.
+MARK = 12
+CLOSE = 13  # process exit: the last step ends with its optimizer step
+RSS = 14  # (RSS, bytes or None): host RSS of the rank; steps finished from here carry it
+RESYNC = 15  # events were lost before this one: drop the open step and phases
+NUM_EVENT_CODES = 16
+DEVICE_MARK_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes",
+                      "gpu_forward_ms", "gpu_backward_ms", "gpu_optimizer_ms")
+MAX_EVENTS_PER_MESSAGE = 100_000  # ~2.5 MB of JSON, well under MAX_MESSAGE_BYTES
 
 # Column order of a step row as the agent sends it.  Growing this tuple is
 # backward compatible: the collector maps by name.
@@ -166,6 +194,39 @@ def _envelope_from(obj: dict[str, Any]) -> Envelope:
         num_sent=int(obj.get("ns", 0)),
         num_dropped=int(obj.get("nd", 0)),
     )
+
+
+def events_payload(batch: int, wall_offset_s: float,
+                   events: list[tuple[int, Any]]) -> dict[str, Any]:
+    """A batch of step events: ``batch`` counts this rank's event batches (a gap
+    means one was lost), ``wall_offset_s`` turns its clock into epoch seconds."""
+    return {"batch": batch, "wall_offset": wall_offset_s, "events": events}
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (float, int)
+
+
+def check_events(payload: dict[str, Any]) -> tuple[int, float, list[list[Any]]]:
+    """Batch number, clock offset and events of an events payload;
+    ProtocolError for anything the step tracker could not replay."""
+    batch, events = payload.get("batch"), payload.get("events")
+    offset: Any = payload.get("wall_offset")
+    if type(batch) is not int or not _is_number(offset) or not isinstance(events, list):
+        raise ProtocolError("events payload without batch/wall_offset/events")
+    for event in events:
+        if type(event) is not list or len(event) != 2:
+            raise ProtocolError("an event is not a (code, value) pair")
+        code, value = event
+        if type(code) is not int or not 0 <= code < NUM_EVENT_CODES:
+            raise ProtocolError(f"unknown event code {code!r}")
+        if code == MARK:
+            if (type(value) is not list or len(value) != len(DEVICE_MARK_FIELDS)
+                    or not all(v is None or _is_number(v) for v in value)):
+                raise ProtocolError("malformed device mark")
+        elif not (_is_number(value) or (code == RSS and value is None)):
+            raise ProtocolError(f"event {code} without a time")
+    return batch, float(offset), events
 
 
 def rows_payload(fields: tuple[str, ...], rows: list[tuple[Any, ...]]) -> dict[str, Any]:

@@ -47,6 +47,7 @@ class BatchSender:
         self.num_sent = 0
         self.num_dropped = 0
         self._seqs: dict[Sender, int] = {}
+        self.last_seq: dict[str, int] = {}  # kind -> sequence number of its last message
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.num_flushes = 0
@@ -118,6 +119,8 @@ class BatchSender:
         who = identity or self.identity
         seq = self._seqs.get(who, 0)
         self._seqs[who] = seq + 1
+        if identity is None:
+            self.last_seq[kind] = seq
         env = Envelope(
             session_id=self.session_id, kind=kind, sender=who, seq=seq,
             sent_at=time.time(), payload=payload,

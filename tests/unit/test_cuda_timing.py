@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from traceml.agent.cuda_timing import CudaPhaseTimer, allocator_bytes
-from traceml.agent.runtime import merge_device_marks
-from traceml.agent.steps import BACKWARD, FORWARD, OPTIMIZER
+from traceml.protocol import BACKWARD, FORWARD, OPTIMIZER
 
 
 class FakeCuda:
@@ -98,16 +97,6 @@ def test_events_record_on_the_current_stream_each_built_once() -> None:
         (3, 3), (7, 7), (3, 3)]
     assert spans[0][1].stream is spans[2][2].stream
     assert cuda.streams_made == 2  # one Stream object per stream, not per event
-
-
-def test_a_steps_device_marks_merge() -> None:
-    """Each optimizer end of an iteration logs (peaks, spans); the step keeps
-    the highest peaks and every span."""
-    assert merge_device_marks(()) == (None, None)
-    peaks, spans = merge_device_marks((((10, 20), ["a"]), ((15, 18), ["b"])))
-    assert peaks == (15, 20)
-    assert spans == ["a", "b"]
-    assert merge_device_marks((((1, 2), None),)) == ((1, 2), None)  # the timer started after it
 
 
 class StatsCuda:

@@ -16,11 +16,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from traceml.agent.patches import Instrumentation
 from traceml.agent.probe import Probe
-from traceml.agent.steps import StepTiming, StepTracker
+from traceml.collector.steps import StepTiming, StepTracker
 
 
 class Steps:
-    """The steps of the events logged so far, replayed as the sender thread does."""
+    """The steps of the events logged so far: the log drained as the sender
+    thread does, replayed as the collector does."""
 
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
@@ -28,7 +29,8 @@ class Steps:
         self.tracker = StepTracker(self.done.append)
 
     def __call__(self) -> list[StepTiming]:
-        self.tracker.replay(self.probe.events)
+        pop = self.probe.events.popleft
+        self.tracker.replay([pop() for _ in range(len(self.probe.events))])
         return self.done
 
 
@@ -59,7 +61,7 @@ def test_plain_loop(steps: Steps) -> None:
     done = steps()
     assert len(done) + 1 == 6  # the last one closes at exit
     assert all(t.counts == (1, 1, 1, 1) for t in done)
-    assert steps.probe.events == type(steps.probe.events)()  # the replay consumed the log
+    assert steps.probe.events == type(steps.probe.events)()  # the drain emptied the log
 
 
 def test_activation_checkpointing_counts_forward_once(steps: Steps) -> None:

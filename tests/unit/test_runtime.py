@@ -1,5 +1,6 @@
 """AgentRuntime in this process, its sender thread not started: the sender's
-side (replay, stamping, the last flush) is driven by hand on real patches."""
+side (draining the log, device marks, the last flush) is driven by hand on real
+patches, and its messages are replayed as the collector does."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from traceml import protocol
 from traceml.agent.patches import Instrumentation
 from traceml.agent.runtime import AgentRuntime
-from traceml.agent.steps import CLOSE, MARK
+from traceml.collector.steps import RankSteps
 from traceml.environment import AgentEnv
-from traceml.protocol import Sender
+from traceml.protocol import CLOSE, MARK, Sender
 
 
 @pytest.fixture
@@ -46,61 +47,63 @@ def train(iterations: int) -> None:
         opt.step()
 
 
-def sent_steps(messages: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for kind, payload in messages:
-        if kind == protocol.KIND_STEPS:
-            fields, values = protocol.iter_rows(
-                {"fields": payload["fields"], "rows": [list(r) for r in payload["rows"]]})
-            rows += [dict(zip(fields, row)) for row in values]
-    return rows
+class Collector:
+    """The collector's side of this rank's events messages, through the wire
+    encoding."""
+
+    def __init__(self) -> None:
+        self.rank_steps = RankSteps()
+
+    def steps(self, messages: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for kind, payload in messages:
+            if kind == protocol.KIND_EVENTS:
+                wire = protocol.decode(protocol.encode(protocol.Envelope(
+                    "unit", kind, Sender("rank", "h", 1, 0, rank=0), 0, 0.0, payload)))
+                rows += [dict(zip(protocol.STEP_FIELDS, r))
+                         for r in self.rank_steps.feed(wire.payload)]
+        return rows
 
 
-def test_the_last_flush_replays_everything_up_to_exit(runtime: AgentRuntime) -> None:
+def test_the_last_flush_ships_everything_up_to_exit(runtime: AgentRuntime) -> None:
     install(runtime)
     train(5)
     runtime.probe.log((CLOSE, 0.0))  # what shutdown logs before stopping the sender
     messages = runtime._bye()
-    steps = sent_steps(messages)
+    steps = Collector().steps(messages)
     assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]
     assert all((s["num_input"], s["num_forward"], s["num_backward"], s["num_optimizer"])
                == (1, 1, 1, 1) for s in steps)
-    assert messages[-1] == (protocol.KIND_BYE, {"num_steps": 5, "t": messages[-1][1]["t"]})
+    assert all(s["rss_bytes"] > 0 for s in steps)  # stamped by the sender thread
+    assert messages[-1] == (protocol.KIND_BYE, {"num_batches": 1, "t": messages[-1][1]["t"]})
+    assert len(runtime.probe.events) == 0
 
 
-def test_a_replay_error_turns_the_agent_off_and_training_goes_on(
-        runtime: AgentRuntime, capsys: pytest.CaptureFixture[str]) -> None:
+def test_events_wait_for_the_flush_interval_and_travel_in_order(runtime: AgentRuntime) -> None:
     install(runtime)
-
-    def broken(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("tracker bug")
-
-    runtime.tracker._finish = broken  # type: ignore[method-assign]
+    collector = Collector()
     train(3)
-    runtime._drain_steps()  # the sender thread's tick
-    assert runtime.probe.off
-    assert "tracker bug" in capsys.readouterr().err
-    # The patches stay (removing a hook from the sender thread could break the
-    # training thread's loop over them) but pass straight through.
-    assert nn.Module.__call__ is not runtime.instrumentation.patches[1].original
-    left = len(runtime.probe.events)
+    first = runtime._drain_events()  # the first tick sends at once
     train(3)
-    assert len(runtime.probe.events) == left  # nothing logged any more
-    runtime._drain_steps()
-    assert capsys.readouterr().err == ""  # warned once
+    assert runtime._drain_events() == []  # within the flush interval: kept
+    assert len(runtime.probe.events) == 0  # ... but drained from the training thread's log
+    runtime.probe.log((CLOSE, 0.0))
+    steps = collector.steps(first) + collector.steps(runtime._bye())
+    assert [s["step"] for s in steps] == list(range(6))
+    assert [m[1]["batch"] for m in first] == [0]
 
 
 class TickingModel(nn.Module):
-    """A model during whose forward the sender thread ticks: the replay leaves
-    that forward open in the tracker."""
+    """A model during whose forward the sender thread ticks: the drain ships
+    that forward's start without its end."""
 
-    def __init__(self, runtime: AgentRuntime) -> None:
+    def __init__(self, runtime: AgentRuntime, collector: Collector) -> None:
         super().__init__()
-        self.runtime = runtime
+        self.runtime, self.collector = runtime, collector
         self.layer = nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runtime._drain_steps()
+        self.collector.steps(self.runtime._drain_events())
         return self.layer(x)
 
 
@@ -108,19 +111,22 @@ def test_an_overflowing_log_resynchronises(runtime: AgentRuntime) -> None:
     runtime.probe.events = deque(maxlen=24)  # 3 iterations of events: the cut log starts at a fetch
     runtime.probe.log = runtime.probe.events.append
     install(runtime)
-    TickingModel(runtime)(torch.randn(4, 8)).sum().backward()
+    collector = Collector()
+    TickingModel(runtime, collector)(torch.randn(4, 8)).sum().backward()
     train(7)  # the sender thread starved: the log overflowed, that forward's end is lost
-    steps = sent_steps(runtime._drain_steps())
+    runtime._send_now = True
+    steps = collector.steps(runtime._drain_events())
     train(2)  # 18 events: no second overflow
     runtime.probe.log((CLOSE, 0.0))
-    steps += sent_steps(runtime._bye())
+    steps += collector.steps(runtime._bye())
     assert len(steps) >= 3
     assert all(s["num_forward"] == 1 and s["num_optimizer"] == 1 for s in steps)
 
 
 def test_trace_step_exit_keeps_the_device_mark_in_its_step(runtime: AgentRuntime) -> None:
-    """On CUDA, step_exit logs the step's memory peaks and CUDA spans (a stand-in
-    mark here): they must land in the step that is ending."""
+    """On CUDA, step_exit logs the step's memory peaks and CUDA spans (peaks
+    only here, as before the phase timer starts): they land in the step that
+    is ending."""
     runtime.probe.on_optimizer_end = lambda: runtime.probe.log((MARK, ((1, 2), None)))
     install(runtime)
     model = nn.Linear(8, 1)
@@ -131,7 +137,68 @@ def test_trace_step_exit_keeps_the_device_mark_in_its_step(runtime: AgentRuntime
                 model(torch.randn(4, 8))
             runtime.step_exit()
     runtime.probe.log((CLOSE, 0.0))
-    steps = sent_steps(runtime._bye())
+    steps = Collector().steps(runtime._bye())
     assert len(steps) == 3
     assert all((s["peak_allocated_bytes"], s["peak_reserved_bytes"]) == (1, 2)
                for s in steps)
+
+
+class StandInTimer:
+    """A CUDA phase timer whose GPU has passed the events up to ``done`` spans
+    (each span stands for 1 ms of forward), or that fails."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.error: Exception | None = None
+
+    def start(self, phase: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def resolve(self, spans: list[int]) -> tuple[float, float, float] | None:
+        if self.error is not None:
+            raise self.error
+        return (float(len(spans)), 0.0, 0.0) if max(spans) < self.done else None
+
+
+def log_device_marks(runtime: AgentRuntime, timer: StandInTimer) -> None:
+    runtime.probe.cuda_timer = timer
+    ends = iter(range(1000))
+    runtime.probe.on_optimizer_end = lambda: runtime.probe.log(
+        (MARK, ((100, 200), [next(ends)])))
+
+
+def test_events_after_a_mark_the_gpu_has_not_passed_wait_for_it(
+        runtime: AgentRuntime) -> None:
+    timer = StandInTimer()
+    log_device_marks(runtime, timer)
+    install(runtime)
+    collector = Collector()
+    train(4)
+    timer.done = 2  # the GPU is two iterations behind
+    runtime._send_now = True
+    steps = collector.steps(runtime._drain_events())
+    # Step 1 ended where iteration 2 began; step 2's mark and all after it wait.
+    assert [s["step"] for s in steps] == [0, 1]
+    assert len(runtime._held) > 0
+    timer.done = 10
+    runtime.probe.log((CLOSE, 0.0))
+    steps += collector.steps(runtime._bye())
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert all(s["gpu_forward_ms"] == 1.0 and s["peak_reserved_bytes"] == 200 for s in steps)
+
+
+def test_a_failing_gpu_timer_drops_gpu_times_not_steps(
+        runtime: AgentRuntime, capsys: pytest.CaptureFixture[str]) -> None:
+    timer = StandInTimer()
+    timer.error = RuntimeError("CUDA error: an illegal memory access")
+    log_device_marks(runtime, timer)
+    install(runtime)
+    train(3)
+    runtime.probe.log((CLOSE, 0.0))
+    steps = Collector().steps(runtime._bye())
+    assert len(steps) == 3
+    assert all(s["gpu_forward_ms"] is None and s["peak_allocated_bytes"] == 100 for s in steps)
+    assert capsys.readouterr().err.count("GPU phase times disabled") == 1

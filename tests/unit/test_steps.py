@@ -1,4 +1,5 @@
-"""StepTracker on hand-built event logs with a fake clock."""
+"""The collector's step tracker on hand-built event logs with a fake clock,
+and RankSteps on hand-built event batches."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from typing import Any
 
 import pytest
 
-from traceml.agent.steps import (
+from traceml import protocol
+from traceml.collector.steps import RankSteps, StepTiming, StepTracker
+from traceml.errors import ProtocolError
+from traceml.protocol import (
     BACKWARD,
     CLOSE,
     END,
@@ -22,8 +26,8 @@ from traceml.agent.steps import (
     OPTIMIZER,
     OPTIMIZER_END,
     OPTIMIZER_SKIPPED,
-    StepTiming,
-    StepTracker,
+    RESYNC,
+    RSS,
 )
 
 
@@ -42,6 +46,7 @@ class Script:
         self.events.append((code, self.t))
         if self.replay_each:
             self.tr.replay(self.events)
+            self.events.clear()
 
     def phase(self, phase: int, dur: float, count: bool = True) -> None:
         self.log(phase)
@@ -262,7 +267,7 @@ def test_marks_belong_to_the_step_they_were_logged_in() -> None:
 
 
 def test_one_batch_replay_equals_event_by_event() -> None:
-    """The sender thread replays whatever accumulated in 0.1 s at once."""
+    """The collector replays a whole batch (many steps) at once."""
     one, batch = Script(), Script(replay_each=False)
     for s in (one, batch):
         for i in range(6):
@@ -271,7 +276,8 @@ def test_one_batch_replay_equals_event_by_event() -> None:
                 s.eval_pass(3)
         s.log(CLOSE)
     assert batch.steps == []
-    assert batch.tr.replay(batch.events) == 6 * 8 + 3 * 3 + 1
+    assert len(batch.events) == 6 * 8 + 3 * 3 + 1
+    batch.tr.replay(batch.events)
     assert len(one.steps) == 6
     assert batch.steps == one.steps
 
@@ -304,3 +310,81 @@ def test_a_cut_log_resynchronises_at_the_next_boundary(resync: bool) -> None:
     else:  # the orphan optimizer phase swallows every later iteration into one step
         assert len(s.steps) == 2
         assert s.steps[1].counts[FORWARD] == 3
+
+
+def test_rss_events_stamp_the_steps_that_finish_after_them() -> None:
+    s = Script()
+    s.events.append((RSS, 100))
+    s.train_iter()
+    s.train_iter()  # step 0 finishes here, at the next fetch
+    s.events.append((RSS, 200))
+    s.train_iter()
+    s.log(CLOSE)
+    assert [t.rss_bytes for t in s.steps] == [100, 200, 200]
+
+
+def test_a_resync_event_drops_the_interrupted_step() -> None:
+    s = Script()
+    s.train_iter()
+    s.phase(INPUT, 1)
+    s.log(OPTIMIZER)  # its end was lost with the events the rank's full log dropped
+    s.log(RESYNC)
+    for _ in range(2):
+        s.train_iter()
+    s.log(CLOSE)
+    assert [t.counts for t in s.steps] == [(1, 1, 1, 1)] * 3
+
+
+def _batch(n: int, events: list[list[Any]], offset: float = 1000.0) -> dict[str, Any]:
+    return protocol.events_payload(n, offset, events)  # type: ignore[arg-type]
+
+
+def _iteration(t: float, mark: list[Any] | None = None) -> list[list[Any]]:
+    events = [[INPUT, t], [END, t + 1], [FORWARD, t + 1], [END, t + 3],
+              [BACKWARD, t + 3], [END, t + 6], [OPTIMIZER, t + 6], [OPTIMIZER_END, t + 7]]
+    return events + ([[MARK, mark]] if mark is not None else [])
+
+
+def test_rank_steps_turn_batches_into_step_rows() -> None:
+    steps = RankSteps()
+    first = steps.feed(_batch(0, [[RSS, 4096], *_iteration(0.0, [10, 20, 1.5, None, 0.5])]))
+    assert first == []  # step 0 stays open until the next iteration begins
+    rows = steps.feed(_batch(1, [*_iteration(8.0, [30, 15, 2.0, None, 0.25]),
+                                 [MARK, [5, 40, 1.0, None, 0.25]], [CLOSE, 0.0]]))
+    row = [dict(zip(protocol.STEP_FIELDS, r)) for r in rows]
+    assert [r["step"] for r in row] == [0, 1]
+    assert row[0]["t_begin"] == 1000.0 and row[1]["t_begin"] == 1008.0
+    assert (row[0]["input_ms"], row[0]["forward_ms"], row[0]["backward_ms"],
+            row[0]["optimizer_ms"], row[0]["total_ms"]) == (1e3, 2e3, 3e3, 1e3, 8e3)
+    assert row[0]["rss_bytes"] == 4096
+    # Two marks in one step (two optimizers): the highest peaks, the GPU times summed.
+    assert (row[1]["peak_allocated_bytes"], row[1]["peak_reserved_bytes"]) == (30, 40)
+    assert (row[1]["gpu_forward_ms"], row[1]["gpu_backward_ms"],
+            row[1]["gpu_optimizer_ms"]) == (3.0, None, 0.5)
+
+
+def test_rank_steps_resynchronise_after_a_lost_batch() -> None:
+    steps = RankSteps()
+    steps.feed(_batch(0, _iteration(0.0)))
+    cut = _iteration(8.0)
+    # Batch 1 (the end of this iteration, the start of the next) never arrived.
+    rows = steps.feed(_batch(2, cut[5:] + _iteration(16.0) + _iteration(24.0)))
+    counts = [(r[8], r[9], r[10], r[11]) for r in rows]
+    # The iteration cut in two went: from the gap on, only its optimizer step
+    # was seen, a step of its own.  The iterations after it are whole.
+    assert counts == [(0, 0, 0, 1), (1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("events", [
+    [[INPUT]],  # not a pair
+    [[99, 1.0]],  # unknown code
+    [["0", 1.0]],
+    [[END, "soon"]],  # no time
+    [[MARK, [1, 2]]],  # a short device mark
+    [[MARK, [1, 2, "x", None, None]]],
+])
+def test_rank_steps_reject_a_malformed_batch_whole(events: list[list[Any]]) -> None:
+    steps = RankSteps()
+    with pytest.raises(ProtocolError):
+        steps.feed(_batch(0, _iteration(0.0) + events + _iteration(8.0)))
+    assert steps.feed(_batch(1, _iteration(16.0) + [[CLOSE, 0.0]]))[0][0] == 0

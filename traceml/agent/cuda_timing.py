@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from traceml.agent.steps import BACKWARD, FORWARD, OPTIMIZER
+from traceml.protocol import BACKWARD, FORWARD, OPTIMIZER
 
 TIMED = (FORWARD, BACKWARD, OPTIMIZER)
 POOL_MAX = 4096

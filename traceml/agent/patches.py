@@ -4,10 +4,10 @@ Each patch has ``install()``/``uninstall()``; nothing is patched at import
 time.  Every wrapper passes straight through when the probe is off, when it
 runs on a thread other than the main one, or while a forward/backward is
 already being timed, so nested modules and autograd re-entry cost one
-attribute check.  A timed wrapper only logs ``(code, clock())`` events (see
-`traceml.agent.steps`): the step state machine runs later, in the sender
-thread, so the training thread pays a clock read and a deque append per
-event.  Python frames are the other cost per step, so the hot paths avoid
+attribute check.  A timed wrapper only logs ``(code, clock())`` events (codes
+in `traceml.protocol`): the step state machine runs in the collector process
+(`traceml.collector.steps`), so the training thread pays a clock read and a
+deque append per event.  Python frames are the other cost per step, so the hot paths avoid
 helper calls.
 
 Instrumented (SPEC R-AG-2):
@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import dataloader as _dataloader
 
 from traceml.agent.probe import Probe
-from traceml.agent.steps import (
+from traceml.protocol import (
     BACKWARD,
     END,
     END_EXHAUSTED,

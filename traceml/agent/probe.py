@@ -11,9 +11,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-# The sender thread replays the log every 0.1 s; should it stall, the oldest
-# events go first and the tracker resynchronises at the next step boundary.
-# About 20 MB, 20k steps.
+# The sender thread drains the log every 0.1 s; should it stall, the oldest
+# events go first and the collector's tracker resynchronises at the next step
+# boundary.  About 20 MB, 20k steps.
 MAX_EVENTS = 250_000
 
 
@@ -21,8 +21,8 @@ class Probe:
     """What the patches share: the event log, the clock and the guards.
 
     The patches run on the training thread and only append ``(code, time)``
-    events to ``events`` (codes in `traceml.agent.steps`); the sender thread
-    replays them through the `StepTracker`.
+    events to ``events`` (codes in `traceml.protocol`); the sender thread ships
+    them to the collector, whose `StepTracker` turns them into steps.
     """
 
     def __init__(self, clock: Callable[[], float],

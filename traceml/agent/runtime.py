@@ -1,10 +1,11 @@
-"""The agent of one training rank: tracker + patches + sender (agent side).
+"""The agent of one training rank: patches + event log + sender (agent side).
 
 Created once torch has been imported in an armed rank.  The training thread
-only appends phase events to the probe's log; the sender thread replays them
-through the step tracker and sends the finished steps in batches.  Any error
-of the agent disables the failing part, warns once on stderr and leaves
-training unchanged.
+only appends phase events to the probe's log; the sender thread drains the log
+every tick, stamps it with the rank's RSS, resolves CUDA marks to numbers, and
+ships the events in batches to the collector, whose step tracker turns them
+into steps (`traceml.collector.steps`).  Any error of the agent disables the
+failing part, warns once on stderr and leaves training unchanged.
 """
 
 from __future__ import annotations
@@ -14,22 +15,28 @@ import os
 import socket
 import sys
 import time
-from collections import deque
 from typing import Any
 
 from traceml import protocol
 from traceml.agent.cuda_timing import CudaPhaseTimer, allocator_bytes
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
-from traceml.agent.steps import CLOSE, MANUAL_ENTER, MANUAL_EXIT, MARK, StepTiming, StepTracker
 from traceml.environment import AgentEnv
-from traceml.protocol import Sender
+from traceml.protocol import (
+    CLOSE,
+    MANUAL_ENTER,
+    MANUAL_EXIT,
+    MARK,
+    MAX_EVENTS_PER_MESSAGE,
+    RESYNC,
+    RSS,
+    Sender,
+)
 from traceml.security import session_keys
 from traceml.sender import BatchSender
 
 _ACTIVE: AgentRuntime | None = None
-MAX_QUEUED_STEPS = 100_000
-RSS_TICK_S = 0.1  # the sender thread stamps finished steps with RSS this often
+RSS_TICK_S = 0.1  # the sender thread drains the log, stamped with RSS, this often
 
 
 def active() -> AgentRuntime | None:
@@ -63,26 +70,27 @@ class AgentRuntime:
     def __init__(self, env: AgentEnv, identity: Sender) -> None:
         self.env = env
         self.identity = identity
-        # Finished steps, from the tracker (sender thread) to the outbox.
-        self.steps: deque[StepTiming] = deque(maxlen=MAX_QUEUED_STEPS)
-        self._final = False  # at exit, steps whose GPU events are not done go without
-        self._outbox: list[tuple[Any, ...]] = []  # stamped steps waiting for the next send
+        self._final = False  # at exit, marks whose GPU events are not done go without
+        # Drained events waiting for the next send, and (CUDA) the events from
+        # the first mark whose GPU work is not done yet.
+        self._outbox: list[tuple[int, Any]] = []
+        self._held: list[tuple[int, Any]] = []
         self._next_send = 0.0
         self._send_now = False  # traceml.summary() wants the steps in the store now
-        self.num_steps = 0
+        self.num_batches = 0  # events messages sent
+        self.last_events_seq: int | None = None
         self._cuda: Any = None
-        self.tracker = StepTracker(self.steps.append)
+        self._gpu_times_failed = False
         self.probe = Probe(time.perf_counter, self._fail)
         self.instrumentation: Any = None
         self._wall_offset = time.time() - time.perf_counter()
         self._rss = RssReader()
         self._warned = False
-        self._replay_failed = False  # after a tracker error, the log is no longer replayed
         self.process_sampler = ProcessSampler(env.sample_interval_s)
         self.sender = BatchSender(
             env.endpoint, env.session_id, identity,
             min(RSS_TICK_S, env.flush_interval_s, env.sample_interval_s),
-            producers=[self._drain_steps, self.process_sampler.produce],
+            producers=[self._drain_events, self.process_sampler.produce],
             final_producers=[self._bye],
             keys=session_keys(env.secure, env.secret, env.session_id),
         )
@@ -164,77 +172,89 @@ class AgentRuntime:
             self._warned = True
             print(f"traceml: warning: {message}", file=sys.stderr)
 
-    def _drain_steps(self) -> list[tuple[str, dict[str, Any]]]:
-        """Sender thread, every RSS tick: replay the training thread's events,
-        stamp the finished steps with host RSS (read here, off the training
-        path, at the tick's resolution) and send them as one batch once per
-        flush interval."""
-        if not self._replay_failed:
-            events = self.probe.events
-            if len(events) == events.maxlen:
-                # The log overflowed since the last replay (the sender thread
-                # was starved): what is left starts mid-step.
-                self.tracker.resync()
-            try:
-                self.tracker.replay(events)
-            except Exception as exc:
-                # Sender thread: turn the wrappers into pass-throughs but leave
-                # torch's hook dicts alone (the training thread may be iterating
-                # them); shutdown removes the patches.
-                self._replay_failed = True
-                self.probe.off = True
-                self._warn(f"step instrumentation disabled after an internal error: {exc!r}")
-        self._stamp_steps()
+    def _drain_events(self) -> list[tuple[str, dict[str, Any]]]:
+        """Sender thread, every tick: take what the training thread logged,
+        stamped with host RSS (read here, off the training path), and send it
+        as one batch once per flush interval."""
+        events = self.probe.events
+        if events:
+            # A full log has lost its oldest events since the last tick (the
+            # sender thread was starved): what is left starts mid-step.
+            lost = len(events) == events.maxlen
+            pop = events.popleft
+            chunk = [pop() for _ in range(len(events))]
+            head: list[tuple[int, Any]] = [(RESYNC, 0.0)] if lost else []
+            head.append((RSS, self._rss.read()))
+            if self.probe.on_optimizer_end is None:  # no device marks in this log
+                self._outbox += head
+                self._outbox += chunk
+            else:
+                self._held += head
+                self._held += chunk
+        if self._held:
+            self._release_device_marks()
         now = time.monotonic()
         if not self._outbox or (now < self._next_send and not self._final
                                 and not self._send_now):
             return []
         self._send_now = False
         self._next_send = now + self.env.flush_interval_s
-        rows, self._outbox = self._outbox, []
-        self.num_steps += len(rows)
-        return [(protocol.KIND_STEPS, protocol.rows_payload(protocol.STEP_FIELDS, rows))]
+        out, self._outbox = self._outbox, []
+        messages = []
+        for i in range(0, len(out), MAX_EVENTS_PER_MESSAGE):
+            messages.append((protocol.KIND_EVENTS, protocol.events_payload(
+                self.num_batches, self._wall_offset, out[i:i + MAX_EVENTS_PER_MESSAGE])))
+            self.num_batches += 1
+        return messages
 
-    def _stamp_steps(self) -> None:
-        rows = self._outbox
-        rss = self._rss.read()
+    def _release_device_marks(self) -> None:
+        """Move the held events to the outbox up to the first device mark whose
+        GPU work is not done, each mark turned into plain numbers."""
+        held = self._held
+        for i, (code, value) in enumerate(held):
+            if code == MARK:
+                mark = self._device_mark(value)
+                if mark is None:
+                    self._outbox += held[:i]
+                    self._held = held[i:]
+                    return
+                held[i] = (MARK, mark)
+        self._outbox += held
+        self._held = []
+
+    def _device_mark(self, value: tuple[Any, Any]) -> list[Any] | None:
+        """A logged mark as `protocol.DEVICE_MARK_FIELDS`; None while the GPU
+        has not passed its events."""
+        (allocated, reserved), spans = value
+        gpu: tuple[float | None, ...] = (None, None, None)
         timer = self.probe.cuda_timer
-        while self.steps:
-            timing = self.steps[0]
-            peaks, spans = merge_device_marks(timing.marks) if timing.marks else (None, None)
-            gpu = None
-            if spans is not None and timer is not None:
-                gpu = timer.resolve(spans)
-                if gpu is None and not self._final:
-                    break  # the GPU is behind: this step (and the rest) wait a flush
-            self.steps.popleft()
-            rows.append(self._row(timing, rss, peaks, gpu))
-
-    def _row(self, t: StepTiming, rss: int | None, peaks: tuple[int, int] | None,
-             gpu: tuple[float, float, float] | None) -> tuple[Any, ...]:
-        inp, fwd, bwd, opt = t.phase_s
-        alloc, reserved = peaks if peaks is not None else (None, None)
-        gpu_fwd, gpu_bwd, gpu_opt = gpu if gpu is not None else (None, None, None)
-        return (
-            t.step, self._wall_offset + t.t_begin,
-            inp * 1e3, fwd * 1e3, bwd * 1e3, opt * 1e3, t.total_s * 1e3, t.wait_s * 1e3,
-            t.counts[0], t.counts[1], t.counts[2], t.counts[3], t.num_skipped, rss,
-            alloc, reserved, gpu_fwd, gpu_bwd, gpu_opt,
-        )
+        if spans is not None and timer is not None and not self._gpu_times_failed:
+            try:
+                resolved = timer.resolve(spans)
+            except Exception as exc:  # the GPU times go, the rest stays
+                self._gpu_times_failed = True
+                self._warn(f"GPU phase times disabled after an internal error: {exc!r}")
+                resolved = None
+            if resolved is None and not self._final and not self._gpu_times_failed:
+                return None
+            gpu = resolved or gpu
+        return [allocated, reserved, *gpu]
 
     def _bye(self) -> list[tuple[str, dict[str, Any]]]:
         self._final = True
-        return self._drain_steps() + [(protocol.KIND_BYE, {"num_steps": self.num_steps, "t": time.time()})]
+        return self._drain_events() + [
+            (protocol.KIND_BYE, {"num_batches": self.num_batches, "t": time.time()})]
 
-    def flush_and_count(self, timeout_s: float = 2.0) -> int:
-        """Send the finished steps now (user thread, for ``traceml.summary()``);
-        returns how many steps this rank has finished."""
+    def flush_events(self, timeout_s: float = 2.0) -> int | None:
+        """Send the logged events now (user thread, for ``traceml.summary()``);
+        returns the sequence number of this rank's last events message, which
+        the store's sender row reaches once the collector has its steps."""
         self._send_now = True
         before = self.sender.flush_soon()
         deadline = time.monotonic() + timeout_s
         while self.sender.num_flushes <= before and time.monotonic() < deadline:
             time.sleep(0.01)
-        return self.tracker.next_step
+        return self.sender.last_seq.get(protocol.KIND_EVENTS)
 
     def step_enter(self) -> None:
         """``trace_step`` entered (main thread)."""
@@ -248,13 +268,3 @@ class AgentRuntime:
             if probe.on_optimizer_end is not None:  # the device mark belongs to this step
                 probe.guarded(probe.on_optimizer_end)
             probe.log((MANUAL_EXIT, now))
-
-
-def merge_device_marks(marks: tuple[Any, ...]) -> tuple[tuple[int, int] | None, list[Any] | None]:
-    """A step's CUDA memory peaks (the highest of its marks) and CUDA event spans."""
-    if not marks:
-        return None, None
-    allocated = max(peaks[0] for peaks, _ in marks)
-    reserved = max(peaks[1] for peaks, _ in marks)
-    spans = [span for _, step_spans in marks if step_spans for span in step_spans]
-    return (allocated, reserved), (spans if any(s is not None for _, s in marks) else None)

@@ -22,6 +22,7 @@ import orjson
 import zmq
 
 from traceml import protocol
+from traceml.collector.steps import RankSteps
 from traceml.collector.store import SenderState, StoreWriter
 from traceml.errors import ProtocolError
 from traceml.protocol import Envelope
@@ -71,6 +72,7 @@ class Collector:
         self.config = config
         self.store = store
         self.senders: dict[str, SenderState] = {}
+        self.rank_steps: dict[str, RankSteps] = {}  # sender id -> its step tracker
         self.rejected: dict[str, int] = {}
         self.ended = False
         self.num_steps = 0
@@ -116,7 +118,13 @@ class Collector:
             self._control(env.payload)
             return
         state = self._track(env)
-        if env.kind == protocol.KIND_STEPS:
+        if env.kind == protocol.KIND_EVENTS:
+            steps = self.rank_steps.get(state.sender.sender_id)
+            if steps is None:
+                steps = self.rank_steps[state.sender.sender_id] = RankSteps()
+            self.num_steps += self.store.add_steps(env.sender, protocol.STEP_FIELDS,
+                                                   steps.feed(env.payload))
+        elif env.kind == protocol.KIND_STEPS:
             fields, rows = protocol.iter_rows(env.payload)
             self.num_steps += self.store.add_steps(env.sender, fields, rows)
         elif env.kind == protocol.KIND_PROCESS:

@@ -1,8 +1,10 @@
-"""Step detection and exclusive phase timing (runs inside a training rank).
+"""Step detection and exclusive phase timing (collector side).
 
-The tracker is pure: it is fed events with timestamps by the patches in
-`traceml.agent.patches` and emits one `StepTiming` per training step.  It never
-touches torch, so it is unit-tested with a fake clock.
+A rank's training thread only logs ``(code, time)`` events (`traceml.protocol`
+has the codes; `traceml.agent.patches` logs them) and ships them in batches;
+here one `StepTracker` per rank replays them and emits one `StepTiming` per
+training step, so the rank spends nothing on the state machine.  The tracker is
+pure, and unit-tested with a fake clock.
 
 Boundaries (SPEC R-AG-3):
 
@@ -20,42 +22,33 @@ Boundaries (SPEC R-AG-3):
   each phase's time excludes the phases inside it.
 * `trace_step` switches to manual boundaries: a step ends when the context
   exits and the next one begins at its first fetch or at the next enter.
-
-The training thread does not run the tracker: the patches only append
-``(code, time)`` tuples to an event log (one clock read, one tuple, one
-append per event), and `StepTracker.replay` feeds the log to the tracker off
-the training path.  Event codes: 0-3 a phase begins (`INPUT` ... `OPTIMIZER`);
-the rest are below.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-INPUT, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
-PHASE_NAMES = ("input", "forward", "backward", "optimizer")
-
-# The phase-end codes are contiguous (END ... OPTIMIZER_SKIPPED): one comparison.
-END = 4  # the innermost phase ends
-END_UNCOUNTED = 5  # ... adding its time but not a call (a parameter-free module)
-END_EXHAUSTED = 6  # a fetch found its loader empty
-OPTIMIZER_END = 7  # the outermost optimizer step ends: the iteration is complete
-OPTIMIZER_SKIPPED = 8  # ... a GradScaler step that skipped the update (inf grads)
-NOGRAD_FORWARD = 9  # an outermost forward with grad disabled begins
-MANUAL_ENTER = 10  # trace_step entered
-MANUAL_EXIT = 11
-MARK = 12  # (MARK, payload): data of the running step (CUDA peaks and spans)
-CLOSE = 13  # process exit
+from traceml import protocol
+from traceml.protocol import (
+    CLOSE,
+    END,
+    END_EXHAUSTED,
+    END_UNCOUNTED,
+    INPUT,
+    MANUAL_ENTER,
+    MANUAL_EXIT,
+    MARK,
+    NOGRAD_FORWARD,
+    OPTIMIZER_END,
+    OPTIMIZER_SKIPPED,
+    RESYNC,
+    RSS,
+)
 
 
 class StepTiming(NamedTuple):
-    """One finished training step of this rank (times in seconds).
-
-    A NamedTuple, not a dataclass: the replay builds one per step while it
-    holds the GIL, and tuple construction is the cheapest there is.
-    """
+    """One finished training step of a rank (times in seconds, on its clock)."""
 
     step: int
     t_begin: float
@@ -64,6 +57,7 @@ class StepTiming(NamedTuple):
     counts: tuple[int, int, int, int]
     num_skipped: int
     marks: tuple[Any, ...] = ()  # MARK payloads logged while the step ran
+    rss_bytes: int | None = None  # the rank's RSS when the step finished
 
     @property
     def wait_s(self) -> float:
@@ -92,6 +86,7 @@ class StepTracker:
         self._pending_n = 0
         self._nograd_start: float | None = None
         self._marks: list[Any] = []
+        self._rss: int | None = None
 
     @property
     def next_step(self) -> int:
@@ -99,21 +94,13 @@ class StepTracker:
 
     # -- the event log ------------------------------------------------------
 
-    def replay(self, events: deque[tuple[Any, Any]]) -> int:
-        """Consume the events logged so far, oldest first (one consumer thread);
-        returns how many.
+    def replay(self, events: Iterable[tuple[int, Any] | list[Any]]) -> None:
+        """Feed the events logged since the last replay, oldest first.
 
         The phase begin/end cases, nine events in ten, are handled inline.
         """
-        pop = events.popleft
         stack = self._stack
-        done = 0
-        while True:
-            try:
-                code, t = pop()
-            except IndexError:
-                break
-            done += 1
+        for code, t in events:
             if code < END:  # a phase begins
                 if code != INPUT and not stack and (
                         not self._open or self._complete or self._pending_n
@@ -159,9 +146,12 @@ class StepTracker:
             elif code == MANUAL_EXIT:
                 if self._open:
                     self._finish(t, keep=True)
+            elif code == RSS:
+                self._rss = t
+            elif code == RESYNC:
+                self.resync()
             elif code == CLOSE:
                 self.close()
-        return done
 
     # -- internals ----------------------------------------------------------
 
@@ -258,6 +248,57 @@ class StepTracker:
             return
         timing = StepTiming(self._next_step, self._begin, max(0.0, end - self._begin),
                             tuple(self._acc), tuple(self._counts),  # type: ignore[arg-type]
-                            self._num_skipped, tuple(self._marks))
+                            self._num_skipped, tuple(self._marks), self._rss)
         self._next_step += 1
         self._emit(timing)
+
+
+class RankSteps:
+    """One rank's steps in the collector: its event batches in, step rows
+    (`protocol.STEP_FIELDS`) out."""
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[Any, ...]] = []
+        self.tracker = StepTracker(self._emit)
+        self._last_batch = -1
+        self._wall_offset_s = 0.0
+
+    def feed(self, payload: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """The steps finished by one events payload; ProtocolError when it is
+        malformed (nothing of it is replayed then)."""
+        batch, self._wall_offset_s, events = protocol.check_events(payload)
+        if batch != self._last_batch + 1:
+            # A batch was lost (dropped at a full queue): what follows starts
+            # mid-step.
+            self.tracker.resync()
+        self._last_batch = batch
+        self.tracker.replay(events)
+        rows, self._rows = self._rows, []
+        return rows
+
+    def _emit(self, t: StepTiming) -> None:
+        inp, fwd, bwd, opt = t.phase_s
+        alloc, reserved, gpu_fwd, gpu_bwd, gpu_opt = merge_device_marks(t.marks)
+        self._rows.append((
+            t.step, self._wall_offset_s + t.t_begin,
+            inp * 1e3, fwd * 1e3, bwd * 1e3, opt * 1e3, t.total_s * 1e3, t.wait_s * 1e3,
+            t.counts[0], t.counts[1], t.counts[2], t.counts[3], t.num_skipped, t.rss_bytes,
+            alloc, reserved, gpu_fwd, gpu_bwd, gpu_opt,
+        ))
+
+
+def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A step's device marks (`protocol.DEVICE_MARK_FIELDS` each) as one: the
+    highest memory peaks, and the GPU times summed over the marks that have them."""
+    if not marks:
+        return (None,) * len(protocol.DEVICE_MARK_FIELDS)
+
+    def highest(i: int) -> int | None:
+        values = [m[i] for m in marks if m[i] is not None]
+        return max(values) if values else None
+
+    def total(i: int) -> float | None:
+        values = [m[i] for m in marks if m[i] is not None]
+        return float(sum(values)) if values else None
+
+    return highest(0), highest(1), total(2), total(3), total(4)
