@@ -116,22 +116,39 @@ def _holds_parameters(module: Any) -> bool:
     return known
 
 
+def _is_torchs_dispatch(orig: Any) -> bool:
+    """Whether ``orig`` is torch's own ``Module.__call__`` (>= 2.1), which only
+    picks ``_compiled_call_impl`` when set, else ``_call_impl``.  The wrapper
+    then makes that choice itself, so a module call costs no extra frame.  Any
+    other ``__call__`` (another tool's patch, a torch that does more there) is
+    called as it is."""
+    code = getattr(orig, "__code__", None)
+    return (getattr(orig, "__name__", None) == "_wrapped_call_impl" and code is not None
+            and set(code.co_names) == {"_compiled_call_impl", "_call_impl"})
+
+
 def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
     is_compiling = _compiling_check()
     grad_enabled = torch.is_grad_enabled
     log, clock = probe.log, probe.clock
 
     def make(orig: Any) -> Any:
-        # ``*args`` holds the module too: a nested call (the common case, every
-        # submodule of a timed forward) forwards the tuple as it came.
-        def __call__(*args: Any, **kwargs: Any) -> Any:
+        if not _is_torchs_dispatch(orig):
+            return _generic_module_call(probe, orig, is_compiling, grad_enabled)
+
+        # torch's dispatch, inline: nested calls (every submodule of a timed
+        # forward, the common case) cost this frame instead of torch's.
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
             if probe.mute or probe.off or is_compiling() or get_ident() != probe.thread_id:
-                return orig(*args, **kwargs)
+                compiled = self._compiled_call_impl
+                if compiled is not None:
+                    return compiled(*args, **kwargs)
+                return self._call_impl(*args, **kwargs)
             probe.mute += 1
             if not grad_enabled():
                 log((NOGRAD_FORWARD, clock()))
                 try:
-                    return orig(*args, **kwargs)
+                    return orig(self, *args, **kwargs)
                 finally:
                     probe.mute -= 1
             timer = probe.cuda_timer
@@ -139,19 +156,54 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
             if timer is not None:
                 probe.guarded(timer.start, FORWARD)
             try:
-                return orig(*args, **kwargs)
+                compiled = self._compiled_call_impl
+                if compiled is not None:
+                    return compiled(*args, **kwargs)
+                return self._call_impl(*args, **kwargs)
             finally:
                 probe.mute -= 1
                 if timer is not None:
                     probe.guarded(timer.stop)
                 # A loss module's time is forward time, but only a module
                 # with parameters counts as a forward pass.
-                counted = _HOLDS_PARAMETERS.get(id(args[0]))
+                counted = _HOLDS_PARAMETERS.get(id(self))
                 if counted is None:
-                    counted = _holds_parameters(args[0])
+                    counted = _holds_parameters(self)
                 log((END if counted else END_UNCOUNTED, clock()))
         return __call__
     return make
+
+
+def _generic_module_call(probe: Probe, orig: Any, is_compiling: Callable[[], bool],
+                         grad_enabled: Callable[[], bool]) -> Any:
+    """The same wrapper around a ``Module.__call__`` that is not torch's own."""
+    log, clock = probe.log, probe.clock
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if probe.mute or probe.off or is_compiling() or get_ident() != probe.thread_id:
+            return orig(self, *args, **kwargs)
+        probe.mute += 1
+        if not grad_enabled():
+            log((NOGRAD_FORWARD, clock()))
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                probe.mute -= 1
+        timer = probe.cuda_timer
+        log((FORWARD, clock()))
+        if timer is not None:
+            probe.guarded(timer.start, FORWARD)
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            probe.mute -= 1
+            if timer is not None:
+                probe.guarded(timer.stop)
+            counted = _HOLDS_PARAMETERS.get(id(self))
+            if counted is None:
+                counted = _holds_parameters(self)
+            log((END if counted else END_UNCOUNTED, clock()))
+    return __call__
 
 
 def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
