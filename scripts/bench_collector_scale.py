@@ -52,12 +52,14 @@ def simulate(endpoint: str, ranks: range, world: int, steps_per_s: float, durati
         for r in ranks:
             who = Sender("rank", f"sim{r // 8}", 10_000 + r, r // 8, rank=r, local_rank=r % 8,
                          world_size=world)
-            events = [(protocol.RSS, 300 << 20)]
+            times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
             for i in range(per_flush):
-                events += iteration_events((tick * per_flush + i) / steps_per_s)
+                log_iteration(times, (tick * per_flush + i) / steps_per_s)
             if last:
-                events.append((protocol.CLOSE, 0.0))
-            messages = [(protocol.KIND_EVENTS, protocol.events_payload(tick, now, events))]
+                times[protocol.CLOSE].append(times[protocol.OPTIMIZER_END][-1])
+            rss = [(times[protocol.INPUT][0], 300 << 20)]
+            messages = [(protocol.KIND_EVENTS,
+                         protocol.events_payload(tick, now, times, [], rss))]
             if tick % 2 == 0:
                 messages.append((protocol.KIND_PROCESS, protocol.rows_payload(
                     protocol.PROCESS_FIELDS, [(now, 95.0, 300 << 20, 64 << 30, 2, None, None,
@@ -80,14 +82,15 @@ def simulate(endpoint: str, ranks: range, world: int, steps_per_s: float, durati
     out.put((sent, dropped, rows_sent))
 
 
-def iteration_events(t: float) -> list[tuple[int, float]]:
+def log_iteration(times: list[list[float]], t: float) -> None:
     """One training iteration's events as a rank logs them: fetch, forward,
     loss, backward, optimizer."""
-    return [(protocol.INPUT, t), (protocol.END, t + 0.001),
-            (protocol.FORWARD, t + 0.001), (protocol.END, t + 0.02),
-            (protocol.FORWARD, t + 0.02), (protocol.END_UNCOUNTED, t + 0.021),
-            (protocol.BACKWARD, t + 0.021), (protocol.END, t + 0.06),
-            (protocol.OPTIMIZER, t + 0.06), (protocol.OPTIMIZER_END, t + 0.07)]
+    for code, at in ((protocol.INPUT, t), (protocol.END, t + 0.001),
+                     (protocol.FORWARD, t + 0.001), (protocol.END, t + 0.02),
+                     (protocol.FORWARD, t + 0.02), (protocol.END_UNCOUNTED, t + 0.021),
+                     (protocol.BACKWARD, t + 0.021), (protocol.END, t + 0.06),
+                     (protocol.OPTIMIZER, t + 0.06), (protocol.OPTIMIZER_END, t + 0.07)):
+        times[code].append(at)
 
 
 def count_steps(db_path: Path) -> int:

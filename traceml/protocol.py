@@ -10,6 +10,7 @@ the fields it knows and keeps the rest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +31,9 @@ KIND_CONTROL = "control"
 KINDS = frozenset({KIND_STEPS, KIND_EVENTS, KIND_PROCESS, KIND_SYSTEM, KIND_HELLO, KIND_BYE,
                    KIND_CONTROL})
 
-# A rank's step events (KIND_EVENTS): ``(code, value)`` pairs in the order the
-# training thread logged them, the value a perf_counter time unless the code
-# says otherwise.  The collector's step tracker (`traceml.collector.steps`)
-# turns them into steps.  Codes 0-3: a phase begins.
+# A rank's step events (KIND_EVENTS), by code: the rank logs one list of
+# perf_counter times per code; the collector merges them into one timeline
+# (`traceml.collector.steps`).  Codes 0-3: a phase begins.
 INPUT, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
 PHASE_NAMES = ("input", "forward", "backward", "optimizer")
 # The phase-end codes are contiguous (END ... OPTIMIZER_SKIPPED): one comparison.
@@ -45,16 +45,15 @@ OPTIMIZER_SKIPPED = 8  # ... a GradScaler step that skipped the update (inf grad
 NOGRAD_FORWARD = 9  # an outermost forward with grad disabled begins
 MANUAL_ENTER = 10  # trace_step entered
 MANUAL_EXIT = 11
-# (MARK, payload): device data of the running step.  In the rank's log the
-# payload holds CUDA events; on the wire it is DEVICE_MARK_FIELDS.
-MARK = 12
+MARK = 12  # device data of the running step (CUDA): the payload is DEVICE_MARK_FIELDS
 CLOSE = 13  # process exit: the last step ends with its optimizer step
-RSS = 14  # (RSS, bytes or None): host RSS of the rank; steps finished from here carry it
-RESYNC = 15  # events were lost before this one: drop the open step and phases
-NUM_EVENT_CODES = 16
+RSS = 14  # a reading of the rank's RSS (bytes or None), for the steps finished after it
+NUM_EVENT_CODES = 15
 DEVICE_MARK_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes",
                       "gpu_forward_ms", "gpu_backward_ms", "gpu_optimizer_ms")
-MAX_EVENTS_PER_MESSAGE = 100_000  # ~2.5 MB of JSON, well under MAX_MESSAGE_BYTES
+# A rank sends its events early once this many wait: ~2 MB of JSON, well
+# under MAX_MESSAGE_BYTES.
+MAX_EVENTS_PER_MESSAGE = 100_000
 
 # Column order of a step row as the agent sends it.  Growing this tuple is
 # backward compatible: the collector maps by name.
@@ -196,37 +195,48 @@ def _envelope_from(obj: dict[str, Any]) -> Envelope:
     )
 
 
-def events_payload(batch: int, wall_offset_s: float,
-                   events: list[tuple[int, Any]]) -> dict[str, Any]:
-    """A batch of step events: ``batch`` counts this rank's event batches (a gap
-    means one was lost), ``wall_offset_s`` turns its clock into epoch seconds."""
-    return {"batch": batch, "wall_offset": wall_offset_s, "events": events}
+def events_payload(batch: int, wall_offset_s: float, times: list[list[float]],
+                   marks: list[tuple[float, Any]],
+                   rss: list[tuple[float, int | None]]) -> dict[str, Any]:
+    """A batch of step events: ``times[code]`` lists that code's event times;
+    ``marks`` are ``(time, DEVICE_MARK_FIELDS)`` and ``rss`` ``(time, bytes)``.
+    ``batch`` counts this rank's event batches (a gap means one was lost);
+    ``wall_offset_s`` turns its clock into epoch seconds."""
+    return {"batch": batch, "wall_offset": wall_offset_s, "times": times, "marks": marks,
+            "rss": rss}
 
 
 def _is_number(value: Any) -> bool:
     return type(value) in (float, int)
 
 
-def check_events(payload: dict[str, Any]) -> tuple[int, float, list[list[Any]]]:
-    """Batch number, clock offset and events of an events payload;
-    ProtocolError for anything the step tracker could not replay."""
-    batch, events = payload.get("batch"), payload.get("events")
+def _timed_values(items: Any, valid: Callable[[Any], bool]) -> bool:
+    return isinstance(items, list) and all(
+        type(item) is list and len(item) == 2 and _is_number(item[0]) and valid(item[1])
+        for item in items)
+
+
+def _device_mark(values: Any) -> bool:
+    return (type(values) is list and len(values) == len(DEVICE_MARK_FIELDS)
+            and all(v is None or _is_number(v) for v in values))
+
+
+def check_events(payload: dict[str, Any]) -> tuple[int, float, list[list[float]],
+                                                   list[list[Any]], list[list[Any]]]:
+    """Batch number, clock offset, times, marks and RSS readings of an events
+    payload; ProtocolError for anything the step tracker could not replay."""
+    batch, times, marks, rss = (payload.get(k) for k in ("batch", "times", "marks", "rss"))
     offset: Any = payload.get("wall_offset")
-    if type(batch) is not int or not _is_number(offset) or not isinstance(events, list):
-        raise ProtocolError("events payload without batch/wall_offset/events")
-    for event in events:
-        if type(event) is not list or len(event) != 2:
-            raise ProtocolError("an event is not a (code, value) pair")
-        code, value = event
-        if type(code) is not int or not 0 <= code < NUM_EVENT_CODES:
-            raise ProtocolError(f"unknown event code {code!r}")
-        if code == MARK:
-            if (type(value) is not list or len(value) != len(DEVICE_MARK_FIELDS)
-                    or not all(v is None or _is_number(v) for v in value)):
-                raise ProtocolError("malformed device mark")
-        elif not (_is_number(value) or (code == RSS and value is None)):
-            raise ProtocolError(f"event {code} without a time")
-    return batch, float(offset), events
+    if type(batch) is not int or not _is_number(offset):
+        raise ProtocolError("events payload without batch/wall_offset")
+    if (not isinstance(times, list) or len(times) > NUM_EVENT_CODES
+            or not all(isinstance(ts, list) and all(map(_is_number, ts)) for ts in times)):
+        raise ProtocolError("event times are not lists of numbers per code")
+    if not _timed_values(marks, _device_mark):
+        raise ProtocolError("malformed device marks")
+    if not _timed_values(rss, lambda v: v is None or _is_number(v)):
+        raise ProtocolError("malformed RSS readings")
+    return batch, float(offset), times, marks, rss  # type: ignore[return-value]
 
 
 def rows_payload(fields: tuple[str, ...], rows: list[tuple[Any, ...]]) -> dict[str, Any]:

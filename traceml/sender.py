@@ -36,7 +36,8 @@ class BatchSender:
     def __init__(self, endpoint: str, session_id: str, identity: Sender,
                  interval_s: float, producers: list[Producer],
                  final_producers: list[Producer] | None = None,
-                 keys: CurveKeys | None = None) -> None:
+                 keys: CurveKeys | None = None,
+                 on_exit: Callable[[], None] | None = None) -> None:
         self.endpoint = endpoint
         self.session_id = session_id
         self.identity = identity
@@ -44,6 +45,7 @@ class BatchSender:
         self.producers = producers
         self.final_producers = final_producers or []
         self.keys = keys
+        self.on_exit = on_exit  # the thread ended (stopped, or failed): nothing drains producers
         self.num_sent = 0
         self.num_dropped = 0
         self._seqs: dict[Sender, int] = {}
@@ -88,6 +90,8 @@ class BatchSender:
             self._warn(f"telemetry sender stopped: {exc!r}")
         finally:
             self._close()
+            if self.on_exit is not None:
+                self.on_exit()
 
     def _open(self) -> None:
         self._context = zmq.Context()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,10 +16,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from traceml import protocol
 from traceml.agent.patches import Instrumentation
+from traceml.agent.probe import Probe
 from traceml.agent.runtime import AgentRuntime
 from traceml.collector.steps import RankSteps
 from traceml.environment import AgentEnv
-from traceml.protocol import CLOSE, MARK, Sender
+from traceml.protocol import CLOSE, END, INPUT, Sender
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ class Collector:
 def test_the_last_flush_ships_everything_up_to_exit(runtime: AgentRuntime) -> None:
     install(runtime)
     train(5)
-    runtime.probe.log((CLOSE, 0.0))  # what shutdown logs before stopping the sender
+    runtime.probe.log(CLOSE)  # what shutdown logs before stopping the sender
     messages = runtime._bye()
     steps = Collector().steps(messages)
     assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]
@@ -76,7 +76,7 @@ def test_the_last_flush_ships_everything_up_to_exit(runtime: AgentRuntime) -> No
                == (1, 1, 1, 1) for s in steps)
     assert all(s["rss_bytes"] > 0 for s in steps)  # stamped by the sender thread
     assert messages[-1] == (protocol.KIND_BYE, {"num_batches": 1, "t": messages[-1][1]["t"]})
-    assert len(runtime.probe.events) == 0
+    assert runtime.probe.pending() == 0
 
 
 def test_events_wait_for_the_flush_interval_and_travel_in_order(runtime: AgentRuntime) -> None:
@@ -86,48 +86,70 @@ def test_events_wait_for_the_flush_interval_and_travel_in_order(runtime: AgentRu
     first = runtime._drain_events()  # the first tick sends at once
     train(3)
     assert runtime._drain_events() == []  # within the flush interval: kept
-    assert len(runtime.probe.events) == 0  # ... but drained from the training thread's log
-    runtime.probe.log((CLOSE, 0.0))
+    assert runtime.probe.pending() == 0  # ... but taken from the training thread's log
+    runtime.probe.log(CLOSE)
     steps = collector.steps(first) + collector.steps(runtime._bye())
     assert [s["step"] for s in steps] == list(range(6))
     assert [m[1]["batch"] for m in first] == [0]
 
 
 class TickingModel(nn.Module):
-    """A model during whose forward the sender thread ticks: the drain ships
-    that forward's start without its end."""
+    """A model during whose forward the sender thread ticks: the batch carries
+    that forward's start, the next one its end."""
 
     def __init__(self, runtime: AgentRuntime, collector: Collector) -> None:
         super().__init__()
         self.runtime, self.collector = runtime, collector
         self.layer = nn.Linear(8, 1)
+        self.steps: list[dict[str, Any]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.collector.steps(self.runtime._drain_events())
+        self.runtime._send_now = True
+        self.steps += self.collector.steps(self.runtime._drain_events())
         return self.layer(x)
 
 
-def test_an_overflowing_log_resynchronises(runtime: AgentRuntime) -> None:
-    runtime.probe.events = deque(maxlen=24)  # 3 iterations of events: the cut log starts at a fetch
-    runtime.probe.log = runtime.probe.events.append
+def test_a_tick_in_the_middle_of_a_step_splits_nothing(runtime: AgentRuntime) -> None:
     install(runtime)
     collector = Collector()
-    TickingModel(runtime, collector)(torch.randn(4, 8)).sum().backward()
-    train(7)  # the sender thread starved: the log overflowed, that forward's end is lost
-    runtime._send_now = True
-    steps = collector.steps(runtime._drain_events())
-    train(2)  # 18 events: no second overflow
-    runtime.probe.log((CLOSE, 0.0))
-    steps += collector.steps(runtime._bye())
-    assert len(steps) >= 3
-    assert all(s["num_forward"] == 1 and s["num_optimizer"] == 1 for s in steps)
+    model = TickingModel(runtime, collector)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+    for x, y in DataLoader(data, batch_size=4):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    runtime.probe.log(CLOSE)
+    steps = model.steps + collector.steps(runtime._bye())
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert all((s["num_input"], s["num_forward"], s["num_backward"], s["num_optimizer"])
+               == (1, 1, 1, 1) for s in steps)
+    assert runtime.num_batches == 5
+
+
+def test_a_take_keeps_what_was_stamped_after_its_horizon() -> None:
+    """An event stamped before the horizon may still be on its way when the
+    log is taken; those stamped after it wait for the next take, so every take
+    is a complete prefix of the timeline."""
+    probe = Probe(lambda: 0.0, print)
+    for t in (1.0, 2.0, 3.0):
+        probe.log(INPUT, t)
+    probe.log(END, 2.5)
+    probe.mark("peaks", 1.5)
+    probe.mark("later", 9.0)
+    times, marks = probe.take(2.6)
+    assert (times[INPUT], times[END], marks) == ([1.0, 2.0], [2.5], [(1.5, "peaks")])
+    probe.log(INPUT, 4.0)
+    times, marks = probe.take(float("inf"))
+    assert (times[INPUT], times[END], marks) == ([3.0, 4.0], [], [(9.0, "later")])
+    assert probe.pending() == 0
 
 
 def test_trace_step_exit_keeps_the_device_mark_in_its_step(runtime: AgentRuntime) -> None:
     """On CUDA, step_exit logs the step's memory peaks and CUDA spans (peaks
     only here, as before the phase timer starts): they land in the step that
     is ending."""
-    runtime.probe.on_optimizer_end = lambda: runtime.probe.log((MARK, ((1, 2), None)))
+    runtime.probe.on_optimizer_end = lambda t=None: runtime.probe.mark(((1, 2), None), t)
     install(runtime)
     model = nn.Linear(8, 1)
     with torch.no_grad():
@@ -136,7 +158,7 @@ def test_trace_step_exit_keeps_the_device_mark_in_its_step(runtime: AgentRuntime
             with torch.enable_grad():
                 model(torch.randn(4, 8))
             runtime.step_exit()
-    runtime.probe.log((CLOSE, 0.0))
+    runtime.probe.log(CLOSE)
     steps = Collector().steps(runtime._bye())
     assert len(steps) == 3
     assert all((s["peak_allocated_bytes"], s["peak_reserved_bytes"]) == (1, 2)
@@ -166,8 +188,8 @@ class StandInTimer:
 def log_device_marks(runtime: AgentRuntime, timer: StandInTimer) -> None:
     runtime.probe.cuda_timer = timer
     ends = iter(range(1000))
-    runtime.probe.on_optimizer_end = lambda: runtime.probe.log(
-        (MARK, ((100, 200), [next(ends)])))
+    runtime.probe.on_optimizer_end = lambda t=None: runtime.probe.mark(
+        ((100, 200), [next(ends)]), t)
 
 
 def test_events_after_a_mark_the_gpu_has_not_passed_wait_for_it(
@@ -182,9 +204,9 @@ def test_events_after_a_mark_the_gpu_has_not_passed_wait_for_it(
     steps = collector.steps(runtime._drain_events())
     # Step 1 ended where iteration 2 began; step 2's mark and all after it wait.
     assert [s["step"] for s in steps] == [0, 1]
-    assert len(runtime._held) > 0
+    assert runtime._held_marks and any(runtime._held)
     timer.done = 10
-    runtime.probe.log((CLOSE, 0.0))
+    runtime.probe.log(CLOSE)
     steps += collector.steps(runtime._bye())
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
     assert all(s["gpu_forward_ms"] == 1.0 and s["peak_reserved_bytes"] == 200 for s in steps)
@@ -197,7 +219,7 @@ def test_a_failing_gpu_timer_drops_gpu_times_not_steps(
     log_device_marks(runtime, timer)
     install(runtime)
     train(3)
-    runtime.probe.log((CLOSE, 0.0))
+    runtime.probe.log(CLOSE)
     steps = Collector().steps(runtime._bye())
     assert len(steps) == 3
     assert all(s["gpu_forward_ms"] is None and s["peak_allocated_bytes"] == 100 for s in steps)

@@ -4,10 +4,10 @@ Each patch has ``install()``/``uninstall()``; nothing is patched at import
 time.  Every wrapper passes straight through when the probe is off, when it
 runs on a thread other than the main one, or while a forward/backward is
 already being timed, so nested modules and autograd re-entry cost one
-attribute check.  A timed wrapper only logs ``(code, clock())`` events (codes
-in `traceml.protocol`): the step state machine runs in the collector process
-(`traceml.collector.steps`), so the training thread pays a clock read and a
-deque append per event.  Python frames are the other cost per step, so the hot paths avoid
+attribute check.  A timed wrapper only appends ``clock()`` to its event code's
+list (codes in `traceml.protocol`): the step state machine runs in the
+collector process (`traceml.collector.steps`), so the training thread pays a
+clock read and a list append per event.  Python frames are the other cost per step, so the hot paths avoid
 helper calls.
 
 Instrumented (SPEC R-AG-2):
@@ -83,22 +83,23 @@ class Patch:
 
 
 def _wrap_next(probe: Probe) -> Callable[[Any], Any]:
-    log, clock = probe.log, probe.clock
+    clock = probe.clock
+    begins, ends, exhausted = (probe.appenders[c] for c in (INPUT, END, END_EXHAUSTED))
 
     def make(orig: Any) -> Any:
         def __next__(self: Any) -> Any:
             if probe.off or get_ident() != probe.thread_id:
                 return orig(self)
-            log((INPUT, clock()))
+            begins(clock())
             try:
                 batch = orig(self)
             except StopIteration:
-                log((END_EXHAUSTED, clock()))
+                exhausted(clock())
                 raise
             except BaseException:
-                log((END, clock()))
+                ends(clock())
                 raise
-            log((END, clock()))
+            ends(clock())
             return batch
         return __next__
     return make
@@ -130,7 +131,9 @@ def _is_torchs_dispatch(orig: Any) -> bool:
 def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
     is_compiling = _compiling_check()
     grad_enabled = torch.is_grad_enabled
-    log, clock = probe.log, probe.clock
+    clock = probe.clock
+    begins, evaluates, ends, ends_uncounted = (
+        probe.appenders[c] for c in (FORWARD, NOGRAD_FORWARD, END, END_UNCOUNTED))
 
     def make(orig: Any) -> Any:
         if not _is_torchs_dispatch(orig):
@@ -146,13 +149,13 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
                 return self._call_impl(*args, **kwargs)
             probe.mute += 1
             if not grad_enabled():
-                log((NOGRAD_FORWARD, clock()))
+                evaluates(clock())
                 try:
                     return orig(self, *args, **kwargs)
                 finally:
                     probe.mute -= 1
             timer = probe.cuda_timer
-            log((FORWARD, clock()))
+            begins(clock())
             if timer is not None:
                 probe.guarded(timer.start, FORWARD)
             try:
@@ -169,7 +172,7 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
                 counted = _HOLDS_PARAMETERS.get(id(self))
                 if counted is None:
                     counted = _holds_parameters(self)
-                log((END if counted else END_UNCOUNTED, clock()))
+                (ends if counted else ends_uncounted)(clock())
         return __call__
     return make
 
@@ -177,20 +180,22 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
 def _generic_module_call(probe: Probe, orig: Any, is_compiling: Callable[[], bool],
                          grad_enabled: Callable[[], bool]) -> Any:
     """The same wrapper around a ``Module.__call__`` that is not torch's own."""
-    log, clock = probe.log, probe.clock
+    clock = probe.clock
+    begins, evaluates, ends, ends_uncounted = (
+        probe.appenders[c] for c in (FORWARD, NOGRAD_FORWARD, END, END_UNCOUNTED))
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if probe.mute or probe.off or is_compiling() or get_ident() != probe.thread_id:
             return orig(self, *args, **kwargs)
         probe.mute += 1
         if not grad_enabled():
-            log((NOGRAD_FORWARD, clock()))
+            evaluates(clock())
             try:
                 return orig(self, *args, **kwargs)
             finally:
                 probe.mute -= 1
         timer = probe.cuda_timer
-        log((FORWARD, clock()))
+        begins(clock())
         if timer is not None:
             probe.guarded(timer.start, FORWARD)
         try:
@@ -202,12 +207,13 @@ def _generic_module_call(probe: Probe, orig: Any, is_compiling: Callable[[], boo
             counted = _HOLDS_PARAMETERS.get(id(self))
             if counted is None:
                 counted = _holds_parameters(self)
-            log((END if counted else END_UNCOUNTED, clock()))
+            (ends if counted else ends_uncounted)(clock())
     return __call__
 
 
 def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
-    log, clock = probe.log, probe.clock
+    clock = probe.clock
+    begins, ends = probe.appenders[BACKWARD], probe.appenders[END]
 
     def make(orig: Any) -> Any:
         def backward(*args: Any, **kwargs: Any) -> Any:
@@ -216,7 +222,7 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
             probe.in_backward = True
             probe.mute += 1
             timer = probe.cuda_timer
-            log((BACKWARD, clock()))
+            begins(clock())
             if timer is not None:
                 probe.guarded(timer.start, BACKWARD)
             try:
@@ -224,7 +230,7 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
             finally:
                 if timer is not None:
                     probe.guarded(timer.stop)
-                log((END, clock()))
+                ends(clock())
                 probe.mute -= 1
                 probe.in_backward = False
         backward.__doc__ = orig.__doc__
@@ -235,7 +241,7 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
 
 def _optimizer_begins(probe: Probe) -> None:
     """The outermost optimizer step of an iteration begins (training thread)."""
-    probe.log((OPTIMIZER, probe.clock()))
+    probe.log(OPTIMIZER)
     if probe.cuda_timer is not None:
         probe.guarded(probe.cuda_timer.start, OPTIMIZER)
 
@@ -244,7 +250,7 @@ def _optimizer_ends(probe: Probe, skipped: bool) -> None:
     """The outermost optimizer step of an iteration ended (training thread)."""
     if probe.cuda_timer is not None:
         probe.guarded(probe.cuda_timer.stop)
-    probe.log((OPTIMIZER_SKIPPED if skipped else OPTIMIZER_END, probe.clock()))
+    probe.log(OPTIMIZER_SKIPPED if skipped else OPTIMIZER_END)
     if probe.on_optimizer_end is not None:
         probe.guarded(probe.on_optimizer_end)
 
@@ -275,7 +281,8 @@ class OptimizerHooks:
 
     def _hooks(self) -> tuple[Callable[..., None], Callable[..., None]]:
         probe = self.probe
-        log, clock = probe.log, probe.clock
+        clock = probe.clock
+        begins, ends = probe.appenders[OPTIMIZER], probe.appenders[OPTIMIZER_END]
 
         # Without CUDA, begin and end are one event each, logged here rather
         # than through the helpers: a frame less per hook call.
@@ -285,7 +292,7 @@ class OptimizerHooks:
                 return
             if probe.opt_depth == 0:
                 if probe.cuda_timer is None:
-                    log((OPTIMIZER, clock()))
+                    begins(clock())
                 else:
                     _optimizer_begins(probe)
             probe.opt_depth += 1
@@ -296,7 +303,7 @@ class OptimizerHooks:
             probe.opt_depth -= 1
             if probe.opt_depth == 0:
                 if probe.cuda_timer is None and probe.on_optimizer_end is None:
-                    log((OPTIMIZER_END, clock()))
+                    ends(clock())
                 else:
                     _optimizer_ends(probe, skipped=False)
 

@@ -7,29 +7,34 @@ that never imports torch, does not import torch through the agent.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
 
-# The sender thread drains the log every 0.1 s; should it stall, the oldest
-# events go first and the collector's tracker resynchronises at the next step
-# boundary.  About 20 MB, 20k steps.
-MAX_EVENTS = 250_000
+from traceml.protocol import NUM_EVENT_CODES
+
+# One timestamp.  A mark (CUDA) also carries a payload: (time, payload).
+Mark = tuple[float, Any]
 
 
 class Probe:
     """What the patches share: the event log, the clock and the guards.
 
-    The patches run on the training thread and only append ``(code, time)``
-    events to ``events`` (codes in `traceml.protocol`); the sender thread ships
-    them to the collector, whose `StepTracker` turns them into steps.
+    The log is one list of times per event code (`traceml.protocol`): the
+    training thread records an event by appending a ``clock()`` float to its
+    code's list, the cheapest record Python has (no tuple, and nothing else
+    allocated that outlives the call).  The sender thread takes the lists
+    every tick (`take`); the collector merges them back into one timeline.
     """
 
     def __init__(self, clock: Callable[[], float],
                  on_error: Callable[[BaseException], None]) -> None:
         self.on_error = on_error
-        self.events: deque[tuple[Any, ...]] = deque(maxlen=MAX_EVENTS)
-        self.log = self.events.append
+        self.streams: list[list[float]] = [[] for _ in range(NUM_EVENT_CODES)]
+        self.appenders: list[Callable[[float], None]] = [s.append for s in self.streams]
+        self.marks: list[Mark] = []
+        self._held: list[list[float]] = [[] for _ in range(NUM_EVENT_CODES)]
+        self._held_marks: list[Mark] = []
         self.clock = clock
         self.off = False
         self.mute = 0  # >0 while a forward or backward is being timed
@@ -42,6 +47,47 @@ class Probe:
         # Called on the training thread when an iteration's optimizer steps end
         # (CUDA peaks and spans); None on CPU.
         self.on_optimizer_end: Callable[[], None] | None = None
+
+    def log(self, code: int, t: float | None = None) -> None:
+        """Record one event now (or at ``t``), off the hot paths."""
+        self.appenders[code](self.clock() if t is None else t)
+
+    def mark(self, payload: Any, t: float | None = None) -> None:
+        """Record device data of the running step, now or at ``t`` (training thread)."""
+        self.marks.append((self.clock() if t is None else t, payload))
+
+    def take(self, horizon: float) -> tuple[list[list[float]], list[Mark]]:
+        """The events logged before ``horizon``, per code, and the marks
+        (sender thread, lock-free).
+
+        Each list is cut with C-level slices only, so an append racing with it
+        lands either in this take or the next.  An event stamped before
+        ``horizon`` may still be on its way (the training thread read the clock,
+        then lost the GIL); every event after it in program order is stamped
+        after ``horizon``, so holding back those keeps each take a complete
+        prefix of the timeline.
+        """
+        times = [self._cut(code, stream, horizon) for code, stream in enumerate(self.streams)]
+        n = len(self.marks)
+        marks = self._held_marks + self.marks[:n]
+        del self.marks[:n]
+        cut = bisect_left(marks, horizon, key=lambda m: m[0])
+        self._held_marks = marks[cut:]
+        return times, marks[:cut]
+
+    def _cut(self, code: int, stream: list[float], horizon: float) -> list[float]:
+        n = len(stream)
+        if not n and not self._held[code]:
+            return []
+        times = self._held[code] + stream[:n]
+        del stream[:n]
+        cut = bisect_left(times, horizon)
+        self._held[code] = times[cut:]
+        return times[:cut]
+
+    def pending(self) -> int:
+        """How many events wait in the log (sender thread)."""
+        return sum(map(len, self.streams)) + len(self.marks)
 
     def guarded(self, call: Callable[..., Any], *args: Any) -> None:
         """Run an agent call off the hot path (a CUDA timer or device mark),

@@ -11,10 +11,12 @@ failing part, warns once on stderr and leaves training unchanged.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import socket
 import sys
 import time
+from bisect import bisect_left
 from typing import Any
 
 from traceml import protocol
@@ -22,16 +24,7 @@ from traceml.agent.cuda_timing import CudaPhaseTimer, allocator_bytes
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
 from traceml.environment import AgentEnv
-from traceml.protocol import (
-    CLOSE,
-    MANUAL_ENTER,
-    MANUAL_EXIT,
-    MARK,
-    MAX_EVENTS_PER_MESSAGE,
-    RESYNC,
-    RSS,
-    Sender,
-)
+from traceml.protocol import CLOSE, MANUAL_ENTER, MANUAL_EXIT, NUM_EVENT_CODES, Sender
 from traceml.security import session_keys
 from traceml.sender import BatchSender
 
@@ -71,10 +64,15 @@ class AgentRuntime:
         self.env = env
         self.identity = identity
         self._final = False  # at exit, marks whose GPU events are not done go without
-        # Drained events waiting for the next send, and (CUDA) the events from
-        # the first mark whose GPU work is not done yet.
-        self._outbox: list[tuple[int, Any]] = []
-        self._held: list[tuple[int, Any]] = []
+        # Events taken from the log: waiting for the next send (times per code,
+        # marks, RSS readings), and (CUDA) those from the first mark whose GPU
+        # work is not done yet.
+        self._outbox: list[list[float]] = [[] for _ in range(NUM_EVENT_CODES)]
+        self._outbox_marks: list[tuple[float, Any]] = []
+        self._outbox_rss: list[tuple[float, int | None]] = []
+        self._held: list[list[float]] = [[] for _ in range(NUM_EVENT_CODES)]
+        self._held_marks: list[tuple[float, Any]] = []
+        self._num_queued = 0
         self._next_send = 0.0
         self._send_now = False  # traceml.summary() wants the steps in the store now
         self.num_batches = 0  # events messages sent
@@ -93,12 +91,13 @@ class AgentRuntime:
             producers=[self._drain_events, self.process_sampler.produce],
             final_producers=[self._bye],
             keys=session_keys(env.secure, env.secret, env.session_id),
+            on_exit=self._sender_exited,
         )
 
-    def _mark_device_step(self) -> None:
+    def _mark_device_step(self, t: float | None = None) -> None:
         """Training thread, when an iteration's optimizer steps end (CUDA only):
         log the device memory peaks since the last mark and the phases' CUDA
-        events, for the step being timed."""
+        events, for the step being timed (stamped now, or ``t``)."""
         cuda = self._cuda
         if not cuda.is_initialized():
             return
@@ -108,9 +107,9 @@ class AgentRuntime:
         timer = self.probe.cuda_timer
         if timer is None:  # CUDA came up during this step: time phases from the next
             self.probe.cuda_timer = CudaPhaseTimer(cuda, sys.modules["torch"]._C)
-            self.probe.log((MARK, (peaks, None)))
+            self.probe.mark((peaks, None), t)
         else:
-            self.probe.log((MARK, (peaks, timer.take_step())))
+            self.probe.mark((peaks, timer.take_step()), t)
 
     def watch_cuda(self) -> bool:
         """Take CUDA memory peaks and phase GPU times when this rank has CUDA."""
@@ -139,7 +138,7 @@ class AgentRuntime:
         global _ACTIVE
         if _ACTIVE is not self:
             return
-        self.probe.log((CLOSE, 0.0))  # the sender's last flush closes the last step
+        self.probe.log(CLOSE)  # the sender's last flush closes the last step
         self._uninstall()
         self.sender.stop()
         _ACTIVE = None
@@ -159,6 +158,10 @@ class AgentRuntime:
             except Exception as exc:
                 self._warn(f"could not remove instrumentation: {exc!r}")
 
+    def _sender_exited(self) -> None:
+        """Nothing drains the log any more: stop logging, so it cannot grow."""
+        self.probe.off = True
+
     def _fail(self, exc: BaseException) -> None:
         """An agent error on the training thread (a CUDA timer call): every
         wrapper passes straight through from now on.  The patches stay until
@@ -174,53 +177,63 @@ class AgentRuntime:
 
     def _drain_events(self) -> list[tuple[str, dict[str, Any]]]:
         """Sender thread, every tick: take what the training thread logged,
-        stamped with host RSS (read here, off the training path), and send it
-        as one batch once per flush interval."""
-        events = self.probe.events
-        if events:
-            # A full log has lost its oldest events since the last tick (the
-            # sender thread was starved): what is left starts mid-step.
-            lost = len(events) == events.maxlen
-            pop = events.popleft
-            chunk = [pop() for _ in range(len(events))]
-            head: list[tuple[int, Any]] = [(RESYNC, 0.0)] if lost else []
-            head.append((RSS, self._rss.read()))
-            if self.probe.on_optimizer_end is None:  # no device marks in this log
-                self._outbox += head
-                self._outbox += chunk
+        with a host RSS reading (off the training path), and send it as one
+        batch once per flush interval."""
+        probe = self.probe
+        horizon = math.inf if self._final else probe.clock()
+        times, marks = probe.take(horizon)
+        if any(times) or marks:
+            # Read after these events, so it goes with the steps they finish:
+            # stamped as the first of them.
+            first = min([ts[0] for ts in times if ts] + [m[0] for m in marks[:1]])
+            self._outbox_rss.append((first, self._rss.read()))
+            if probe.on_optimizer_end is None:  # no device marks in this log
+                self._queue(times, marks)
             else:
-                self._held += head
-                self._held += chunk
-        if self._held:
-            self._release_device_marks()
+                self._queue_resolved(times, marks)
         now = time.monotonic()
-        if not self._outbox or (now < self._next_send and not self._final
-                                and not self._send_now):
+        if not self._outbox_rss or (now < self._next_send and not self._final
+                                    and not self._send_now and self._num_queued
+                                    < protocol.MAX_EVENTS_PER_MESSAGE):
             return []
         self._send_now = False
         self._next_send = now + self.env.flush_interval_s
-        out, self._outbox = self._outbox, []
-        messages = []
-        for i in range(0, len(out), MAX_EVENTS_PER_MESSAGE):
-            messages.append((protocol.KIND_EVENTS, protocol.events_payload(
-                self.num_batches, self._wall_offset, out[i:i + MAX_EVENTS_PER_MESSAGE])))
-            self.num_batches += 1
-        return messages
+        payload = protocol.events_payload(self.num_batches, self._wall_offset, self._outbox,
+                                          self._outbox_marks, self._outbox_rss)
+        self.num_batches += 1
+        self._outbox = [[] for _ in range(NUM_EVENT_CODES)]
+        self._outbox_marks, self._outbox_rss = [], []
+        self._num_queued = 0
+        return [(protocol.KIND_EVENTS, payload)]
 
-    def _release_device_marks(self) -> None:
-        """Move the held events to the outbox up to the first device mark whose
-        GPU work is not done, each mark turned into plain numbers."""
-        held = self._held
-        for i, (code, value) in enumerate(held):
-            if code == MARK:
-                mark = self._device_mark(value)
-                if mark is None:
-                    self._outbox += held[:i]
-                    self._held = held[i:]
-                    return
-                held[i] = (MARK, mark)
-        self._outbox += held
-        self._held = []
+    def _queue(self, times: list[list[float]], marks: list[tuple[float, Any]]) -> None:
+        for out, ts in zip(self._outbox, times):
+            if ts:
+                out += ts
+                self._num_queued += len(ts)
+        self._outbox_marks += marks
+
+    def _queue_resolved(self, times: list[list[float]], marks: list[tuple[float, Any]]) -> None:
+        """CUDA: queue the events before the first mark whose GPU work is not
+        done, each mark turned into plain numbers; hold the rest."""
+        for held, ts in zip(self._held, times):
+            held += ts
+        held_marks = self._held_marks + marks
+        horizon = math.inf
+        for i, (t, value) in enumerate(held_marks):
+            mark = self._device_mark(value)
+            if mark is None:
+                horizon = t
+                break
+            held_marks[i] = (t, mark)
+        cut = bisect_left(held_marks, horizon, key=lambda m: m[0])
+        self._held_marks = held_marks[cut:]
+        ready = []
+        for code, held in enumerate(self._held):
+            n = bisect_left(held, horizon)
+            ready.append(held[:n])
+            self._held[code] = held[n:]
+        self._queue(ready, held_marks[:cut])
 
     def _device_mark(self, value: tuple[Any, Any]) -> list[Any] | None:
         """A logged mark as `protocol.DEVICE_MARK_FIELDS`; None while the GPU
@@ -259,12 +272,12 @@ class AgentRuntime:
     def step_enter(self) -> None:
         """``trace_step`` entered (main thread)."""
         if not self.probe.skip():
-            self.probe.log((MANUAL_ENTER, self.probe.clock()))
+            self.probe.log(MANUAL_ENTER)
 
     def step_exit(self) -> None:
         probe = self.probe
         if not probe.skip():
             now = probe.clock()
             if probe.on_optimizer_end is not None:  # the device mark belongs to this step
-                probe.guarded(probe.on_optimizer_end)
-            probe.log((MANUAL_EXIT, now))
+                probe.guarded(probe.on_optimizer_end, now)
+            probe.log(MANUAL_EXIT, now)

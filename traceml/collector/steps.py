@@ -1,10 +1,11 @@
 """Step detection and exclusive phase timing (collector side).
 
-A rank's training thread only logs ``(code, time)`` events (`traceml.protocol`
-has the codes; `traceml.agent.patches` logs them) and ships them in batches;
-here one `StepTracker` per rank replays them and emits one `StepTiming` per
-training step, so the rank spends nothing on the state machine.  The tracker is
-pure, and unit-tested with a fake clock.
+A rank's training thread only logs event times, one list per event code
+(`traceml.protocol` has the codes; `traceml.agent.patches` logs them), and
+ships them in batches; here `RankSteps` merges each batch back into one
+timeline and one `StepTracker` per rank replays it, emitting one `StepTiming`
+per training step, so the rank spends nothing on the state machine.  The
+tracker is pure, and unit-tested with a fake clock.
 
 Boundaries (SPEC R-AG-3):
 
@@ -31,18 +32,20 @@ from typing import Any, NamedTuple
 
 from traceml import protocol
 from traceml.protocol import (
+    BACKWARD,
     CLOSE,
     END,
     END_EXHAUSTED,
     END_UNCOUNTED,
+    FORWARD,
     INPUT,
     MANUAL_ENTER,
     MANUAL_EXIT,
     MARK,
     NOGRAD_FORWARD,
+    OPTIMIZER,
     OPTIMIZER_END,
     OPTIMIZER_SKIPPED,
-    RESYNC,
     RSS,
 )
 
@@ -148,8 +151,6 @@ class StepTracker:
                     self._finish(t, keep=True)
             elif code == RSS:
                 self._rss = t
-            elif code == RESYNC:
-                self.resync()
             elif code == CLOSE:
                 self.close()
 
@@ -253,6 +254,26 @@ class StepTracker:
         self._emit(timing)
 
 
+# Events of one instant (a coarse clock can stamp two alike): an RSS reading
+# (stamped as the first event it goes with), phase ends, a step's device mark
+# and the manual end it belongs before, then begins.
+_TIE_ORDER = {code: i for i, code in enumerate((
+    RSS, END, END_UNCOUNTED, END_EXHAUSTED, OPTIMIZER_END, OPTIMIZER_SKIPPED, MARK, MANUAL_EXIT,
+    CLOSE, INPUT, FORWARD, BACKWARD, OPTIMIZER, NOGRAD_FORWARD, MANUAL_ENTER))}
+
+
+def merge_events(times: list[list[float]], marks: list[list[Any]],
+                 rss: list[list[Any]]) -> list[tuple[int, Any]]:
+    """One rank's per-code event times, device marks and RSS readings as one
+    timeline of ``(code, time or value)``."""
+    timeline: list[tuple[float, int, int, Any]] = [
+        (t, _TIE_ORDER[code], code, t) for code, ts in enumerate(times) for t in ts]
+    timeline += [(t, _TIE_ORDER[MARK], MARK, payload) for t, payload in marks]
+    timeline += [(t, _TIE_ORDER[RSS], RSS, value) for t, value in rss]
+    timeline.sort(key=lambda e: (e[0], e[1]))
+    return [(code, value) for _, _, code, value in timeline]
+
+
 class RankSteps:
     """One rank's steps in the collector: its event batches in, step rows
     (`protocol.STEP_FIELDS`) out."""
@@ -266,13 +287,13 @@ class RankSteps:
     def feed(self, payload: dict[str, Any]) -> list[tuple[Any, ...]]:
         """The steps finished by one events payload; ProtocolError when it is
         malformed (nothing of it is replayed then)."""
-        batch, self._wall_offset_s, events = protocol.check_events(payload)
+        batch, self._wall_offset_s, times, marks, rss = protocol.check_events(payload)
         if batch != self._last_batch + 1:
             # A batch was lost (dropped at a full queue): what follows starts
             # mid-step.
             self.tracker.resync()
         self._last_batch = batch
-        self.tracker.replay(events)
+        self.tracker.replay(merge_events(times, marks, rss))
         rows, self._rows = self._rows, []
         return rows
 
