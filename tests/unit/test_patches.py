@@ -155,3 +155,47 @@ def test_installing_does_not_import_dynamo() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+class CountingCall:
+    """What ``Module.compile()`` puts in ``_compiled_call_impl``, counted."""
+
+    def __init__(self, module: nn.Module, calls: list[int]) -> None:
+        self.module, self.calls = module, calls
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        self.calls.append(1)
+        return self.module._call_impl(*args, **kwargs)
+
+
+def test_a_module_call_patched_by_another_tool_is_called_as_it_is() -> None:
+    """On torch's own ``Module.__call__`` the wrapper makes torch's dispatch
+    choice itself (a compiled module goes to its compiled call); a ``__call__``
+    another tool installed first is called through, and still timed."""
+    torchs = nn.Module.__call__
+    seen: list[str] = []
+
+    def theirs(self: nn.Module, *args: object, **kwargs: object) -> object:
+        seen.append(type(self).__name__)
+        return torchs(self, *args, **kwargs)
+
+    for foreign in (False, True):
+        nn.Module.__call__ = theirs if foreign else torchs  # type: ignore[method-assign]
+        probe = Probe(time.perf_counter, print)
+        steps, inst = Steps(probe), Instrumentation(probe)
+        inst.install()
+        try:
+            model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 1))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            compiled_calls: list[int] = []
+            model[1]._compiled_call_impl = CountingCall(model[1], compiled_calls)
+            for x, y in _loader(3):
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        finally:
+            inst.uninstall()
+            nn.Module.__call__ = torchs  # type: ignore[method-assign]
+        assert [t.counts for t in steps()] == [(1, 1, 1, 1)] * 2
+        assert len(compiled_calls) == 3  # the nested compiled module ran compiled
+        assert seen == (["Sequential", "Linear", "Linear"] * 3 if foreign else [])
