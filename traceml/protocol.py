@@ -207,7 +207,8 @@ def events_payload(batch: int, wall_offset_s: float, times: list[list[float]],
 
 
 def _is_number(value: Any) -> bool:
-    return type(value) in (float, int)
+    """A float, or an int SQLite can store."""
+    return type(value) is float or (type(value) is int and -(2**63) <= value < 2**63)
 
 
 def _timed_values(items: Any, valid: Callable[[Any], bool]) -> bool:
@@ -232,6 +233,8 @@ def check_events(payload: dict[str, Any]) -> tuple[int, float, list[list[float]]
     if (not isinstance(times, list) or len(times) > NUM_EVENT_CODES
             or not all(isinstance(ts, list) and all(map(_is_number, ts)) for ts in times)):
         raise ProtocolError("event times are not lists of numbers per code")
+    if any(times[code] for code in (MARK, RSS) if code < len(times)):
+        raise ProtocolError("marks and RSS readings travel with their values")
     if not _timed_values(marks, _device_mark):
         raise ProtocolError("malformed device marks")
     if not _timed_values(rss, lambda v: v is None or _is_number(v)):

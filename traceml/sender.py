@@ -123,8 +123,6 @@ class BatchSender:
         who = identity or self.identity
         seq = self._seqs.get(who, 0)
         self._seqs[who] = seq + 1
-        if identity is None:
-            self.last_seq[kind] = seq
         env = Envelope(
             session_id=self.session_id, kind=kind, sender=who, seq=seq,
             sent_at=time.time(), payload=payload,
@@ -133,6 +131,8 @@ class BatchSender:
         try:
             self._socket.send(protocol.encode(env), zmq.NOBLOCK)
             self.num_sent += 1
+            if identity is None:
+                self.last_seq[kind] = seq
         except zmq.Again:
             self.num_dropped += 1
 

@@ -390,3 +390,25 @@ def test_rank_steps_reject_a_malformed_batch_whole(events: list[list[Any]]) -> N
     with pytest.raises(ProtocolError):
         steps.feed(_batch(0, _iteration(0.0) + events + _iteration(8.0)))
     assert steps.feed(_batch(1, _iteration(16.0) + [[CLOSE, 24.0]]))[0][0] == 0
+
+
+def test_rank_steps_reject_values_that_would_only_fail_later() -> None:
+    """A time where a mark belongs, or an int SQLite cannot store: rejected up
+    front, and the batch after it is replayed as if the bad one never came."""
+    steps = RankSteps()
+    bad = _batch(0, _iteration(0.0))
+    bad["times"][MARK] = [1.0]
+    with pytest.raises(ProtocolError):
+        steps.feed(bad)
+    huge = _batch(0, [[RSS, 2**64], *_iteration(0.0)])
+    with pytest.raises(ProtocolError):
+        steps.feed(huge)
+    rows = steps.feed(_batch(0, _iteration(8.0) + _iteration(16.0) + [[CLOSE, 24.0]]))
+    assert [r[0] for r in rows] == [0, 1]
+
+
+def test_a_log_of_begins_without_ends_is_dropped_not_kept() -> None:
+    steps = RankSteps()
+    opened = [[FORWARD, float(i)] for i in range(10_000)]
+    steps.feed(_batch(0, opened))
+    assert len(steps.tracker._stack) < 300

@@ -124,7 +124,7 @@ def _is_torchs_dispatch(orig: Any) -> bool:
     other ``__call__`` (another tool's patch, a torch that does more there) is
     called as it is."""
     code = getattr(orig, "__code__", None)
-    return (getattr(orig, "__name__", None) == "_wrapped_call_impl" and code is not None
+    return (orig is torch.nn.Module.__dict__.get("_wrapped_call_impl") and code is not None
             and set(code.co_names) == {"_compiled_call_impl", "_call_impl"})
 
 

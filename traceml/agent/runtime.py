@@ -76,7 +76,6 @@ class AgentRuntime:
         self._next_send = 0.0
         self._send_now = False  # traceml.summary() wants the steps in the store now
         self.num_batches = 0  # events messages sent
-        self.last_events_seq: int | None = None
         self._cuda: Any = None
         self._gpu_times_failed = False
         self.probe = Probe(time.perf_counter, self._fail)
@@ -182,19 +181,21 @@ class AgentRuntime:
         probe = self.probe
         horizon = math.inf if self._final else probe.clock()
         times, marks = probe.take(horizon)
-        if any(times) or marks:
+        taken = any(times) or bool(marks)
+        if taken:
             # Read after these events, so it goes with the steps they finish:
             # stamped as the first of them.
             first = min([ts[0] for ts in times if ts] + [m[0] for m in marks[:1]])
             self._outbox_rss.append((first, self._rss.read()))
-            if probe.on_optimizer_end is None:  # no device marks in this log
+        if probe.on_optimizer_end is None:  # no device marks in this log
+            if taken:
                 self._queue(times, marks)
-            else:
-                self._queue_resolved(times, marks)
+        elif taken or self._held_marks:  # held marks: has the GPU caught up?
+            self._queue_resolved(times, marks)
         now = time.monotonic()
-        if not self._outbox_rss or (now < self._next_send and not self._final
-                                    and not self._send_now and self._num_queued
-                                    < protocol.MAX_EVENTS_PER_MESSAGE):
+        queued = self._num_queued or self._outbox_marks or self._outbox_rss
+        if not queued or (now < self._next_send and not self._final and not self._send_now
+                          and self._num_queued < protocol.MAX_EVENTS_PER_MESSAGE):
             return []
         self._send_now = False
         self._next_send = now + self.env.flush_interval_s
@@ -219,9 +220,12 @@ class AgentRuntime:
         for held, ts in zip(self._held, times):
             held += ts
         held_marks = self._held_marks + marks
+        # A GPU that stays behind (hung, or far behind) must not hold the log
+        # without bound: past one message's worth, marks go without GPU times.
+        give_up = sum(map(len, self._held)) > protocol.MAX_EVENTS_PER_MESSAGE
         horizon = math.inf
         for i, (t, value) in enumerate(held_marks):
-            mark = self._device_mark(value)
+            mark = self._device_mark(value, give_up)
             if mark is None:
                 horizon = t
                 break
@@ -235,9 +239,9 @@ class AgentRuntime:
             self._held[code] = held[n:]
         self._queue(ready, held_marks[:cut])
 
-    def _device_mark(self, value: tuple[Any, Any]) -> list[Any] | None:
+    def _device_mark(self, value: tuple[Any, Any], give_up: bool = False) -> list[Any] | None:
         """A logged mark as `protocol.DEVICE_MARK_FIELDS`; None while the GPU
-        has not passed its events."""
+        has not passed its events (unless ``give_up``: then without GPU times)."""
         (allocated, reserved), spans = value
         gpu: tuple[float | None, ...] = (None, None, None)
         timer = self.probe.cuda_timer
@@ -248,7 +252,7 @@ class AgentRuntime:
                 self._gpu_times_failed = True
                 self._warn(f"GPU phase times disabled after an internal error: {exc!r}")
                 resolved = None
-            if resolved is None and not self._final and not self._gpu_times_failed:
+            if resolved is None and not (self._final or give_up or self._gpu_times_failed):
                 return None
             gpu = resolved or gpu
         return [allocated, reserved, *gpu]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import sys
 import time
 from dataclasses import dataclass
@@ -88,7 +89,8 @@ class Collector:
             return
         try:
             self._dispatch(env)
-        except (ProtocolError, ValueError, TypeError, KeyError) as exc:
+        except (ProtocolError, ValueError, TypeError, KeyError, ArithmeticError,
+                sqlite3.Error) as exc:
             self.reject(f"bad {env.kind} payload: {type(exc).__name__}")
 
     def all_said_bye(self) -> bool:
@@ -135,6 +137,7 @@ class Collector:
             self.store.add_system(env.sender, fields, rows)
         elif env.kind == protocol.KIND_BYE:
             state.said_bye = True
+            self.rank_steps.pop(state.sender.sender_id, None)  # its last events came before
         self.store.save_sender(state)
 
     def _control(self, payload: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from traceml import protocol
+from traceml.errors import ProtocolError
 from traceml.protocol import (
     BACKWARD,
     CLOSE,
@@ -48,6 +49,10 @@ from traceml.protocol import (
     OPTIMIZER_SKIPPED,
     RSS,
 )
+
+# Deeper phase nesting, or more device marks in one step, than any training
+# loop makes: the events are not a rank's, and are dropped.
+MAX_DEPTH = 256
 
 
 class StepTiming(NamedTuple):
@@ -105,6 +110,8 @@ class StepTracker:
         stack = self._stack
         for code, t in events:
             if code < END:  # a phase begins
+                if len(stack) >= MAX_DEPTH:  # begins without ends: not a rank's log
+                    self.resync()
                 if code != INPUT and not stack and (
                         not self._open or self._complete or self._pending_n
                         or self._nograd_start is not None or self._manual):
@@ -143,7 +150,8 @@ class StepTracker:
                 if not stack and self._nograd_start is None:
                     self._nograd_start = self._boundary(t)
             elif code == MARK:
-                self._marks.append(t)
+                if len(self._marks) < MAX_DEPTH:
+                    self._marks.append(t)
             elif code == MANUAL_ENTER:
                 self._manual_enter(t)
             elif code == MANUAL_EXIT:
@@ -254,12 +262,14 @@ class StepTracker:
         self._emit(timing)
 
 
-# Events of one instant (a coarse clock can stamp two alike): an RSS reading
-# (stamped as the first event it goes with), phase ends, a step's device mark
-# and the manual end it belongs before, then begins.
+# Events stamped alike.  The rank stamps some so on purpose: an RSS reading as
+# the first event it goes with, a step's device mark with the manual end it
+# belongs before.  Otherwise order needs a clock finer than the gap between two
+# events (perf_counter is nanoseconds on Linux and macOS): of a phase's end and
+# the next one's begin, the end goes first.
 _TIE_ORDER = {code: i for i, code in enumerate((
     RSS, END, END_UNCOUNTED, END_EXHAUSTED, OPTIMIZER_END, OPTIMIZER_SKIPPED, MARK, MANUAL_EXIT,
-    CLOSE, INPUT, FORWARD, BACKWARD, OPTIMIZER, NOGRAD_FORWARD, MANUAL_ENTER))}
+    CLOSE, MANUAL_ENTER, INPUT, FORWARD, BACKWARD, OPTIMIZER, NOGRAD_FORWARD))}
 
 
 def merge_events(times: list[list[float]], marks: list[list[Any]],
@@ -293,7 +303,14 @@ class RankSteps:
             # mid-step.
             self.tracker.resync()
         self._last_batch = batch
-        self.tracker.replay(merge_events(times, marks, rss))
+        try:
+            self.tracker.replay(merge_events(times, marks, rss))
+        except (TypeError, ValueError, ArithmeticError, IndexError) as exc:
+            # Well-formed but impossible (no rank logs this): nothing of the
+            # batch is kept, and the next one starts afresh.
+            self._rows.clear()
+            self.tracker.resync()
+            raise ProtocolError(f"events that cannot be replayed: {exc!r}") from None
         rows, self._rows = self._rows, []
         return rows
 
