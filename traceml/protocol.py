@@ -35,7 +35,6 @@ KINDS = frozenset({KIND_STEPS, KIND_EVENTS, KIND_PROCESS, KIND_SYSTEM, KIND_HELL
 # perf_counter times per code; the collector merges them into one timeline
 # (`traceml.collector.steps`).  Codes 0-3: a phase begins.
 INPUT, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
-PHASE_NAMES = ("input", "forward", "backward", "optimizer")
 # The phase-end codes are contiguous (END ... OPTIMIZER_SKIPPED): one comparison.
 END = 4  # the innermost phase ends
 END_UNCOUNTED = 5  # ... adding its time but not a call (a parameter-free module)

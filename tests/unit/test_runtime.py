@@ -76,7 +76,7 @@ def test_the_last_flush_ships_everything_up_to_exit(runtime: AgentRuntime) -> No
                == (1, 1, 1, 1) for s in steps)
     assert all(s["rss_bytes"] > 0 for s in steps)  # stamped by the sender thread
     assert messages[-1] == (protocol.KIND_BYE, {"num_batches": 1, "t": messages[-1][1]["t"]})
-    assert runtime.probe.pending() == 0
+    assert not any(runtime.probe.streams)
 
 
 def test_events_wait_for_the_flush_interval_and_travel_in_order(runtime: AgentRuntime) -> None:
@@ -86,7 +86,7 @@ def test_events_wait_for_the_flush_interval_and_travel_in_order(runtime: AgentRu
     first = runtime._drain_events()  # the first tick sends at once
     train(3)
     assert runtime._drain_events() == []  # within the flush interval: kept
-    assert runtime.probe.pending() == 0  # ... but taken from the training thread's log
+    assert not any(runtime.probe.streams)  # ... but taken from the training thread's log
     runtime.probe.log(CLOSE)
     steps = collector.steps(first) + collector.steps(runtime._bye())
     assert [s["step"] for s in steps] == list(range(6))
@@ -142,7 +142,7 @@ def test_a_take_keeps_what_was_stamped_after_its_horizon() -> None:
     probe.log(INPUT, 4.0)
     times, marks = probe.take(float("inf"))
     assert (times[INPUT], times[END], marks) == ([3.0, 4.0], [], [(9.0, "later")])
-    assert probe.pending() == 0
+    assert not any(probe.streams) and not probe.marks
 
 
 def test_trace_step_exit_keeps_the_device_mark_in_its_step(runtime: AgentRuntime) -> None:
@@ -204,7 +204,7 @@ def test_events_after_a_mark_the_gpu_has_not_passed_wait_for_it(
     steps = collector.steps(runtime._drain_events())
     # Step 1 ended where iteration 2 began; step 2's mark and all after it wait.
     assert [s["step"] for s in steps] == [0, 1]
-    assert runtime._held_marks and any(runtime._held)
+    assert runtime.probe._held_marks and runtime.probe.num_held() > 0
     timer.done = 10  # the GPU catches up while the training thread logs nothing
     runtime._send_now = True
     steps += collector.steps(runtime._drain_events())

@@ -7,8 +7,8 @@ already being timed, so nested modules and autograd re-entry cost one
 attribute check.  A timed wrapper only appends ``clock()`` to its event code's
 list (codes in `traceml.protocol`): the step state machine runs in the
 collector process (`traceml.collector.steps`), so the training thread pays a
-clock read and a list append per event.  Python frames are the other cost per step, so the hot paths avoid
-helper calls.
+clock read and a list append per event.  Python frames are the other cost per
+step, so the hot paths avoid helper calls.
 
 Instrumented (SPEC R-AG-2):
 
@@ -136,13 +136,14 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
         probe.appenders[c] for c in (FORWARD, NOGRAD_FORWARD, END, END_UNCOUNTED))
 
     def make(orig: Any) -> Any:
-        if not _is_torchs_dispatch(orig):
-            return _generic_module_call(probe, orig, is_compiling, grad_enabled)
-
         # torch's dispatch, inline: nested calls (every submodule of a timed
         # forward, the common case) cost this frame instead of torch's.
+        foreign = None if _is_torchs_dispatch(orig) else orig
+
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
             if probe.mute or probe.off or is_compiling() or get_ident() != probe.thread_id:
+                if foreign is not None:
+                    return foreign(self, *args, **kwargs)
                 compiled = self._compiled_call_impl
                 if compiled is not None:
                     return compiled(*args, **kwargs)
@@ -159,6 +160,8 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
             if timer is not None:
                 probe.guarded(timer.start, FORWARD)
             try:
+                if foreign is not None:
+                    return foreign(self, *args, **kwargs)
                 compiled = self._compiled_call_impl
                 if compiled is not None:
                     return compiled(*args, **kwargs)
@@ -175,40 +178,6 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
                 (ends if counted else ends_uncounted)(clock())
         return __call__
     return make
-
-
-def _generic_module_call(probe: Probe, orig: Any, is_compiling: Callable[[], bool],
-                         grad_enabled: Callable[[], bool]) -> Any:
-    """The same wrapper around a ``Module.__call__`` that is not torch's own."""
-    clock = probe.clock
-    begins, evaluates, ends, ends_uncounted = (
-        probe.appenders[c] for c in (FORWARD, NOGRAD_FORWARD, END, END_UNCOUNTED))
-
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if probe.mute or probe.off or is_compiling() or get_ident() != probe.thread_id:
-            return orig(self, *args, **kwargs)
-        probe.mute += 1
-        if not grad_enabled():
-            evaluates(clock())
-            try:
-                return orig(self, *args, **kwargs)
-            finally:
-                probe.mute -= 1
-        timer = probe.cuda_timer
-        begins(clock())
-        if timer is not None:
-            probe.guarded(timer.start, FORWARD)
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            probe.mute -= 1
-            if timer is not None:
-                probe.guarded(timer.stop)
-            counted = _HOLDS_PARAMETERS.get(id(self))
-            if counted is None:
-                counted = _holds_parameters(self)
-            (ends if counted else ends_uncounted)(clock())
-    return __call__
 
 
 def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
@@ -260,14 +229,14 @@ def _wrap_scaler_step(probe: Probe) -> Callable[[Any], Any]:
         def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             if probe.opt_depth or probe.skip():
                 return orig(self, optimizer, *args, **kwargs)
-            before = probe.num_optimizer_calls
+            before = probe.num_inner_steps
             _optimizer_begins(probe)
             probe.opt_depth += 1
             try:
                 return orig(self, optimizer, *args, **kwargs)
             finally:
                 probe.opt_depth -= 1
-                _optimizer_ends(probe, skipped=probe.num_optimizer_calls == before)
+                _optimizer_ends(probe, skipped=probe.num_inner_steps == before)
         return step
     return make
 
@@ -287,7 +256,6 @@ class OptimizerHooks:
         # Without CUDA, begin and end are one event each, logged here rather
         # than through the helpers: a frame less per hook call.
         def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-            probe.num_optimizer_calls += 1
             if probe.off or get_ident() != probe.thread_id:
                 return
             if probe.opt_depth == 0:
@@ -295,6 +263,8 @@ class OptimizerHooks:
                     begins(clock())
                 else:
                     _optimizer_begins(probe)
+            else:  # inside a GradScaler step (or a wrapping optimizer): it did step
+                probe.num_inner_steps += 1
             probe.opt_depth += 1
 
         def post(optimizer: Any, args: Any, kwargs: Any) -> None:

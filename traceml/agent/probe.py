@@ -40,7 +40,7 @@ class Probe:
         self.mute = 0  # >0 while a forward or backward is being timed
         self.in_backward = False
         self.opt_depth = 0
-        self.num_optimizer_calls = 0
+        self.num_inner_steps = 0  # optimizer steps inside another (a GradScaler step)
         self.thread_id = threading.main_thread().ident
         # CudaPhaseTimer once this rank uses CUDA; None on CPU (one check per phase).
         self.cuda_timer: Any = None
@@ -56,7 +56,8 @@ class Probe:
         """Record device data of the running step, now or at ``t`` (training thread)."""
         self.marks.append((self.clock() if t is None else t, payload))
 
-    def take(self, horizon: float) -> tuple[list[list[float]], list[Mark]]:
+    def take(self, horizon: float, resolve: Callable[[Any], Any] | None = None
+             ) -> tuple[list[list[float]], list[Mark]]:
         """The events logged before ``horizon``, per code, and the marks
         (sender thread, lock-free).
 
@@ -65,15 +66,26 @@ class Probe:
         ``horizon`` may still be on its way (the training thread read the clock,
         then lost the GIL); every event after it in program order is stamped
         after ``horizon``, so holding back those keeps each take a complete
-        prefix of the timeline.
+        prefix of the timeline.  ``resolve`` turns each mark's payload into
+        what is sent, or returns None while it cannot yet (a GPU behind): the
+        take then ends at that mark, which is tried again next time.
         """
         times = [self._cut(code, stream, horizon) for code, stream in enumerate(self.streams)]
         n = len(self.marks)
         marks = self._held_marks + self.marks[:n]
         del self.marks[:n]
-        cut = bisect_left(marks, horizon, key=lambda m: m[0])
-        self._held_marks = marks[cut:]
-        return times, marks[:cut]
+        ready: list[Mark] = []
+        for t, payload in marks:
+            if t >= horizon:
+                break
+            if resolve is not None:
+                payload = resolve(payload)
+                if payload is None:
+                    self._hold_back(times, t)
+                    break
+            ready.append((t, payload))
+        self._held_marks = marks[len(ready):]
+        return times, ready
 
     def _cut(self, code: int, stream: list[float], horizon: float) -> list[float]:
         n = len(stream)
@@ -85,9 +97,17 @@ class Probe:
         self._held[code] = times[cut:]
         return times[:cut]
 
-    def pending(self) -> int:
-        """How many events wait in the log (sender thread)."""
-        return sum(map(len, self.streams)) + len(self.marks)
+    def _hold_back(self, times: list[list[float]], horizon: float) -> None:
+        """Return the taken events from ``horizon`` on to the held ones."""
+        for code, ts in enumerate(times):
+            cut = bisect_left(ts, horizon)
+            if cut < len(ts):
+                self._held[code][:0] = ts[cut:]
+                del ts[cut:]
+
+    def num_held(self) -> int:
+        """Events held back by the last take (sender thread)."""
+        return sum(map(len, self._held))
 
     def guarded(self, call: Callable[..., Any], *args: Any) -> None:
         """Run an agent call off the hot path (a CUDA timer or device mark),

@@ -11,12 +11,12 @@ failing part, warns once on stderr and leaves training unchanged.
 from __future__ import annotations
 
 import atexit
+import functools
 import math
 import os
 import socket
 import sys
 import time
-from bisect import bisect_left
 from typing import Any
 
 from traceml import protocol
@@ -64,14 +64,11 @@ class AgentRuntime:
         self.env = env
         self.identity = identity
         self._final = False  # at exit, marks whose GPU events are not done go without
-        # Events taken from the log: waiting for the next send (times per code,
-        # marks, RSS readings), and (CUDA) those from the first mark whose GPU
-        # work is not done yet.
+        # Events taken from the log, waiting for the next send: times per
+        # code, marks, RSS readings.
         self._outbox: list[list[float]] = [[] for _ in range(NUM_EVENT_CODES)]
         self._outbox_marks: list[tuple[float, Any]] = []
         self._outbox_rss: list[tuple[float, int | None]] = []
-        self._held: list[list[float]] = [[] for _ in range(NUM_EVENT_CODES)]
-        self._held_marks: list[tuple[float, Any]] = []
         self._num_queued = 0
         self._next_send = 0.0
         self._send_now = False  # traceml.summary() wants the steps in the store now
@@ -180,22 +177,28 @@ class AgentRuntime:
         batch once per flush interval."""
         probe = self.probe
         horizon = math.inf if self._final else probe.clock()
-        times, marks = probe.take(horizon)
-        taken = any(times) or bool(marks)
-        if taken:
+        resolve = None
+        if probe.on_optimizer_end is not None:  # device marks: sent once the GPU is done
+            # A GPU that stays behind (hung, or far behind) must not hold the
+            # log without bound: past one message's worth, marks go without
+            # GPU times.
+            give_up = probe.num_held() > protocol.MAX_EVENTS_PER_MESSAGE
+            resolve = functools.partial(self._device_mark, give_up=give_up)
+        times, marks = probe.take(horizon, resolve)
+        if any(times) or marks:
             # Read after these events, so it goes with the steps they finish:
             # stamped as the first of them.
             first = min([ts[0] for ts in times if ts] + [m[0] for m in marks[:1]])
             self._outbox_rss.append((first, self._rss.read()))
-        if probe.on_optimizer_end is None:  # no device marks in this log
-            if taken:
-                self._queue(times, marks)
-        elif taken or self._held_marks:  # held marks: has the GPU caught up?
-            self._queue_resolved(times, marks)
+            for out, ts in zip(self._outbox, times):
+                out += ts
+                self._num_queued += len(ts)
+            self._outbox_marks += marks
         now = time.monotonic()
-        queued = self._num_queued or self._outbox_marks or self._outbox_rss
-        if not queued or (now < self._next_send and not self._final and not self._send_now
-                          and self._num_queued < protocol.MAX_EVENTS_PER_MESSAGE):
+        # Every take with events brings an RSS reading: none, nothing to send.
+        if not self._outbox_rss or (now < self._next_send and not self._final
+                                    and not self._send_now
+                                    and self._num_queued < protocol.MAX_EVENTS_PER_MESSAGE):
             return []
         self._send_now = False
         self._next_send = now + self.env.flush_interval_s
@@ -206,38 +209,6 @@ class AgentRuntime:
         self._outbox_marks, self._outbox_rss = [], []
         self._num_queued = 0
         return [(protocol.KIND_EVENTS, payload)]
-
-    def _queue(self, times: list[list[float]], marks: list[tuple[float, Any]]) -> None:
-        for out, ts in zip(self._outbox, times):
-            if ts:
-                out += ts
-                self._num_queued += len(ts)
-        self._outbox_marks += marks
-
-    def _queue_resolved(self, times: list[list[float]], marks: list[tuple[float, Any]]) -> None:
-        """CUDA: queue the events before the first mark whose GPU work is not
-        done, each mark turned into plain numbers; hold the rest."""
-        for held, ts in zip(self._held, times):
-            held += ts
-        held_marks = self._held_marks + marks
-        # A GPU that stays behind (hung, or far behind) must not hold the log
-        # without bound: past one message's worth, marks go without GPU times.
-        give_up = sum(map(len, self._held)) > protocol.MAX_EVENTS_PER_MESSAGE
-        horizon = math.inf
-        for i, (t, value) in enumerate(held_marks):
-            mark = self._device_mark(value, give_up)
-            if mark is None:
-                horizon = t
-                break
-            held_marks[i] = (t, mark)
-        cut = bisect_left(held_marks, horizon, key=lambda m: m[0])
-        self._held_marks = held_marks[cut:]
-        ready = []
-        for code, held in enumerate(self._held):
-            n = bisect_left(held, horizon)
-            ready.append(held[:n])
-            self._held[code] = held[n:]
-        self._queue(ready, held_marks[:cut])
 
     def _device_mark(self, value: tuple[Any, Any], give_up: bool = False) -> list[Any] | None:
         """A logged mark as `protocol.DEVICE_MARK_FIELDS`; None while the GPU

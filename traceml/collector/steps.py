@@ -96,10 +96,6 @@ class StepTracker:
         self._marks: list[Any] = []
         self._rss: int | None = None
 
-    @property
-    def next_step(self) -> int:
-        return self._next_step
-
     # -- the event log ------------------------------------------------------
 
     def replay(self, events: Iterable[tuple[int, Any] | list[Any]]) -> None:
