@@ -2,10 +2,11 @@
 the collector: versioned envelopes encoded with orjson.
 
 Shared by the agent, the launcher and the collector, so it imports only the
-standard library and orjson.  A message carries a batch: many steps or samples
-per envelope.  Payloads are columnar (``fields`` + ``rows``) so a sender can add
-a field (a new phase, say) without changing the transport: the collector stores
-the fields it knows and keeps the rest.
+standard library, orjson and the phase table.  A message carries a batch:
+a rank's step events (``events``: one list of times per event code, replayed
+into steps by the collector), or many process or system samples (columnar
+``fields`` + ``rows``, so a sender can add a field without changing the
+transport).  Each payload kind is decoded here into a typed record.
 """
 
 from __future__ import annotations
@@ -16,67 +17,45 @@ from typing import Any
 
 import orjson
 
+from traceml import phases
 from traceml.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
-KIND_STEPS = "steps"
 KIND_EVENTS = "events"
 KIND_PROCESS = "process"
 KIND_SYSTEM = "system"
 KIND_HELLO = "hello"
 KIND_BYE = "bye"
 KIND_CONTROL = "control"
-KINDS = frozenset({KIND_STEPS, KIND_EVENTS, KIND_PROCESS, KIND_SYSTEM, KIND_HELLO, KIND_BYE,
+KINDS = frozenset({KIND_EVENTS, KIND_PROCESS, KIND_SYSTEM, KIND_HELLO, KIND_BYE,
                    KIND_CONTROL})
 
 # A rank's step events (KIND_EVENTS), by code: the rank logs one list of
 # perf_counter times per code; the collector merges them into one timeline
-# (`traceml.collector.steps`).  Codes 0-3: a phase begins.
-INPUT, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
+# (`traceml.collector.steps`).  Codes below END: that phase of
+# `traceml.phases.PHASES` begins (the code is its position in the table).
+INPUT, FORWARD, BACKWARD, OPTIMIZER = (phases.code(n)
+                                       for n in ("input", "forward", "backward", "optimizer"))
 # The phase-end codes are contiguous (END ... OPTIMIZER_SKIPPED): one comparison.
-END = 4  # the innermost phase ends
-END_UNCOUNTED = 5  # ... adding its time but not a call (a parameter-free module)
-END_EXHAUSTED = 6  # a fetch found its loader empty
-OPTIMIZER_END = 7  # the outermost optimizer step ends: the iteration is complete
-OPTIMIZER_SKIPPED = 8  # ... a GradScaler step that skipped the update (inf grads)
-NOGRAD_FORWARD = 9  # an outermost forward with grad disabled begins
-MANUAL_ENTER = 10  # trace_step entered
-MANUAL_EXIT = 11
-MARK = 12  # device data of the running step (CUDA): the payload is DEVICE_MARK_FIELDS
-CLOSE = 13  # process exit: the last step ends with its optimizer step
-RSS = 14  # a reading of the rank's RSS (bytes or None), for the steps finished after it
-NUM_EVENT_CODES = 15
+END = phases.NUM_PHASES  # the innermost phase ends
+END_UNCOUNTED = END + 1  # ... adding its time but not a call (a parameter-free module)
+END_EXHAUSTED = END + 2  # a fetch found its loader empty
+OPTIMIZER_END = END + 3  # the outermost optimizer step ends: the iteration is complete
+OPTIMIZER_SKIPPED = END + 4  # ... a GradScaler step that skipped the update (inf grads)
+NOGRAD_FORWARD = END + 5  # an outermost forward with grad disabled begins
+MANUAL_ENTER = END + 6  # trace_step entered
+MANUAL_EXIT = END + 7
+MARK = END + 8  # device data of the running step (CUDA): the payload is DEVICE_MARK_FIELDS
+CLOSE = END + 9  # process exit: the last step ends with its optimizer step
+RSS = END + 10  # a reading of the rank's RSS (bytes or None), for the steps finished after it
+NUM_EVENT_CODES = END + 11
 DEVICE_MARK_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes",
-                      "gpu_forward_ms", "gpu_backward_ms", "gpu_optimizer_ms")
+                      *(p.gpu_column for p in phases.gpu_timed()))
 # A rank sends its events early once this many wait: ~2 MB of JSON, well
 # under MAX_MESSAGE_BYTES.
 MAX_EVENTS_PER_MESSAGE = 100_000
-
-# Column order of a step row as the agent sends it.  Growing this tuple is
-# backward compatible: the collector maps by name.
-STEP_FIELDS: tuple[str, ...] = (
-    "step",
-    "t_begin",
-    "input_ms",
-    "forward_ms",
-    "backward_ms",
-    "optimizer_ms",
-    "total_ms",
-    "wait_ms",
-    "num_input",
-    "num_forward",
-    "num_backward",
-    "num_optimizer",
-    "num_skipped",
-    "rss_bytes",
-    "peak_allocated_bytes",
-    "peak_reserved_bytes",
-    "gpu_forward_ms",
-    "gpu_backward_ms",
-    "gpu_optimizer_ms",
-)
 
 # A rank's process telemetry, every sample interval.
 PROCESS_FIELDS: tuple[str, ...] = (
@@ -221,12 +200,25 @@ def _device_mark(values: Any) -> bool:
             and all(v is None or _is_number(v) for v in values))
 
 
-def check_events(payload: dict[str, Any]) -> tuple[int, float, list[list[float]],
-                                                   list[list[Any]], list[list[Any]]]:
-    """Batch number, clock offset, times, marks and RSS readings of an events
-    payload; ProtocolError for anything the step tracker could not replay."""
-    batch, times, marks, rss = (payload.get(k) for k in ("batch", "times", "marks", "rss"))
+@dataclass(frozen=True)
+class EventBatch:
+    """A decoded events payload (see :func:`events_payload`)."""
+
+    batch: int
+    wall_offset_s: float
+    times: list[list[float]]
+    marks: list[list[Any]]  # [time, DEVICE_MARK_FIELDS values]
+    rss: list[list[Any]]  # [time, bytes or None]
+
+
+def check_events(payload: dict[str, Any]) -> EventBatch:
+    """An events payload, checked; ProtocolError for anything the step tracker
+    could not replay."""
+    batch: Any = payload.get("batch")
     offset: Any = payload.get("wall_offset")
+    times: Any = payload.get("times")
+    marks: Any = payload.get("marks")
+    rss: Any = payload.get("rss")
     if type(batch) is not int or not _is_number(offset):
         raise ProtocolError("events payload without batch/wall_offset")
     if (not isinstance(times, list) or len(times) > NUM_EVENT_CODES
@@ -238,7 +230,7 @@ def check_events(payload: dict[str, Any]) -> tuple[int, float, list[list[float]]
         raise ProtocolError("malformed device marks")
     if not _timed_values(rss, lambda v: v is None or _is_number(v)):
         raise ProtocolError("malformed RSS readings")
-    return batch, float(offset), times, marks, rss  # type: ignore[return-value]
+    return EventBatch(batch, float(offset), times, marks, rss)
 
 
 def rows_payload(fields: tuple[str, ...], rows: list[tuple[Any, ...]]) -> dict[str, Any]:

@@ -22,11 +22,21 @@ from traceml.security import derive_keys, secure_client
 HOST = "127.0.0.2"
 
 
+_ITERATION = ((protocol.INPUT, 0.0), (protocol.END, 1.0), (protocol.FORWARD, 1.0),
+              (protocol.END, 2.0), (protocol.BACKWARD, 2.0), (protocol.END, 3.0),
+              (protocol.OPTIMIZER, 3.0), (protocol.OPTIMIZER_END, 4.0))
+
+
 def _envelope(session: str, seq: int, rows: int = 1) -> bytes:
-    payload = protocol.rows_payload(
-        ("step", "input_ms", "forward_ms", "backward_ms", "optimizer_ms", "total_ms", "wait_ms"),
-        [(seq * 10 + i, 1.0, 1.0, 1.0, 1.0, 5.0, 1.0) for i in range(rows)])
-    return protocol.encode(Envelope(session, protocol.KIND_STEPS,
+    """One events message holding ``rows`` whole training steps."""
+    times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
+    start = seq * 100.0
+    for i in range(rows):
+        for code, dt in _ITERATION:
+            times[code].append(start + 10.0 * i + dt)
+    times[protocol.CLOSE].append(start + 10.0 * rows)
+    payload = protocol.events_payload(0, 0.0, times, [], [])
+    return protocol.encode(Envelope(session, protocol.KIND_EVENTS,
                                     Sender("rank", "rogue", 1, 0, rank=0), seq, time.time(),
                                     payload))
 

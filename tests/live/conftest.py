@@ -13,13 +13,13 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.rows import step_row
 from traceml.diagnosis.samples import (
     GpuSample,
     NodeInfo,
     ProcessSample,
     RunData,
     RunMeta,
-    StepRow,
     SystemSample,
 )
 
@@ -48,7 +48,7 @@ def fixed_run(num_steps: int = 12) -> RunData:
     )
     phases = {0: (4.0, 30.0, 56.0, 10.0), 1: (40.0, 30.0, 20.0, 10.0)}
     steps = tuple(
-        StepRow(r, s, phases[r][0] + (s % 3), *phases[r][1:], 100.0 + (s % 3), 0.0,
+        step_row(r, s, phases[r][0] + (s % 3), *phases[r][1:], 100.0 + (s % 3), 0.0,
                 4 * GIB + s * MIB, 5 * GIB, 2 * GIB, t=T0 + 1 + s * 0.1)
         for r in (0, 1) for s in range(num_steps))
     process = tuple(ProcessSample(r, 0, T0 + t, 100.0, 2 * GIB, 256 * GIB, 32,

@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 
 from tests.live.conftest import GIB, T0, free_port
+from tests.rows import step_record
 from traceml.collector.server import CollectorConfig
 from traceml.collector.store import SenderState, StoreWriter
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.live.dashboard import Dashboard
-from traceml.protocol import STEP_FIELDS, Sender
+from traceml.protocol import Sender
 
 
 def get(url: str) -> tuple[int, str, bytes]:
@@ -39,8 +40,7 @@ def make_store(path: Path, num_steps: int = 12) -> None:
         writer.save_sender(SenderState(sender, T0, T0))
         values = {"t_begin": T0, "input_ms": 1.0 + rank, "forward_ms": 2.0, "backward_ms": 3.0,
                   "optimizer_ms": 1.0, "total_ms": 10.0, "wait_ms": 3.0 - rank, "rss_bytes": GIB}
-        writer.add_steps(sender, STEP_FIELDS, [[s if f == "step" else values.get(f, 0)
-                                                for f in STEP_FIELDS] for s in range(num_steps)])
+        writer.add_steps(sender, [step_record(s, **values) for s in range(num_steps)])
     writer.close()
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from tests.live.conftest import GIB, T0, fixed_run
+from tests.rows import step_record, step_row
 from traceml.collector.store import SenderState, StoreWriter
 from traceml.diagnosis.samples import StepRow
 from traceml.live.series import build_series, series_to_json
@@ -16,12 +17,12 @@ from traceml.live.snapshot import (
     snapshot_to_json,
 )
 from traceml.live.tail import StoreTail
-from traceml.protocol import PROCESS_FIELDS, STEP_FIELDS, SYSTEM_FIELDS, Sender
+from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, Sender
 from traceml.report import build_report, report_to_json
 
 
 def row(rank: int, step: int, total_ms: float = 10.0) -> StepRow:
-    return StepRow(rank, step, 1.0, 2.0, 3.0, 1.0, total_ms, total_ms - 7.0, None, None, GIB)
+    return step_row(rank, step, 1.0, 2.0, 3.0, 1.0, total_ms, total_ms - 7.0, None, None, GIB)
 
 
 def test_series_keeps_every_step_when_short() -> None:
@@ -83,8 +84,7 @@ def _sender(rank: int, restart: int = 0) -> Sender:
 def _steps(writer: StoreWriter, rank: int, steps: range, restart: int = 0) -> None:
     values = {"t_begin": T0, "input_ms": 1.0, "forward_ms": 2.0, "backward_ms": 3.0,
               "optimizer_ms": 1.0, "total_ms": 10.0, "wait_ms": 3.0, "rss_bytes": GIB}
-    rows = [[s if f == "step" else values.get(f, 0) for f in STEP_FIELDS] for s in steps]
-    writer.add_steps(_sender(rank, restart), STEP_FIELDS, rows)
+    writer.add_steps(_sender(rank, restart), [step_record(s, **values) for s in steps])
 
 
 def test_tail_reads_only_new_rows_and_keeps_a_bounded_history(tmp_path: Path) -> None:

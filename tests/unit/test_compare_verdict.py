@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.rows import step_row
 from traceml.compare.build import compare_runs
 from traceml.compare.model import Comparison
 from traceml.compare.summary import decode_summary
@@ -20,7 +21,6 @@ from traceml.diagnosis.samples import (
     ProcessSample,
     RunData,
     RunMeta,
-    StepRow,
     SystemSample,
     from_jsonable,
 )
@@ -63,7 +63,7 @@ def run_data(totals: Sequence[float], *, input_ms: float = 5.0, world: int = 1,
         for s in range(NUM_STEPS if mode == "run" else 0):
             total = totals[s % len(totals)] + (outlier_ms if s == NUM_STEPS // 2 else 0.0)
             rest = total - input_ms
-            steps.append(StepRow(rank, s, input_ms, 0.3 * rest, 0.6 * rest, 0.1 * rest, total,
+            steps.append(step_row(rank, s, input_ms, 0.3 * rest, 0.6 * rest, 0.1 * rest, total,
                                  0.0, reserved_bytes, reserved_bytes,
                                  rss_bytes + s * rss_step_bytes, t=meta.started_at + s))
     process = tuple(ProcessSample(r, 0, meta.started_at + t, 90.0, rss_bytes, 64 * GIB, 8)

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
+from tests.rows import step_row
 from traceml.diagnosis.samples import (
     GpuSample,
     NodeInfo,
     ProcessSample,
     RunData,
     RunMeta,
-    StepRow,
     SystemSample,
     from_jsonable,
     to_jsonable,
@@ -27,8 +27,8 @@ def sample_run() -> RunData:
         versions={"traceml": "0.1.0", "torch": "2.5.1", "python": "3.11.7"},
         transport={"sent": 10, "dropped": 1, "gaps": 0, "rejected": 0}, mode="run",
     )
-    steps = (StepRow(0, 0, 1.5, 2.0, 3.0, 4.0, 11.0, 0.5, 10, 20, 30, None, 101.0),
-             StepRow(0, 1, 1.0, 2.0, 3.0, 4.0, 10.0, 0.0))
+    steps = (step_row(0, 0, 1.5, 2.0, 3.0, 4.0, 11.0, 0.5, 10, 20, 30, None, 101.0),
+             step_row(0, 1, 1.0, 2.0, 3.0, 4.0, 10.0, 0.0))
     process = (ProcessSample(0, 0, 101.0, 99.5, 1000, 8000, 8, None, None, None),)
     gpus = (GpuSample(0, 50.0, 1, 2, 60.0, None), GpuSample(1, None, None, None, None, None))
     system = (SystemSample(0, "h0", 101.0, 10.0, 20.0, 8000, gpus),

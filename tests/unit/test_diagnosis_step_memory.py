@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.rows import step_row
 from traceml.diagnosis.finding import NOT_MEASURED, Finding
-from traceml.diagnosis.samples import StepRow
 from traceml.diagnosis.step_memory import (
     RankMemory,
     device_creep,
@@ -29,7 +29,7 @@ Memory = tuple[int | None, int | None, int | None]  # peak allocated, peak reser
 def memory_of(world: int, memory: Callable[[int, int], Memory], num_steps: int = 33,
               capacity: int | None = CAPACITY) -> dict[int, RankMemory]:
     """``num_steps`` steps per rank (3 are warm-up) with ``memory(rank, step)``."""
-    rows = [StepRow(r, s, 1.0, 2.0, 3.0, 4.0, 10.0, 0.0, *memory(r, s))
+    rows = [step_row(r, s, 1.0, 2.0, 3.0, 4.0, 10.0, 0.0, *memory(r, s))
             for r in range(world) for s in range(num_steps)]
     caps = {r: capacity for r in range(world)} if capacity is not None else {}
     return rank_memory(select_window(rows, 10_000, world), caps, {})

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.rows import step_row
 from traceml.diagnosis.finding import NOT_MEASURED, Finding
-from traceml.diagnosis.samples import StepRow
 from traceml.diagnosis.step_time import (
     RankStepTimes,
     compute_bound,
@@ -30,7 +30,7 @@ def times_of(world: int, phases: Callable[[int], Phases], num_steps: int = 20
     for rank in range(world):
         inp, fwd, bwd, opt, wait = phases(rank)
         total = inp + fwd + bwd + opt + wait
-        rows += [StepRow(rank, s, inp, fwd, bwd, opt, total, wait) for s in range(num_steps)]
+        rows += [step_row(rank, s, inp, fwd, bwd, opt, total, wait) for s in range(num_steps)]
     return rank_step_times(select_window(rows, 10_000, world), {})
 
 
@@ -182,7 +182,7 @@ def test_noisy_but_even_ranks_are_not_stragglers() -> None:
         for step in range(200):
             inp, fwd, bwd, opt = (rng.gauss(mu, mu * 0.05) for mu in (3.0, 25.0, 55.0, 7.0))
             total = inp + fwd + bwd + opt + 1.0
-            rows.append(StepRow(rank, step, inp, fwd, bwd, opt, total, 1.0))
+            rows.append(step_row(rank, step, inp, fwd, bwd, opt, total, 1.0))
     times = rank_step_times(select_window(rows, 10_000, 8), {})
     assert kinds(diagnose_step_time(times)) == ["COMPUTE_BOUND"]
 
@@ -194,11 +194,11 @@ def test_not_measured_when_no_steps() -> None:
 
 
 def test_distributions_keep_quantiles_per_phase() -> None:
-    rows = [StepRow(0, s, 1.0, 2.0, 3.0, 4.0, 10.0 + s, float(s)) for s in range(101)]
+    rows = [step_row(0, s, 1.0, 2.0, 3.0, 4.0, 10.0 + s, float(s)) for s in range(101)]
     times = rank_step_times(select_window(rows, 10_000, 1), {0: 0})[0]
     assert times.num_steps == 96  # 5 warm-up steps left out
     assert times.total_ms.count == 96
     assert (times.total_ms.p10, times.total_ms.p50, times.total_ms.p90) == pytest.approx(
         (24.5, 62.5, 100.5))
-    assert times.compute_ms.mean == pytest.approx(9.0)
+    assert times.dist("compute").mean == pytest.approx(9.0)
     assert times.node_rank == 0

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests.rows import step_row
 from traceml.diagnosis.samples import ProcessSample, StepRow
 from traceml.diagnosis.window import in_span, select_window, warmup_steps
 
 
 def row(rank: int, step: int, total_ms: float = 10.0, t: float | None = None) -> StepRow:
-    return StepRow(rank, step, 1.0, 2.0, 3.0, 4.0, total_ms, 0.0, t=t)
+    return step_row(rank, step, 1.0, 2.0, 3.0, 4.0, total_ms, 0.0, t=t)
 
 
 @pytest.mark.parametrize(("aligned", "warm"), [(0, 0), (9, 0), (10, 1), (30, 3), (50, 5),

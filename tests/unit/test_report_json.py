@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
+from tests.rows import step_row
 from traceml.diagnosis.samples import (
     NodeInfo,
     ProcessSample,
     RunData,
     RunMeta,
-    StepRow,
     SystemSample,
 )
 from traceml.report import build_report, flatten_summary, report_to_json, validate_summary
@@ -31,7 +31,7 @@ def cpu_run(world: int = 2, wait_ms: float = 0.0) -> RunData:
         versions={"traceml": "0.1.0", "torch": "2.5.1", "python": "3.11.7"},
         transport={"sent": 12, "dropped": 0, "gaps": 0, "rejected": 0},
     )
-    steps = tuple(StepRow(r, s, 1.0, 4.0, 8.0, 2.0, 15.0 + wait_ms, wait_ms, rss_bytes=GIB)
+    steps = tuple(step_row(r, s, 1.0, 4.0, 8.0, 2.0, 15.0 + wait_ms, wait_ms, rss_bytes=GIB)
                   for r in range(world) for s in range(50))
     process = tuple(ProcessSample(r, 0, meta.started_at + t, 100.0, GIB, 64 * GIB, 8)
                     for r in range(world) for t in range(5))

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.rows import step_row
 from traceml.diagnosis.samples import (
     GpuSample,
     NodeInfo,
     ProcessSample,
     RunData,
     RunMeta,
-    StepRow,
     SystemSample,
     from_jsonable,
 )
@@ -34,7 +34,7 @@ def fixed_run() -> RunData:
         transport={"sent": 300, "dropped": 2, "gaps": 0, "rejected": 0},
     )
     phases = {0: (4.0, 30.0, 56.0, 10.0), 1: (40.0, 30.0, 20.0, 10.0)}
-    steps = tuple(StepRow(r, s, *phases[r], 100.0, 0.0, 4 * GIB, 5 * GIB, 2 * GIB)
+    steps = tuple(step_row(r, s, *phases[r], 100.0, 0.0, 4 * GIB, 5 * GIB, 2 * GIB)
                   for r in (0, 1) for s in range(20))
     process = tuple(ProcessSample(r, 0, meta.started_at + t, 100.0, 2 * GIB, 256 * GIB, 32,
                                   4 * GIB, 5 * GIB, 80 * GIB) for r in (0, 1) for t in range(3))

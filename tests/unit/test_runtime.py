@@ -60,8 +60,7 @@ class Collector:
             if kind == protocol.KIND_EVENTS:
                 wire = protocol.decode(protocol.encode(protocol.Envelope(
                     "unit", kind, Sender("rank", "h", 1, 0, rank=0), 0, 0.0, payload)))
-                rows += [dict(zip(protocol.STEP_FIELDS, r))
-                         for r in self.rank_steps.feed(wire.payload)]
+                rows += [r.columns() for r in self.rank_steps.feed(wire.payload)]
         return rows
 
 

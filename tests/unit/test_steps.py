@@ -354,7 +354,7 @@ def test_rank_steps_turn_batches_into_step_rows() -> None:
     assert first == []  # step 0 stays open until the next iteration begins
     rows = steps.feed(_batch(1, [*_iteration(8.0, [30, 15, 2.0, None, 0.25]),
                                  [MARK, [5, 40, 1.0, None, 0.25]], [CLOSE, 16.0]]))
-    row = [dict(zip(protocol.STEP_FIELDS, r)) for r in rows]
+    row = [r.columns() for r in rows]
     assert [r["step"] for r in row] == [0, 1]
     assert row[0]["t_begin"] == 1000.0 and row[1]["t_begin"] == 1008.0
     assert (row[0]["input_ms"], row[0]["forward_ms"], row[0]["backward_ms"],
@@ -372,7 +372,7 @@ def test_rank_steps_resynchronise_after_a_lost_batch() -> None:
     cut = _iteration(8.0)
     # Batch 1 (the end of this iteration, the start of the next) never arrived.
     rows = steps.feed(_batch(2, cut[5:] + _iteration(16.0) + _iteration(24.0)))
-    counts = [(r[8], r[9], r[10], r[11]) for r in rows]
+    counts = [r.counts for r in rows]
     # The iteration cut in two went: from the gap on, only its optimizer step
     # was seen, a step of its own.  The iterations after it are whole.
     assert counts == [(0, 0, 0, 1), (1, 1, 1, 1)]
@@ -389,7 +389,7 @@ def test_rank_steps_reject_a_malformed_batch_whole(events: list[list[Any]]) -> N
     steps = RankSteps()
     with pytest.raises(ProtocolError):
         steps.feed(_batch(0, _iteration(0.0) + events + _iteration(8.0)))
-    assert steps.feed(_batch(1, _iteration(16.0) + [[CLOSE, 24.0]]))[0][0] == 0
+    assert steps.feed(_batch(1, _iteration(16.0) + [[CLOSE, 24.0]]))[0].step == 0
 
 
 def test_rank_steps_reject_values_that_would_only_fail_later() -> None:
@@ -404,7 +404,7 @@ def test_rank_steps_reject_values_that_would_only_fail_later() -> None:
     with pytest.raises(ProtocolError):
         steps.feed(huge)
     rows = steps.feed(_batch(0, _iteration(8.0) + _iteration(16.0) + [[CLOSE, 24.0]]))
-    assert [r[0] for r in rows] == [0, 1]
+    assert [r.step for r in rows] == [0, 1]
 
 
 def test_a_log_of_begins_without_ends_is_dropped_not_kept() -> None:

@@ -11,7 +11,7 @@ from traceml.protocol import Envelope, Sender
 
 
 def _env(**kw: object) -> Envelope:
-    base = dict(session_id="s", kind=protocol.KIND_STEPS,
+    base = dict(session_id="s", kind=protocol.KIND_PROCESS,
                 sender=Sender("rank", "h", 12, 1, rank=3, local_rank=1, world_size=4, restart=2),
                 seq=7, sent_at=1.5, payload=protocol.rows_payload(("a", "b"), [(1, 2.5)]),
                 num_sent=7, num_dropped=1)
@@ -23,7 +23,7 @@ def test_envelope_round_trip() -> None:
     env = _env()
     back = protocol.decode(protocol.encode(env))
     assert back.sender == env.sender
-    assert (back.seq, back.kind, back.num_sent, back.num_dropped) == (7, "steps", 7, 1)
+    assert (back.seq, back.kind, back.num_sent, back.num_dropped) == (7, "process", 7, 1)
     assert protocol.iter_rows(back.payload) == (["a", "b"], [[1, 2.5]])
     assert back.sender.sender_id == "r3@n1:h:12:2"
 

@@ -17,9 +17,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from traceml.protocol import BACKWARD, FORWARD, OPTIMIZER
+from traceml import phases
 
-TIMED = (FORWARD, BACKWARD, OPTIMIZER)
+TIMED = tuple(phases.code(p.name) for p in phases.gpu_timed())
+"""The wire codes of the phases CUDA events time, in `protocol.DEVICE_MARK_FIELDS` order."""
 POOL_MAX = 4096
 
 # One timed phase: (phase, start event, end event, how many phases enclose it)
@@ -63,8 +64,8 @@ class CudaPhaseTimer:
         spans, self._spans = self._spans, []
         return spans
 
-    def resolve(self, spans: list[Span]) -> tuple[float, float, float] | None:
-        """Exclusive GPU ms of forward, backward, optimizer; None until the GPU is done."""
+    def resolve(self, spans: list[Span]) -> tuple[float, ...] | None:
+        """Exclusive GPU ms of each TIMED phase; None until the GPU is done."""
         if any(not end.query() for _, _, end, _ in spans):
             return None
         totals = {p: 0.0 for p in TIMED}
@@ -77,7 +78,7 @@ class CudaPhaseTimer:
                 nested_ms.pop(0)
             totals[phase] += own
         self._recycle(spans)
-        return totals[FORWARD], totals[BACKWARD], totals[OPTIMIZER]
+        return tuple(totals[p] for p in TIMED)
 
     def _recycle(self, spans: list[Span]) -> None:
         for _, start, end, _ in spans:

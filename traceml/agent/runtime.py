@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from traceml import protocol
+from traceml import phases, protocol
 from traceml.agent.cuda_timing import CudaPhaseTimer, allocator_bytes
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
@@ -214,7 +214,7 @@ class AgentRuntime:
         """A logged mark as `protocol.DEVICE_MARK_FIELDS`; None while the GPU
         has not passed its events (unless ``give_up``: then without GPU times)."""
         (allocated, reserved), spans = value
-        gpu: tuple[float | None, ...] = (None, None, None)
+        gpu: tuple[float | None, ...] = (None,) * len(phases.gpu_timed())
         timer = self.probe.cuda_timer
         if spans is not None and timer is not None and not self._gpu_times_failed:
             try:

@@ -124,11 +124,7 @@ class Collector:
             steps = self.rank_steps.get(state.sender.sender_id)
             if steps is None:
                 steps = self.rank_steps[state.sender.sender_id] = RankSteps()
-            self.num_steps += self.store.add_steps(env.sender, protocol.STEP_FIELDS,
-                                                   steps.feed(env.payload))
-        elif env.kind == protocol.KIND_STEPS:
-            fields, rows = protocol.iter_rows(env.payload)
-            self.num_steps += self.store.add_steps(env.sender, fields, rows)
+            self.num_steps += self.store.add_steps(env.sender, steps.feed(env.payload))
         elif env.kind == protocol.KIND_PROCESS:
             fields, rows = protocol.iter_rows(env.payload)
             self.store.add_process(env.sender, fields, rows)

@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from traceml import protocol
+from traceml import phases, protocol
+from traceml.collector.store import StepRecord
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     BACKWARD,
@@ -61,8 +62,8 @@ class StepTiming(NamedTuple):
     step: int
     t_begin: float
     total_s: float
-    phase_s: tuple[float, float, float, float]
-    counts: tuple[int, int, int, int]
+    phase_s: tuple[float, ...]  # exclusive time per phase of `traceml.phases.PHASES`
+    counts: tuple[int, ...]
     num_skipped: int
     marks: tuple[Any, ...] = ()  # MARK payloads logged while the step ran
     rss_bytes: int | None = None  # the rank's RSS when the step finished
@@ -82,8 +83,8 @@ class StepTracker:
         self._manual = False
         self._fetch_mode = False
         self._begin = 0.0
-        self._acc = [0.0, 0.0, 0.0, 0.0]
-        self._counts = [0, 0, 0, 0]
+        self._acc = [0.0] * phases.NUM_PHASES
+        self._counts = [0] * phases.NUM_PHASES
         self._num_skipped = 0
         self._last_opt_end = 0.0
         self._next_step = 0
@@ -242,8 +243,8 @@ class StepTracker:
         self._open = True
         self._complete = False
         self._begin = t
-        self._acc = [0.0, 0.0, 0.0, 0.0]
-        self._counts = [0, 0, 0, 0]
+        self._acc = [0.0] * phases.NUM_PHASES
+        self._counts = [0] * phases.NUM_PHASES
         self._num_skipped = 0
         self._marks = []
 
@@ -252,7 +253,7 @@ class StepTracker:
         if not keep:
             return
         timing = StepTiming(self._next_step, self._begin, max(0.0, end - self._begin),
-                            tuple(self._acc), tuple(self._counts),  # type: ignore[arg-type]
+                            tuple(self._acc), tuple(self._counts),
                             self._num_skipped, tuple(self._marks), self._rss)
         self._next_step += 1
         self._emit(timing)
@@ -281,44 +282,42 @@ def merge_events(times: list[list[float]], marks: list[list[Any]],
 
 
 class RankSteps:
-    """One rank's steps in the collector: its event batches in, step rows
-    (`protocol.STEP_FIELDS`) out."""
+    """One rank's steps in the collector: its event batches in, step records out."""
 
     def __init__(self) -> None:
-        self._rows: list[tuple[Any, ...]] = []
+        self._records: list[StepRecord] = []
         self.tracker = StepTracker(self._emit)
         self._last_batch = -1
         self._wall_offset_s = 0.0
 
-    def feed(self, payload: dict[str, Any]) -> list[tuple[Any, ...]]:
+    def feed(self, payload: dict[str, Any]) -> list[StepRecord]:
         """The steps finished by one events payload; ProtocolError when it is
         malformed (nothing of it is replayed then)."""
-        batch, self._wall_offset_s, times, marks, rss = protocol.check_events(payload)
-        if batch != self._last_batch + 1:
+        batch = protocol.check_events(payload)
+        if batch.batch != self._last_batch + 1:
             # A batch was lost (dropped at a full queue): what follows starts
             # mid-step.
             self.tracker.resync()
-        self._last_batch = batch
+        self._last_batch = batch.batch
+        self._wall_offset_s = batch.wall_offset_s
         try:
-            self.tracker.replay(merge_events(times, marks, rss))
+            self.tracker.replay(merge_events(batch.times, batch.marks, batch.rss))
         except (TypeError, ValueError, ArithmeticError, IndexError) as exc:
             # Well-formed but impossible (no rank logs this): nothing of the
             # batch is kept, and the next one starts afresh.
-            self._rows.clear()
+            self._records.clear()
             self.tracker.resync()
             raise ProtocolError(f"events that cannot be replayed: {exc!r}") from None
-        rows, self._rows = self._rows, []
-        return rows
+        records, self._records = self._records, []
+        return records
 
     def _emit(self, t: StepTiming) -> None:
-        inp, fwd, bwd, opt = t.phase_s
-        alloc, reserved, gpu_fwd, gpu_bwd, gpu_opt = merge_device_marks(t.marks)
-        self._rows.append((
-            t.step, self._wall_offset_s + t.t_begin,
-            inp * 1e3, fwd * 1e3, bwd * 1e3, opt * 1e3, t.total_s * 1e3, t.wait_s * 1e3,
-            t.counts[0], t.counts[1], t.counts[2], t.counts[3], t.num_skipped, t.rss_bytes,
-            alloc, reserved, gpu_fwd, gpu_bwd, gpu_opt,
-        ))
+        alloc, reserved, *gpu = merge_device_marks(t.marks)
+        self._records.append(StepRecord(
+            step=t.step, t_begin=self._wall_offset_s + t.t_begin, total_ms=t.total_s * 1e3,
+            wait_ms=t.wait_s * 1e3, phase_ms=tuple(s * 1e3 for s in t.phase_s),
+            counts=t.counts, num_skipped=t.num_skipped, rss_bytes=t.rss_bytes,
+            peak_allocated_bytes=alloc, peak_reserved_bytes=reserved, gpu_ms=tuple(gpu)))
 
 
 def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -335,4 +334,5 @@ def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:
         values = [m[i] for m in marks if m[i] is not None]
         return float(sum(values)) if values else None
 
-    return highest(0), highest(1), total(2), total(3), total(4)
+    return (highest(0), highest(1),
+            *(total(i) for i in range(2, len(protocol.DEVICE_MARK_FIELDS))))

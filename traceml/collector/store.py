@@ -1,9 +1,8 @@
 """The session's SQLite store: ``logs/<session>/telemetry.sqlite`` (collector
 writes; offline analysis reads).
 
-WAL journal, batched transactions.  One table per message kind; a new kind
-adds a table and a handler without touching the transport.  Fields a sender
-sends that this version does not know are kept as JSON in ``extra``.
+WAL journal, batched transactions.  One table per kind of record; the steps
+table has one column per phase of `traceml.phases`.
 """
 
 from __future__ import annotations
@@ -15,14 +14,51 @@ from typing import Any
 
 import orjson
 
-from traceml.protocol import PROCESS_FIELDS, STEP_FIELDS, SYSTEM_FIELDS, Sender
+from traceml import phases
+from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, Sender
 
 STORE_FILENAME = "telemetry.sqlite"
 SCHEMA_VERSION = 1
 
-STEP_COLUMNS: tuple[str, ...] = STEP_FIELDS
-_STEP_INT = {"step", "num_input", "num_forward", "num_backward", "num_optimizer",
-             "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes"}
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step of a rank as the collector stores it (times in ms)."""
+
+    step: int
+    t_begin: float  # unix seconds
+    total_ms: float
+    wait_ms: float
+    phase_ms: tuple[float, ...]  # per phase of `traceml.phases.PHASES`
+    counts: tuple[int, ...]  # calls per phase
+    num_skipped: int = 0  # GradScaler steps that skipped the update
+    rss_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    gpu_ms: tuple[float | None, ...] = ()  # per GPU-timed phase; empty off CUDA
+
+    def values(self) -> tuple[Any, ...]:
+        """The record in :data:`STEP_COLUMNS` order."""
+        gpu = self.gpu_ms or (None,) * len(phases.gpu_timed())
+        return (self.step, self.t_begin, self.total_ms, self.wait_ms, *self.phase_ms,
+                *self.counts, self.num_skipped, self.rss_bytes, self.peak_allocated_bytes,
+                self.peak_reserved_bytes, *gpu)
+
+    def columns(self) -> dict[str, Any]:
+        """The record by :data:`STEP_COLUMNS` name."""
+        return dict(zip(STEP_COLUMNS, self.values()))
+
+
+STEP_COLUMNS: tuple[str, ...] = (
+    "step", "t_begin", "total_ms", "wait_ms",
+    *(p.column for p in phases.PHASES), *(p.count_column for p in phases.PHASES),
+    "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+    *(p.gpu_column for p in phases.gpu_timed()),
+)
+"""The steps table's columns after (rank, restart, node_rank), from the phase table."""
+
+_STEP_INT = {"step", "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+             *(p.count_column for p in phases.PHASES)}
 
 _DDL = [
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -37,7 +73,7 @@ _DDL = [
     "CREATE TABLE IF NOT EXISTS steps (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
     "node_rank INTEGER NOT NULL, "
     + ", ".join(f"{c} {'INTEGER' if c in _STEP_INT else 'REAL'}" for c in STEP_COLUMNS)
-    + ", extra TEXT, PRIMARY KEY (rank, restart, step))",
+    + ", PRIMARY KEY (rank, restart, step))",
     "CREATE TABLE IF NOT EXISTS rejected (reason TEXT PRIMARY KEY, count INTEGER NOT NULL)",
     "CREATE TABLE IF NOT EXISTS process (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
     "node_rank INTEGER NOT NULL, t REAL NOT NULL, cpu_pct REAL, rss_bytes INTEGER, "
@@ -91,18 +127,12 @@ class StoreWriter:
             [(k, orjson.dumps(v).decode()) for k, v in values.items()],
         )
 
-    def add_steps(self, sender: Sender, fields: Sequence[str], rows: Iterable[Sequence[Any]]) -> int:
-        known = [i for i, f in enumerate(fields) if f in STEP_COLUMNS]
-        unknown = [i for i, f in enumerate(fields) if f not in STEP_COLUMNS]
-        cols = ["rank", "restart", "node_rank"] + [fields[i] for i in known] + ["extra"]
+    def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int:
+        cols = ("rank", "restart", "node_rank", *STEP_COLUMNS)
         sql = (f"INSERT OR REPLACE INTO steps ({', '.join(cols)}) "
                f"VALUES ({', '.join('?' * len(cols))})")
         prefix = (sender.rank, sender.restart, sender.node_rank)
-        batch = [
-            prefix + tuple(row[i] for i in known)
-            + ((orjson.dumps({fields[i]: row[i] for i in unknown}).decode() if unknown else None),)
-            for row in rows
-        ]
+        batch = [prefix + record.values() for record in records]
         self.db.executemany(sql, batch)
         return len(batch)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from traceml import phases
 from traceml.compare.model import (
     Comparison,
     DiagnosisRow,
@@ -23,11 +24,8 @@ from traceml.compare.verdict import memory_change, step_signal, time_change, ver
 from traceml.report.model import SECTION_NAMES, SECTION_TITLES
 
 SECTION_ROWS: Mapping[str, tuple[tuple[str, str], ...]] = {
-    "step_time": (
-        ("total_ms", "Total step"), ("input_ms", "Input"), ("forward_ms", "Forward"),
-        ("backward_ms", "Backward"), ("optimizer_ms", "Optimizer"), ("wait_ms", "Wait"),
-        ("compute_ms", "Compute"),
-    ),
+    "step_time": tuple((p.column, p.label)
+                       for p in (phases.TOTAL, *phases.stacked(), phases.COMPUTE)),
     "step_memory": (
         ("peak_allocated_bytes", "Peak allocated"), ("peak_reserved_bytes", "Peak reserved"),
         ("pressure_pct", "Device pressure"), ("allocated_growth_bytes", "Allocated growth"),

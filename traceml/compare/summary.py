@@ -15,10 +15,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from traceml import phases
 from traceml.diagnosis.stats import Distribution
 from traceml.report.model import SECTION_NAMES, SECTION_TITLES
 
-STEP_PHASES = ("total", "input", "forward", "backward", "optimizer", "compute", "wait")
+STEP_PHASES = tuple(p.name for p in phases.step_metrics())
 """Phases whose per-rank distributions a Step Time rank row keeps."""
 
 QUANTILE_KEYS = ("p10", "p25", "p50", "p75", "p90")

@@ -44,6 +44,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from traceml import phases
 from traceml.compare.model import Direction, MemoryChange, TimeChange, Verdict, VerdictLabel
 from traceml.compare.summary import SectionData
 from traceml.diagnosis.finding import format_bytes
@@ -75,7 +76,7 @@ MEMORY_METRICS = (("peak_reserved_bytes", "peak device memory reserved"),
 
 CREEP_KINDS = {"MEMORY_CREEP": "device memory creep", "RSS_CREEP": "host RSS creep"}
 
-ATTRIBUTION_PHASES = ("input", "forward", "backward", "optimizer", "wait")
+ATTRIBUTION_PHASES = tuple(p.name for p in phases.stacked())
 """Phases the why line can name as the main part of a step-time change."""
 
 

@@ -10,9 +10,11 @@ zero is ``0``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, Union
+
+from traceml import phases
 
 Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
 """A JSON value as the standard library's ``json`` module reads and writes it."""
@@ -26,17 +28,25 @@ class StepRow:
 
     rank: int
     step: int  # 0-based per rank
-    input_ms: float
-    forward_ms: float
-    backward_ms: float
-    optimizer_ms: float
+    phase_ms: Mapping[str, float]  # exclusive time per phase name (`traceml.phases`)
     total_ms: float  # boundary to boundary
-    wait_ms: float  # total - four phases, clamped >= 0
+    wait_ms: float  # total - every phase, clamped >= 0
     peak_allocated_bytes: int | None = None  # CUDA device peak this step (None on CPU)
     peak_reserved_bytes: int | None = None
     rss_bytes: int | None = None  # host RSS of the rank at step end
-    gpu_ms: float | None = None  # reserved for GPU phase time; may be None
+    gpu_ms: float | None = None  # GPU time of the GPU-timed phases; None off CUDA
     t: float | None = None  # unix seconds at step end; lets sample sections use the step window
+
+    def ms(self, name: str) -> float:
+        """Time of a phase, or of ``total``, ``compute`` or ``wait``; a phase the row
+        does not hold (data from before it existed) took 0."""
+        if name == "total":
+            return self.total_ms
+        if name == "wait":
+            return self.wait_ms
+        if name == "compute":
+            return sum(self.phase_ms.get(n, 0.0) for n in phases.compute_names())
+        return self.phase_ms.get(name, 0.0)
 
 
 @dataclass(frozen=True)
@@ -118,7 +128,23 @@ class RunData:
     system: tuple[SystemSample, ...]
 
 
-_Row = TypeVar("_Row", StepRow, ProcessSample, GpuSample)
+@dataclass(frozen=True)
+class _StepColumns:
+    """A StepRow as run data stores it: one ``<phase>_ms`` column per phase."""
+
+    rank: int
+    step: int
+    total_ms: float
+    wait_ms: float
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    rss_bytes: int | None = None
+    gpu_ms: float | None = None
+    t: float | None = None
+    phase_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+_Row = TypeVar("_Row", _StepColumns, ProcessSample, GpuSample)
 
 
 def to_jsonable(run: RunData) -> dict[str, Json]:
@@ -131,7 +157,7 @@ def to_jsonable(run: RunData) -> dict[str, Json]:
     return {
         "format": RUNDATA_FORMAT,
         "meta": meta,
-        "steps": _encode_rows(StepRow, run.steps),
+        "steps": _encode_steps(run.steps),
         "process": _encode_rows(ProcessSample, run.process),
         "system": [_encode_system(s) for s in run.system],
     }
@@ -144,10 +170,26 @@ def from_jsonable(obj: object) -> RunData:
         raise ValueError(f"run data format is {top.get('format')!r}, expected {RUNDATA_FORMAT!r}")
     return RunData(
         meta=_decode_meta(_as_dict(top.get("meta"), "meta")),
-        steps=_decode_rows(StepRow, top.get("steps")),
+        steps=tuple(_decode_step(row) for row in _decode_rows(_StepColumns, top.get("steps"))),
         process=_decode_rows(ProcessSample, top.get("process")),
         system=tuple(_decode_system(s) for s in _as_list(top.get("system"), "system")),
     )
+
+
+def _encode_steps(rows: Sequence[StepRow]) -> dict[str, Json]:
+    names = [f.name for f in dataclasses.fields(_StepColumns) if f.name != "phase_ms"]
+    columns = [p.column for p in phases.PHASES]
+    return {
+        "fields": ["rank", "step", *columns, *names[2:]],
+        "rows": [[row.rank, row.step, *(row.ms(p.name) for p in phases.PHASES),
+                  *(getattr(row, name) for name in names[2:])] for row in rows],
+    }
+
+
+def _decode_step(cols: _StepColumns) -> StepRow:
+    return StepRow(cols.rank, cols.step, cols.phase_ms, cols.total_ms, cols.wait_ms,
+                   cols.peak_allocated_bytes, cols.peak_reserved_bytes, cols.rss_bytes,
+                   cols.gpu_ms, cols.t)
 
 
 def _encode_rows(cls: type[_Row], rows: Sequence[_Row]) -> dict[str, Json]:
@@ -162,7 +204,8 @@ def _decode_rows(cls: type[_Row], obj: object) -> tuple[_Row, ...]:
     table = _as_dict(obj, cls.__name__)
     names = [_as_str(n, "field name") for n in _as_list(table.get("fields"), "fields")]
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(names) - known
+    columns = {p.column: p.name for p in phases.PHASES} if cls is _StepColumns else {}
+    unknown = set(names) - known - set(columns)
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
     out = []
@@ -171,6 +214,8 @@ def _decode_rows(cls: type[_Row], obj: object) -> tuple[_Row, ...]:
         if len(values) != len(names):
             raise ValueError(f"{cls.__name__}: row has {len(values)} values, expected {len(names)}")
         kwargs: dict[str, Any] = dict(zip(names, values))
+        if columns:
+            kwargs["phase_ms"] = {columns[n]: kwargs.pop(n) for n in names if n in columns}
         out.append(cls(**kwargs))
     return tuple(out)
 

@@ -27,12 +27,17 @@ import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from traceml import phases
 from traceml.diagnosis import thresholds
 from traceml.diagnosis.finding import Finding, format_ranks, grade, not_measured, order_findings
 from traceml.diagnosis.stats import Distribution, distribution, medians_of_others
 from traceml.diagnosis.window import StepWindow
 
-PHASES = ("total", "input", "forward", "backward", "optimizer", "compute", "wait")
+PHASES = tuple(p.name for p in phases.step_metrics())
+"""What each rank row holds a distribution of: total, every phase, compute, wait."""
+
+SHARES = tuple(p.name for p in phases.share_metrics())
+"""The parts whose share of the step a rank row reports."""
 
 
 @dataclass(frozen=True)
@@ -42,38 +47,32 @@ class RankStepTimes:
     rank: int
     node_rank: int | None
     num_steps: int
-    total_ms: Distribution
-    input_ms: Distribution
-    forward_ms: Distribution
-    backward_ms: Distribution
-    optimizer_ms: Distribution
-    compute_ms: Distribution  # forward + backward + optimizer
-    wait_ms: Distribution
+    dists: Mapping[str, Distribution]  # one of PHASES -> its distribution
+
+    def dist(self, phase: str) -> Distribution:
+        """The distribution of one of PHASES."""
+        return self.dists[phase]
 
     def mean(self, phase: str) -> float:
         """Mean ms of one of PHASES."""
-        dist: Distribution = getattr(self, f"{phase}_ms")
-        return dist.mean
+        return self.dists[phase].mean
+
+    @property
+    def total_ms(self) -> Distribution:
+        """The step time distribution."""
+        return self.dists["total"]
 
     def share_pct(self, phase: str) -> float | None:
         """Phase mean as % of the step mean; None for a zero-length step."""
         total = self.total_ms.mean
         return 100.0 * self.mean(phase) / total if total > 0 else None
 
-    @property
-    def input_share_pct(self) -> float | None:
-        """Input mean as % of the step mean."""
-        return self.share_pct("input")
-
-    @property
-    def compute_share_pct(self) -> float | None:
-        """Forward+backward+optimizer mean as % of the step mean."""
-        return self.share_pct("compute")
-
-    @property
-    def wait_share_pct(self) -> float | None:
-        """Wait mean as % of the step mean."""
-        return self.share_pct("wait")
+    def json_fields(self) -> dict[str, object]:
+        """The row as final_summary.json writes it: ``<phase>_ms`` distributions and
+        ``<part>_share_pct`` shares."""
+        return {"rank": self.rank, "node_rank": self.node_rank, "num_steps": self.num_steps,
+                **{f"{p}_ms": self.dists[p] for p in PHASES},
+                **{f"{p}_share_pct": self.share_pct(p) for p in SHARES}}
 
 
 def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int, RankStepTimes]:
@@ -82,18 +81,8 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
     for rank, rows in window.by_rank.items():
         if not rows:
             continue
-        out[rank] = RankStepTimes(
-            rank=rank,
-            node_rank=node_of.get(rank),
-            num_steps=len(rows),
-            total_ms=distribution([r.total_ms for r in rows]),
-            input_ms=distribution([r.input_ms for r in rows]),
-            forward_ms=distribution([r.forward_ms for r in rows]),
-            backward_ms=distribution([r.backward_ms for r in rows]),
-            optimizer_ms=distribution([r.optimizer_ms for r in rows]),
-            compute_ms=distribution([r.forward_ms + r.backward_ms + r.optimizer_ms for r in rows]),
-            wait_ms=distribution([r.wait_ms for r in rows]),
-        )
+        dists = {p: distribution([r.ms(p) for r in rows]) for p in PHASES}
+        out[rank] = RankStepTimes(rank, node_of.get(rank), len(rows), dists)
     return out
 
 
@@ -125,7 +114,7 @@ def wait_heavy(times: Mapping[int, RankStepTimes]) -> list[Finding]:
     return _share_rule(
         times, "wait", "WAIT_HEAVY", "WAIT-HEAVY",
         (thresholds.WAIT_SHARE_WARN_PCT, thresholds.WAIT_SHARE_CRIT_PCT),
-        "Time outside input, forward, backward and optimizer took {share:.1f}% of step "
+        f"Time outside {phases.describe(phases.PHASES)} took {{share:.1f}}% of step "
         "time ({ms:.1f} of {step:.1f} ms, median rank).",
         "Look for work between steps: host syncs (.item(), .cpu(), printing tensors), "
         "logging, checkpointing or evaluation inside the loop; profile one step with "

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from traceml import phases
 from traceml.collector.store import STORE_FILENAME
 from traceml.diagnosis.samples import StepRow
 from traceml.errors import UsageError
 
-PHASES = ("input_ms", "forward_ms", "backward_ms", "optimizer_ms", "wait_ms", "total_ms")
+PHASES = (*phases.stacked(), phases.TOTAL)
 
 
 def phase_table(steps: tuple[StepRow, ...]) -> str:
@@ -27,12 +28,11 @@ def phase_table(steps: tuple[StepRow, ...]) -> str:
     table = []
     for rank in sorted(by_rank):
         rows = by_rank[rank]
-        means = [sum(getattr(r, p) for r in rows) / len(rows) for p in PHASES]
+        means = [sum(r.ms(p.name) for r in rows) / len(rows) for p in PHASES]
         table.append([f"r{rank}", len(rows), *(f"{m:.2f}" for m in means)])
     if not table:
         return "traceml: no training steps were captured."
-    headers = ["rank", "steps", "input ms", "forward ms", "backward ms", "optimizer ms",
-               "wait ms", "total ms"]
+    headers = ["rank", "steps", *(f"{p.name} ms" for p in PHASES)]
     rendered: str = tabulate(table, headers=headers, disable_numparse=True)
     return "traceml: mean time per step\n" + rendered
 

@@ -12,10 +12,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from traceml import phases
 from traceml.diagnosis.samples import Json, StepRow
 
-SERIES_PHASES = ("input_ms", "forward_ms", "backward_ms", "optimizer_ms", "wait_ms", "total_ms")
-"""Stacked in this order (input .. wait) they add up to total_ms."""
+SERIES_PHASES = tuple(p.column for p in (*phases.stacked(), phases.TOTAL))
+"""Stacked in this order (every phase, then wait) they add up to total_ms."""
 
 SERIES_MEMORY = ("peak_allocated_bytes", "peak_reserved_bytes", "rss_bytes")
 
@@ -58,7 +59,7 @@ def _rank_series(rank: int, rows: Mapping[int, StepRow], first: int, size: int) 
     if size == 1:  # every step is a point (always so live): no bucket arithmetic
         ordered = [rows[step] for step in sorted(rows)]
         columns: dict[str, tuple[float | None, ...]] = {
-            name: tuple(getattr(r, name) for r in ordered)
+            name: tuple(_value(r, name) for r in ordered)
             for name in SERIES_PHASES + SERIES_MEMORY}
         return RankSeries(rank, tuple(r.step for r in ordered), columns)
     buckets: dict[int, list[StepRow]] = {}
@@ -67,10 +68,19 @@ def _rank_series(rank: int, rows: Mapping[int, StepRow], first: int, size: int) 
     xs = tuple(buckets)
     columns = {}
     for name in SERIES_PHASES:
-        columns[name] = tuple(_mean(getattr(r, name) for r in buckets[x]) for x in xs)
+        columns[name] = tuple(_mean(r.ms(name.removesuffix("_ms")) for r in buckets[x])
+                              for x in xs)
     for name in SERIES_MEMORY:
         columns[name] = tuple(_peak(getattr(r, name) for r in buckets[x]) for x in xs)
     return RankSeries(rank, xs, columns)
+
+
+def _value(row: StepRow, name: str) -> float | None:
+    """A series column of one step: ``<phase>_ms`` from its phases, else the field."""
+    if name in SERIES_PHASES:
+        return row.ms(name.removesuffix("_ms"))
+    value: int | None = getattr(row, name)
+    return None if value is None else float(value)
 
 
 def _mean(values: Iterable[float]) -> float:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from traceml import phases
 from traceml.diagnosis.samples import Json, RunData
 from traceml.diagnosis.window import select_window
 from traceml.live.gauges import GaugeRow, gauges_to_json, node_gauges, process_gauges
@@ -26,7 +27,8 @@ from traceml.report.model import Report
 LIVE_WINDOW_STEPS = 100
 """Aligned steps per rank the live diagnosis and phase table look at."""
 
-TABLE_PHASES = ("input_ms", "forward_ms", "backward_ms", "optimizer_ms", "wait_ms", "total_ms")
+TABLE_PHASES = tuple(p.column for p in (*phases.stacked(), phases.TOTAL))
+"""The phase table's columns: every phase, wait, total."""
 
 SNAPSHOT_FORMAT = "traceml.snapshot/1"
 
@@ -85,7 +87,7 @@ def phase_rows(run: RunData, report: Report) -> tuple[RankPhases, ...]:
     out = []
     for rank in sorted(set(last) | set(window.by_rank)):
         rows = window.by_rank.get(rank, ())
-        values = {p: [float(getattr(r, p)) for r in rows] for p in TABLE_PHASES}
+        values = {p: [r.ms(p.removesuffix("_ms")) for r in rows] for p in TABLE_PHASES}
         out.append(RankPhases(
             rank, node_of.get(rank), last.get(rank), len(rows),
             {p: statistics.median(v) for p, v in values.items() if v},
@@ -107,6 +109,7 @@ def snapshot_to_json(snap: Snapshot, live: bool) -> dict[str, Json]:
     """The document the page renders; ``summary`` is exactly final_summary.json's shape."""
     return {
         "format": SNAPSHOT_FORMAT,
+        "phase_table": [{**row} for row in phases.table_json()],
         "live": live,
         "ended": snap.ended,
         "elapsed_s": round(snap.elapsed_s, 3),

@@ -16,6 +16,7 @@ from traceml.diagnosis.stats import Located, MetricStat, Worst, metric_stat
 from traceml.diagnosis.step_memory import diagnose_step_memory, rank_memory
 from traceml.diagnosis.step_time import (
     PHASES,
+    SHARES,
     RankStepTimes,
     diagnose_step_time,
     rank_step_times,
@@ -78,7 +79,7 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
     times = rank_step_times(window, node_of)
     rows = [times[r] for r in sorted(times)]
     stats = {f"{phase}_ms": _rank_stat(rows, _phase_mean(phase)) for phase in PHASES}
-    for phase in ("input", "compute", "wait"):
+    for phase in SHARES:
         stats[f"{phase}_share_pct"] = _rank_stat(rows, _phase_share(phase))
     findings = diagnose_step_time(times, _unmeasured_steps_why(run))
     return Section("step_time", findings, window.scope(node_of, _num_nodes(run)), stats,

@@ -8,7 +8,8 @@ Times are ISO-8601 strings in UTC with milliseconds (``2026-01-31T12:00:00.000+0
 "Not measured" is ``null``; a measured zero is ``0``; non-finite numbers
 (an infinite ratio) are written as ``null`` because JSON has no infinity.
 A rank row is written with every field of its dataclass plus every
-property it defines (derived numbers such as ``pressure_pct``).
+property it defines (derived numbers such as ``pressure_pct``); a Step Time
+row with one distribution and one share per part of the phase table.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from datetime import datetime, timezone
 from traceml.diagnosis.finding import Finding
 from traceml.diagnosis.samples import Json, RunMeta
 from traceml.diagnosis.stats import MetricStat
+from traceml.diagnosis.step_time import RankStepTimes
 from traceml.report.model import Primary, RankRow, Report, Section
 
 VERSION_KEYS = ("traceml", "torch", "python")
@@ -102,7 +104,10 @@ def stat_to_json(stat: MetricStat | None) -> Json:
 
 
 def row_to_json(row: RankRow) -> dict[str, Json]:
-    """A rank row: its fields, then its derived properties."""
+    """A rank row: its fields, then its derived properties; a row whose fields
+    follow the phase table says how it is written (``json_fields``)."""
+    if isinstance(row, RankStepTimes):
+        return {key: _plain(value) for key, value in row.json_fields().items()}
     out = _plain(row)
     assert isinstance(out, dict)
     for name, attr in vars(type(row)).items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from traceml import phases
 from traceml.report.model import SCHEMA_VERSION
 
 Schema = Mapping[str, Any]
@@ -83,11 +84,8 @@ _STEP_TIME_ROW = _obj({
     "rank": _INT,
     "node_rank": _INT_OR_NULL,
     "num_steps": _INT,
-    **{f"{phase}_ms": _DIST
-       for phase in ("total", "input", "forward", "backward", "optimizer", "compute", "wait")},
-    "input_share_pct": _NUM_OR_NULL,
-    "compute_share_pct": _NUM_OR_NULL,
-    "wait_share_pct": _NUM_OR_NULL,
+    **{p.column: _DIST for p in phases.step_metrics()},
+    **{f"{p.name}_share_pct": _NUM_OR_NULL for p in phases.share_metrics()},
 })
 
 _STEP_MEMORY_ROW = _obj({
@@ -150,8 +148,8 @@ _SYSTEM_ROW = _obj({
 
 SECTION_STATS: Mapping[str, tuple[str, ...]] = {
     "step_time": (
-        "total_ms", "input_ms", "forward_ms", "backward_ms", "optimizer_ms", "compute_ms",
-        "wait_ms", "input_share_pct", "compute_share_pct", "wait_share_pct",
+        *(p.column for p in phases.step_metrics()),
+        *(f"{p.name}_share_pct" for p in phases.share_metrics()),
     ),
     "step_memory": (
         "peak_allocated_bytes", "peak_reserved_bytes", "pressure_pct", "allocated_growth_bytes",

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from traceml import phases
 from traceml.collector.store import STORE_FILENAME, StoreReader
 from traceml.diagnosis.samples import (
     GpuSample,
@@ -91,9 +92,9 @@ def load_run(session_dir: Path) -> tuple[RunData, int]:
 
 def step_row(r: dict[str, Any]) -> StepRow:
     return StepRow(
-        rank=r["rank"], step=r["step"], input_ms=r["input_ms"], forward_ms=r["forward_ms"],
-        backward_ms=r["backward_ms"], optimizer_ms=r["optimizer_ms"], total_ms=r["total_ms"],
-        wait_ms=r["wait_ms"], peak_allocated_bytes=r["peak_allocated_bytes"],
+        rank=r["rank"], step=r["step"], phase_ms={p.name: r[p.column] for p in phases.PHASES},
+        total_ms=r["total_ms"], wait_ms=r["wait_ms"],
+        peak_allocated_bytes=r["peak_allocated_bytes"],
         peak_reserved_bytes=r["peak_reserved_bytes"], rss_bytes=r["rss_bytes"],
         t=(r["t_begin"] + r["total_ms"] / 1e3) if r["t_begin"] is not None else None,
         gpu_ms=_gpu_ms(r),
@@ -101,8 +102,8 @@ def step_row(r: dict[str, Any]) -> StepRow:
 
 
 def _gpu_ms(r: dict[str, Any]) -> float | None:
-    """GPU time of the step's forward, backward and optimizer (None off CUDA)."""
-    parts = [r.get(k) for k in ("gpu_forward_ms", "gpu_backward_ms", "gpu_optimizer_ms")]
+    """GPU time of the step's GPU-timed phases (None off CUDA)."""
+    parts = [r.get(p.gpu_column) for p in phases.gpu_timed()]
     return None if any(p is None for p in parts) else float(sum(parts))  # type: ignore[arg-type]
 
 

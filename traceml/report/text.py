@@ -11,6 +11,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
+from traceml import phases
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
 from traceml.diagnosis.stats import MetricStat
 from traceml.report.model import Report, Section
@@ -27,8 +28,8 @@ _CARD_STATS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 """Stats each non-Step-Time block shows, as (stats key, display name)."""
 
-_STEP_PHASES = (("total_ms", "total"), ("input_ms", "input"), ("compute_ms", "compute"),
-                ("wait_ms", "wait"))
+_STEP_PHASES = tuple((p.column, p.name) for p in (phases.TOTAL, *phases.share_metrics()))
+"""The Step Time stats the card shows: total, the phases outside compute, compute, wait."""
 
 
 def render_text(report: Report, width: int = 78) -> str:

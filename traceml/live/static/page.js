@@ -3,11 +3,9 @@
 // Plain DOM, SVG and canvas; nothing is fetched from anywhere else.
 "use strict";
 (function () {
-  const PHASES = [
-    ["input_ms", "input", "#4e79a7"], ["forward_ms", "forward", "#59a14f"],
-    ["backward_ms", "backward", "#f28e2b"], ["optimizer_ms", "optimizer", "#b07aa1"],
-    ["wait_ms", "wait", "#e15759"],
-  ];
+  // The stacked parts of a step (every phase, then wait) as [column, name, colour],
+  // from the phase table the document carries (traceml/phases.py).
+  let PHASES = [];
   const RANK_COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",
     "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
   const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
@@ -144,6 +142,16 @@
       if (r.step.length) { lo = Math.min(lo, r.step[0]); hi = Math.max(hi, r.step[r.step.length - 1]); }
     }
     return lo === Infinity ? [0, 1] : [lo, hi];
+  }
+
+  function usePhaseTable(table) {
+    PHASES = table.filter((p) => p.kind === "phase" || p.kind === "wait")
+      .map((p) => [p.column, p.name, p.colour]);
+    const select = $("heat-phase");
+    if (select.options.length) return;
+    for (const p of table.filter((p) => p.kind !== "compute")) {
+      select.append(el("option", { value: p.column }, p.name));
+    }
   }
 
   function renderLegend() {
@@ -329,6 +337,7 @@
     renderHeader(doc);
     renderVerdict(doc);
     renderTable(doc);
+    usePhaseTable(doc.phase_table);
     renderLegend();
     renderPhaseCharts(doc);
     renderHeatmap(doc);

@@ -1,0 +1,119 @@
+"""The step phases: the one table every process reads (shared: agent, collector, analysis).
+
+A training step is cut into exclusive phases; ``wait`` is what is left
+(``total`` minus every phase, never negative) and ``compute`` the sum of the
+phases marked as compute.  Everything that names a phase derives it from
+:data:`PHASES`: the agent's event codes, the step record the collector stores,
+the store's columns, the rules, the report model, compare, the text card, the
+live views and the page's JavaScript (which reads :func:`table_json` from the
+document it renders).  Adding a phase is a change to this table alone.
+
+Standard library only: every process imports it, the agent included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One column of a step: what it is called, how it is drawn and what it counts as."""
+
+    name: str  # "input"; JSON keys are ``<name>_ms``, ``num_<name>``, ``<name>_share_pct``
+    label: str  # "Input": tables, compare and the page
+    colour: str  # the page's charts
+    compute: bool = False  # part of ``compute`` (forward+backward+optimizer)
+    collective: bool = False  # time blocked on collectives (communication)
+    gpu_timed: bool = False  # CUDA events time it too (``gpu_<name>_ms``)
+
+    @property
+    def column(self) -> str:
+        """The stored and reported time column: ``input_ms``."""
+        return f"{self.name}_ms"
+
+    @property
+    def count_column(self) -> str:
+        """How many times the phase ran in the step: ``num_input``."""
+        return f"num_{self.name}"
+
+    @property
+    def gpu_column(self) -> str:
+        """GPU time of the phase (CUDA): ``gpu_forward_ms``."""
+        return f"gpu_{self.name}_ms"
+
+
+PHASES: tuple[Phase, ...] = (
+    Phase("input", "Input", "#4e79a7"),
+    Phase("forward", "Forward", "#59a14f", compute=True, gpu_timed=True),
+    Phase("backward", "Backward", "#f28e2b", compute=True, gpu_timed=True),
+    Phase("optimizer", "Optimizer", "#b07aa1", compute=True, gpu_timed=True),
+)
+"""The measured phases in step order; a phase's wire code is its position."""
+
+TOTAL = Phase("total", "Total step", "#333333")
+"""Boundary to boundary: not a phase, the whole step."""
+
+COMPUTE = Phase("compute", "Compute", "#76b7b2")
+"""The sum of the compute phases."""
+
+WAIT = Phase("wait", "Wait", "#e15759")
+"""Untraced time: total minus every phase, never negative."""
+
+NUM_PHASES = len(PHASES)
+
+
+def code(name: str) -> int:
+    """The wire code of a phase's begin event (its position in :data:`PHASES`)."""
+    for index, phase in enumerate(PHASES):
+        if phase.name == name:
+            return index
+    raise KeyError(f"no phase {name!r}")
+
+
+def names() -> tuple[str, ...]:
+    """The phase names in step order."""
+    return tuple(p.name for p in PHASES)
+
+
+def compute_names() -> tuple[str, ...]:
+    """The phases that make up ``compute``."""
+    return tuple(p.name for p in PHASES if p.compute)
+
+
+def gpu_timed() -> tuple[Phase, ...]:
+    """The phases CUDA events time, in step order."""
+    return tuple(p for p in PHASES if p.gpu_timed)
+
+
+def step_metrics() -> tuple[Phase, ...]:
+    """What a per-rank Step Time row holds a distribution of: total, each phase,
+    compute, wait."""
+    return (TOTAL, *PHASES, COMPUTE, WAIT)
+
+
+def stacked() -> tuple[Phase, ...]:
+    """The parts that add up to the step, in drawing order: each phase, then wait."""
+    return (*PHASES, WAIT)
+
+
+def share_metrics() -> tuple[Phase, ...]:
+    """The parts whose share of the step is reported: the phases outside compute,
+    compute, wait."""
+    return (*(p for p in PHASES if not p.compute), COMPUTE, WAIT)
+
+
+def describe(parts: tuple[Phase, ...]) -> str:
+    """``input, forward, backward and optimizer``: phase names for a sentence."""
+    words = [p.name for p in parts]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def table_json() -> list[dict[str, str | bool]]:
+    """The table as the page reads it: every step metric with its kind."""
+    return [
+        {"name": p.name, "column": p.column, "label": p.label, "colour": p.colour,
+         "kind": "phase" if p in PHASES else p.name, "compute": p.compute,
+         "collective": p.collective}
+        for p in step_metrics()
+    ]
