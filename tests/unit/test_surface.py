@@ -27,6 +27,8 @@ def _imports(path: Path) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
+            if node.module == "traceml":  # from traceml import report: a module, not a name
+                names.update(f"traceml.{a.name}" for a in node.names)
     return names
 
 
