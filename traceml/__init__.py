@@ -6,6 +6,6 @@
 from __future__ import annotations
 
 from traceml.api import init, summary, trace_step
+from traceml.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["__version__", "init", "summary", "trace_step"]

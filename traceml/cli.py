@@ -51,9 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        import traceml
+        from traceml.version import __version__
 
-        print(f"traceml {traceml.__version__}")
+        print(f"traceml {__version__}")
         return 0
     command = COMMANDS.get(argv[0])
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -26,13 +27,15 @@ def _imports(path: Path) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
+            if node.module == "traceml":  # from traceml import report: a module, not a name
+                names.update(f"traceml.{a.name}" for a in node.names)
     return names
 
 
 def test_agent_imports_point_one_way() -> None:
     allowed_traceml = ("traceml.agent", "traceml.protocol", "traceml.environment",
                        "traceml.errors", "traceml.config", "traceml.sender",
-                       "traceml.security")
+                       "traceml.security", "traceml.version", "traceml.phases")
     allowed_third = ("torch", "zmq", "orjson")
     for path in (PKG / "agent").rglob("*.py"):
         for name in _imports(path):
@@ -41,6 +44,25 @@ def test_agent_imports_point_one_way() -> None:
             else:
                 top = name.split(".")[0]
                 assert top in allowed_third or top in sys.stdlib_module_names, (path, name)
+
+
+# What a training rank must never pay for (ruff's banned imports in traceml/agent/ruff.toml
+# keep the sources clean; this checks what actually gets loaded, transitive imports included).
+AGENT_NEVER_LOADS = ("rich", "tabulate", "traceml.report", "traceml.diagnosis",
+                     "traceml.collector", "traceml.live", "traceml.compare", "traceml.launcher")
+
+
+def test_importing_the_agent_loads_no_analysis_or_rendering_code() -> None:
+    code = ("import json, pkgutil, sys, traceml.agent\n"
+            "for m in pkgutil.walk_packages(traceml.agent.__path__, 'traceml.agent.'):\n"
+            "    __import__(m.name)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(out.stdout))
+    assert {"traceml.agent.activate", "traceml.agent.patches", "traceml.agent.runtime",
+            "torch", "zmq"} <= loaded
+    assert sorted(m for m in loaded for banned in AGENT_NEVER_LOADS
+                  if m == banned or m.startswith(banned + ".")) == []
 
 
 def test_analysis_code_does_not_need_torch() -> None:

@@ -1,7 +1,35 @@
-"""``python -m traceml.collector CONFIG_JSON`` (collector process)."""
+"""``python -m traceml.collector CONFIG_JSON`` (collector process).
+
+The collector's composition root: the server, plus the live page's server when
+the configuration asks for one (``--mode=dashboard``).  Composed here so that
+``traceml.collector.server`` does not import the live views.
+"""
+
+from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from traceml.collector.server import main
+from traceml.collector.server import CollectorConfig, LiveServer, serve
 
-sys.exit(main())
+
+def live_server(config: CollectorConfig) -> LiveServer | None:
+    """The dashboard's server for ``--mode=dashboard``; only such runs pay for its import."""
+    if config.dashboard_port is None:
+        return None
+    # The one place the collector process reaches into the live views (ruff TID251).
+    from traceml.live.dashboard import Dashboard  # noqa: TID251
+
+    return Dashboard(Path(config.db_path), config.session_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The configuration arrives on stdin (it may hold the session secret)."""
+    args = sys.argv[1:] if argv is None else argv
+    text = args[0] if args else sys.stdin.readline()
+    config = CollectorConfig.from_json(text)
+    return serve(config, live_server(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

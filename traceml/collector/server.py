@@ -5,7 +5,9 @@ Started by node 0's launcher before the workers.  It ignores SIGINT (Ctrl-C
 is the launcher's to handle), stores every sample, counts malformed, foreign
 and oversized messages and per-sender sequence gaps, and stops when the
 launcher says the run ended (after draining what is still in flight) or when
-the launcher disappears.
+the launcher disappears.  The live page's server (``--mode=dashboard``) is handed in
+by the entry point, ``traceml.collector.__main__``: this module does not import
+the live views.
 """
 
 from __future__ import annotations
@@ -13,11 +15,9 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 import zmq
@@ -31,9 +31,6 @@ from traceml.security import secure_server, session_keys
 
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-
-if TYPE_CHECKING:
-    from traceml.live.dashboard import Dashboard
 
 COMMIT_INTERVAL_S = 0.25
 POLL_MS = 100
@@ -49,7 +46,7 @@ class CollectorConfig:
     db_path: str
     parent_pid: int
     max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
-    # --mode=dashboard: the live page's server runs in this process (traceml.live.dashboard).
+    # --mode=dashboard: the live page's server runs in this process (see LiveServer).
     dashboard_port: int | None = None
     dashboard_host: str = "127.0.0.1"
     # Several nodes: CURVE when listening beyond loopback, and the join check.
@@ -64,6 +61,16 @@ class CollectorConfig:
     @classmethod
     def from_json(cls, text: str) -> CollectorConfig:
         return cls(**orjson.loads(text))
+
+
+class LiveServer(Protocol):
+    """What the collector needs of the live page's server (``traceml.live.dashboard``)."""
+
+    def start(self, host: str, port: int) -> object:
+        """Start serving; returns the address to announce.  OSError: cannot listen."""
+
+    def finish(self) -> None:
+        """The run is over and the store closed: serve the final report, then stop."""
 
 
 class Collector:
@@ -248,8 +255,10 @@ def join_problem(request: dict[str, Any], config: CollectorConfig) -> str:
     return ""
 
 
-def serve(config: CollectorConfig) -> int:
-    """Run until the launcher ends the session; returns the exit status."""
+def serve(config: CollectorConfig, dashboard: LiveServer | None = None) -> int:
+    """Run until the launcher ends the session; returns the exit status.
+
+    ``dashboard`` is started when the configuration asks for one (``dashboard_port``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     context = zmq.Context()
     try:
@@ -262,7 +271,7 @@ def serve(config: CollectorConfig) -> int:
     store = StoreWriter(config.db_path)
     collector = Collector(config, store)
     ready: dict[str, Any] = {"port": listener.port, "pid": os.getpid()}
-    dashboard = _start_dashboard(config, ready)
+    dashboard = _start_dashboard(dashboard, config, ready)
     print(orjson.dumps(ready).decode(), flush=True)
     try:
         _loop(listener, collector, config)
@@ -276,13 +285,11 @@ def serve(config: CollectorConfig) -> int:
     return 0
 
 
-def _start_dashboard(config: CollectorConfig, ready: dict[str, Any]) -> Dashboard | None:
+def _start_dashboard(dashboard: LiveServer | None, config: CollectorConfig,
+                     ready: dict[str, Any]) -> LiveServer | None:
     """The live page's server when asked for; its address (or why not) goes in ``ready``."""
-    if config.dashboard_port is None:
+    if dashboard is None or config.dashboard_port is None:
         return None
-    from traceml.live.dashboard import Dashboard  # only dashboard runs pay for the import
-
-    dashboard = Dashboard(Path(config.db_path), config.session_id)
     try:
         ready["dashboard"] = dashboard.start(config.dashboard_host, config.dashboard_port)
     except OSError as exc:
@@ -309,10 +316,3 @@ def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> 
             or (collector.ended and collector.all_said_bye())
         ):
             return
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The configuration arrives on stdin (it may hold the session secret)."""
-    args = sys.argv[1:] if argv is None else argv
-    text = args[0] if args else sys.stdin.readline()
-    return serve(CollectorConfig.from_json(text))

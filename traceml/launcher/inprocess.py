@@ -19,12 +19,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import traceml
 from traceml.collector.server import CollectorConfig
 from traceml.collector.store import STORE_FILENAME
 from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.launcher.system_sampler import SystemSampler
+from traceml.version import __version__
 
 
 class InProcessSession:
@@ -52,7 +52,7 @@ class InProcessSession:
 
         self.collector.set_meta(
             session_id=self.env.session_id, command=[sys.executable, *sys.argv],
-            started_at=time.time(), traceml_version=traceml.__version__,
+            started_at=time.time(), traceml_version=__version__,
             torch_version=str(torch.__version__), python_version=platform.python_version(),
             summary_window_rows=10000, mode="run", expected_world_size=1)
         self.sampler.start()

@@ -17,7 +17,6 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-import traceml
 from traceml import environment
 from traceml.collector.server import CollectorConfig
 from traceml.collector.store import STORE_FILENAME
@@ -33,6 +32,7 @@ from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
 from traceml.security import session_keys
+from traceml.version import __version__
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
 
@@ -126,7 +126,7 @@ def inject(agent_env: AgentEnv) -> None:
 def record_start(collector: CollectorProcess, cfg: RunConfig) -> None:
     collector.set_meta(
         session_id=cfg.session_id, command=["traceml", cfg.command, *cfg.argv],
-        started_at=time.time(), traceml_version=traceml.__version__,
+        started_at=time.time(), traceml_version=__version__,
         torch_version=_torch_version(), python_version=platform.python_version(),
         summary_window_rows=cfg.summary_window_rows, mode=cfg.command,
         expected_world_size=expected_world_size(cfg), expected_nodes=cfg.min_nodes,
