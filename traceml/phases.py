@@ -60,9 +60,6 @@ COMPUTE = Phase("compute", "Compute", "#76b7b2")
 WAIT = Phase("wait", "Wait", "#e15759")
 """Untraced time: total minus every phase, never negative."""
 
-NUM_PHASES = len(PHASES)
-
-
 def code(name: str) -> int:
     """The wire code of a phase's begin event (its position in :data:`PHASES`)."""
     for index, phase in enumerate(PHASES):

@@ -39,7 +39,7 @@ KINDS = frozenset({KIND_EVENTS, KIND_PROCESS, KIND_SYSTEM, KIND_HELLO, KIND_BYE,
 INPUT, FORWARD, BACKWARD, OPTIMIZER = (phases.code(n)
                                        for n in ("input", "forward", "backward", "optimizer"))
 # The phase-end codes are contiguous (END ... OPTIMIZER_SKIPPED): one comparison.
-END = phases.NUM_PHASES  # the innermost phase ends
+END = len(phases.PHASES)  # the innermost phase ends
 END_UNCOUNTED = END + 1  # ... adding its time but not a call (a parameter-free module)
 END_EXHAUSTED = END + 2  # a fetch found its loader empty
 OPTIMIZER_END = END + 3  # the outermost optimizer step ends: the iteration is complete

@@ -83,8 +83,8 @@ class StepTracker:
         self._manual = False
         self._fetch_mode = False
         self._begin = 0.0
-        self._acc = [0.0] * phases.NUM_PHASES
-        self._counts = [0] * phases.NUM_PHASES
+        self._acc = [0.0] * len(phases.PHASES)
+        self._counts = [0] * len(phases.PHASES)
         self._num_skipped = 0
         self._last_opt_end = 0.0
         self._next_step = 0
@@ -243,8 +243,8 @@ class StepTracker:
         self._open = True
         self._complete = False
         self._begin = t
-        self._acc = [0.0] * phases.NUM_PHASES
-        self._counts = [0] * phases.NUM_PHASES
+        self._acc = [0.0] * len(phases.PHASES)
+        self._counts = [0] * len(phases.PHASES)
         self._num_skipped = 0
         self._marks = []
 
@@ -266,7 +266,7 @@ class StepTracker:
 # the next one's begin, the end goes first.
 _TIE_ORDER = {code: i for i, code in enumerate((
     RSS, END, END_UNCOUNTED, END_EXHAUSTED, OPTIMIZER_END, OPTIMIZER_SKIPPED, MARK, MANUAL_EXIT,
-    CLOSE, MANUAL_ENTER, INPUT, FORWARD, BACKWARD, OPTIMIZER, NOGRAD_FORWARD))}
+    CLOSE, MANUAL_ENTER, *range(len(phases.PHASES)), NOGRAD_FORWARD))}
 
 
 def merge_events(times: list[list[float]], marks: list[list[Any]],
