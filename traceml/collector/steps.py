@@ -34,18 +34,15 @@ from traceml import phases, protocol
 from traceml.collector.store import StepRecord
 from traceml.errors import ProtocolError
 from traceml.protocol import (
-    BACKWARD,
     CLOSE,
     END,
     END_EXHAUSTED,
     END_UNCOUNTED,
-    FORWARD,
     INPUT,
     MANUAL_ENTER,
     MANUAL_EXIT,
     MARK,
     NOGRAD_FORWARD,
-    OPTIMIZER,
     OPTIMIZER_END,
     OPTIMIZER_SKIPPED,
     RSS,
