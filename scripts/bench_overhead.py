@@ -41,8 +41,8 @@ from traceml.agent.runtime import AgentRuntime
 from traceml.collector.server import CollectorConfig
 from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
-from traceml.live.page import SNAPSHOT_PATH
 from traceml.protocol import CLOSE, Sender
+from traceml.report.page.render import SNAPSHOT_PATH
 
 
 def make_loop(width: int, depth: int, batch: int, steps: int,  # type: ignore[no-untyped-def]

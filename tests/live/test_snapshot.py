@@ -9,16 +9,16 @@ from tests.live.conftest import GIB, T0, fixed_run
 from tests.rows import step_record, step_row
 from traceml.collector.store import SenderState, StoreWriter
 from traceml.diagnosis.samples import StepRow
-from traceml.live.series import build_series, series_to_json
-from traceml.live.snapshot import (
+from traceml.live.tail import StoreTail
+from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, Sender
+from traceml.report import build_report, report_to_json
+from traceml.report.page.series import build_series, series_to_json
+from traceml.report.page.snapshot import (
     LIVE_WINDOW_STEPS,
     build_snapshot,
     live_snapshot,
     snapshot_to_json,
 )
-from traceml.live.tail import StoreTail
-from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, Sender
-from traceml.report import build_report, report_to_json
 
 
 def row(rank: int, step: int, total_ms: float = 10.0) -> StepRow:

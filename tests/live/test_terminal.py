@@ -10,9 +10,9 @@ from rich.console import Console, RenderableType
 
 from tests.live.conftest import T0, fixed_run
 from traceml.diagnosis.samples import RunData
-from traceml.live.snapshot import live_snapshot
 from traceml.live.terminal import render_view, status_line
 from traceml.live.worker_output import OutputLine, WorkerOutput, clean_line
+from traceml.report.page.snapshot import live_snapshot
 
 
 def render(renderable: RenderableType, width: int = 100, height: int = 40) -> str:

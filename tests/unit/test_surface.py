@@ -65,6 +65,19 @@ def test_importing_the_agent_loads_no_analysis_or_rendering_code() -> None:
                   if m == banned or m.startswith(banned + ".")) == []
 
 
+def test_importing_the_report_loads_no_live_view() -> None:
+    # The live views draw the report's page model (traceml.report.page), never the reverse;
+    # ruff's ban in traceml/report/ruff.toml sees direct imports, this sees transitive ones.
+    code = ("import json, pkgutil, sys, traceml.report\n"
+            "for m in pkgutil.walk_packages(traceml.report.__path__, 'traceml.report.'):\n"
+            "    __import__(m.name)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(out.stdout))
+    assert {"traceml.report.html", "traceml.report.page.render", "traceml.report.page.snapshot"} <= loaded
+    assert sorted(m for m in loaded if m == "traceml.live" or m.startswith("traceml.live.")) == []
+
+
 def test_analysis_code_does_not_need_torch() -> None:
     for sub in ("diagnosis", "report", "collector"):
         for path in (PKG / sub).rglob("*.py"):

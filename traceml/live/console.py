@@ -20,10 +20,10 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.text import Text
 
-from traceml.live.snapshot import Snapshot, live_snapshot
 from traceml.live.tail import StoreTail
 from traceml.live.terminal import render_view, status_line
 from traceml.live.worker_output import WorkerOutput
+from traceml.report.page.snapshot import Snapshot, live_snapshot
 
 REFRESH_S = 1.0
 PLAIN_INTERVAL_S = 10.0

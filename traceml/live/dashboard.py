@@ -26,9 +26,9 @@ import orjson
 
 from traceml.diagnosis.samples import Json
 from traceml.errors import UsageError
-from traceml.live.page import SNAPSHOT_PATH, live_page
-from traceml.live.snapshot import build_snapshot, live_snapshot, snapshot_to_json
 from traceml.live.tail import StoreTail
+from traceml.report.page.render import SNAPSHOT_PATH, live_page
+from traceml.report.page.snapshot import build_snapshot, live_snapshot, snapshot_to_json
 
 MIN_REBUILD_S = 1.0
 FINAL_LINGER_S = 3.0

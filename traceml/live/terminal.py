@@ -17,10 +17,10 @@ from rich.table import Table
 from rich.text import Text
 
 from traceml.diagnosis.finding import Finding, format_ranks
-from traceml.live.gauges import Gauge, GaugeRow
-from traceml.live.snapshot import TABLE_PHASES, RankPhases, Snapshot
 from traceml.live.worker_output import OutputLine
 from traceml.report.model import SECTION_NAMES, SECTION_TITLES
+from traceml.report.page.gauges import Gauge, GaugeRow
+from traceml.report.page.snapshot import TABLE_PHASES, RankPhases, Snapshot
 
 MAX_TABLE_RANKS = 16
 """Ranks shown in the phase table at most: the slowest by median step time."""

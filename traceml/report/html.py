@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from traceml.diagnosis.samples import RunData
-from traceml.live.page import render_page
-from traceml.live.snapshot import build_snapshot, snapshot_to_json
 from traceml.report.model import Report
+from traceml.report.page.render import render_page
+from traceml.report.page.snapshot import build_snapshot, snapshot_to_json
 
 HTML_NAME = "final_summary.html"
 

@@ -2,7 +2,7 @@
 
 Runs in the collector (the dashboard serves it at ``/``) and in offline
 analysis (final_summary.html). The page renders a snapshot document
-(:func:`traceml.live.snapshot.snapshot_to_json`): embedded in the file, or
+(:func:`traceml.report.page.snapshot.snapshot_to_json`): embedded in the file, or
 fetched from ``/api/snapshot`` about once a second. Nothing is loaded from
 the network; the favicon is an empty data URL so the browser asks for none.
 """
@@ -24,7 +24,7 @@ _PLACEHOLDER = re.compile(r"__(TITLE|STYLE|DATA|SCRIPT)__")
 
 
 def _asset(name: str) -> str:
-    return resources.files("traceml.live").joinpath("static", name).read_text(encoding="utf-8")
+    return resources.files("traceml.report.page").joinpath("static", name).read_text(encoding="utf-8")
 
 
 def embed_json(data: Mapping[str, Json]) -> str:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from traceml import phases
 from traceml.diagnosis.samples import Json, RunData
 from traceml.diagnosis.window import select_window
-from traceml.live.gauges import GaugeRow, gauges_to_json, node_gauges, process_gauges
-from traceml.live.series import MAX_POINTS, Series, build_series, series_to_json
 from traceml.report.build import build_report, rank_nodes
 from traceml.report.json_codec import report_to_json
 from traceml.report.model import Report
+from traceml.report.page.gauges import GaugeRow, gauges_to_json, node_gauges, process_gauges
+from traceml.report.page.series import MAX_POINTS, Series, build_series, series_to_json
 
 LIVE_WINDOW_STEPS = 100
 """Aligned steps per rank the live diagnosis and phase table look at."""
