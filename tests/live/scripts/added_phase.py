@@ -26,9 +26,9 @@ from traceml.collector.steps import RankSteps  # noqa: E402
 from traceml.collector.store import SenderState, StoreWriter  # noqa: E402
 from traceml.compare.cli import main as compare_main  # noqa: E402
 from traceml.launcher.ending import phase_table  # noqa: E402
-from traceml.live.snapshot import live_snapshot  # noqa: E402
 from traceml.live.terminal import render_view  # noqa: E402
 from traceml.report.html import write_html  # noqa: E402
+from traceml.report.page.snapshot import live_snapshot  # noqa: E402
 from traceml.report.schema import validate_summary  # noqa: E402
 from traceml.report.session import write_summary  # noqa: E402
 
