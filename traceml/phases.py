@@ -48,6 +48,7 @@ PHASES: tuple[Phase, ...] = (
     Phase("forward", "Forward", "#59a14f", compute=True, gpu_timed=True),
     Phase("backward", "Backward", "#f28e2b", compute=True, gpu_timed=True),
     Phase("optimizer", "Optimizer", "#b07aa1", compute=True, gpu_timed=True),
+    Phase("communication", "Communication", "#edc948", collective=True),
 )
 """The measured phases in step order; a phase's wire code is its position."""
 
@@ -76,6 +77,12 @@ def names() -> tuple[str, ...]:
 def compute_names() -> tuple[str, ...]:
     """The phases that make up ``compute``."""
     return tuple(p.name for p in PHASES if p.compute)
+
+
+def starts_step(phase: Phase) -> bool:
+    """Whether this phase beginning marks training activity, which may begin a
+    step (input waits for what follows; a collective belongs to the step it is in)."""
+    return phase.name != "input" and not phase.collective
 
 
 def gpu_timed() -> tuple[Phase, ...]:

@@ -50,7 +50,8 @@ MANUAL_EXIT = END + 7
 MARK = END + 8  # device data of the running step (CUDA): the payload is DEVICE_MARK_FIELDS
 CLOSE = END + 9  # process exit: the last step ends with its optimizer step
 RSS = END + 10  # a reading of the rank's RSS (bytes or None), for the steps finished after it
-NUM_EVENT_CODES = END + 11
+SPAN = END + 11  # a collective completed: the payload is its (launch, completion) times
+NUM_EVENT_CODES = END + 12
 DEVICE_MARK_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes",
                       *(p.gpu_column for p in phases.gpu_timed()))
 # A rank sends its events early once this many wait: ~2 MB of JSON, well
@@ -174,14 +175,15 @@ def _envelope_from(obj: dict[str, Any]) -> Envelope:
 
 
 def events_payload(batch: int, wall_offset_s: float, times: list[list[float]],
-                   marks: list[tuple[float, Any]],
-                   rss: list[tuple[float, int | None]]) -> dict[str, Any]:
+                   marks: list[tuple[float, Any]], rss: list[tuple[float, int | None]],
+                   spans: list[tuple[float, float]] | None = None) -> dict[str, Any]:
     """A batch of step events: ``times[code]`` lists that code's event times;
-    ``marks`` are ``(time, DEVICE_MARK_FIELDS)`` and ``rss`` ``(time, bytes)``.
-    ``batch`` counts this rank's event batches (a gap means one was lost);
+    ``marks`` are ``(time, DEVICE_MARK_FIELDS)``, ``rss`` ``(time, bytes)`` and
+    ``spans`` the collectives' ``(launch, completion)`` times.  ``batch``
+    counts this rank's event batches (a gap means one was lost);
     ``wall_offset_s`` turns its clock into epoch seconds."""
     return {"batch": batch, "wall_offset": wall_offset_s, "times": times, "marks": marks,
-            "rss": rss}
+            "rss": rss, "spans": spans or []}
 
 
 def _is_number(value: Any) -> bool:
@@ -209,6 +211,7 @@ class EventBatch:
     times: list[list[float]]
     marks: list[list[Any]]  # [time, DEVICE_MARK_FIELDS values]
     rss: list[list[Any]]  # [time, bytes or None]
+    spans: list[list[float]]  # [launch, completion] of each collective
 
 
 def check_events(payload: dict[str, Any]) -> EventBatch:
@@ -219,18 +222,21 @@ def check_events(payload: dict[str, Any]) -> EventBatch:
     times: Any = payload.get("times")
     marks: Any = payload.get("marks")
     rss: Any = payload.get("rss")
+    spans: Any = payload.get("spans", [])
     if type(batch) is not int or not _is_number(offset):
         raise ProtocolError("events payload without batch/wall_offset")
     if (not isinstance(times, list) or len(times) > NUM_EVENT_CODES
             or not all(isinstance(ts, list) and all(map(_is_number, ts)) for ts in times)):
         raise ProtocolError("event times are not lists of numbers per code")
-    if any(times[code] for code in (MARK, RSS) if code < len(times)):
-        raise ProtocolError("marks and RSS readings travel with their values")
+    if any(times[code] for code in (MARK, RSS, SPAN) if code < len(times)):
+        raise ProtocolError("marks, RSS readings and spans travel with their values")
     if not _timed_values(marks, _device_mark):
         raise ProtocolError("malformed device marks")
     if not _timed_values(rss, lambda v: v is None or _is_number(v)):
         raise ProtocolError("malformed RSS readings")
-    return EventBatch(batch, float(offset), times, marks, rss)
+    if not _timed_values(spans, _is_number) or any(s[1] < s[0] for s in spans):
+        raise ProtocolError("malformed collective spans")
+    return EventBatch(batch, float(offset), times, marks, rss, spans)
 
 
 def rows_payload(fields: tuple[str, ...], rows: list[tuple[Any, ...]]) -> dict[str, Any]:

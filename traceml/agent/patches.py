@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.utils.data import dataloader as _dataloader
 
+from traceml.agent.comm import CommTiming
 from traceml.agent.probe import Probe
 from traceml.protocol import (
     BACKWARD,
@@ -314,10 +315,14 @@ def _scaler_classes() -> list[type]:
     return classes
 
 
+def _warn(message: str) -> None:
+    print(f"traceml: warning: {message}", file=sys.stderr)
+
+
 class Instrumentation:
     """All patches of one rank, installed and removed together."""
 
-    def __init__(self, probe: Probe) -> None:
+    def __init__(self, probe: Probe, warn: Callable[[str], None] | None = None) -> None:
         self.probe = probe
         self.patches: list[Patch] = [
             Patch(_dataloader._BaseDataLoaderIter, "__next__", _wrap_next(probe)),
@@ -326,6 +331,7 @@ class Instrumentation:
         ]
         self.patches += [Patch(cls, "step", _wrap_scaler_step(probe)) for cls in _scaler_classes()]
         self.hooks = OptimizerHooks(probe)
+        self.comm = CommTiming(probe, warn or _warn)
         self.installed = False
 
     def install(self) -> None:
@@ -335,7 +341,10 @@ class Instrumentation:
                 patch.install()
                 done.append(patch)
             self.hooks.install()
+            self.comm.install()
         except Exception:
+            self.comm.uninstall()
+            self.hooks.uninstall()
             for patch in reversed(done):
                 patch.uninstall()
             raise
@@ -344,6 +353,7 @@ class Instrumentation:
     def uninstall(self) -> None:
         if not self.installed:
             return
+        self.comm.uninstall()
         self.hooks.uninstall()
         for patch in reversed(self.patches):
             patch.uninstall()

@@ -33,12 +33,18 @@ class Probe:
         self.streams: list[list[float]] = [[] for _ in range(NUM_EVENT_CODES)]
         self.appenders: list[Callable[[float], None]] = [s.append for s in self.streams]
         self.marks: list[Mark] = []
+        # Collectives' (launch, completion) times, appended at completion
+        # (`traceml.agent.comm`), from whichever thread saw it complete.
+        self.spans: list[tuple[float, float]] = []
+        self._held_spans: list[tuple[float, float]] = []
+        self.taken_to = 0.0  # where the last take ended (its horizon, or a held mark)
         self._held: list[list[float]] = [[] for _ in range(NUM_EVENT_CODES)]
         self._held_marks: list[Mark] = []
         self.clock = clock
         self.off = False
         self.mute = 0  # >0 while a forward or backward is being timed
         self.in_backward = False
+        self.in_comm = False  # a collective is being timed (no nested timing)
         self.opt_depth = 0
         self.num_inner_steps = 0  # optimizer steps inside another (a GradScaler step)
         self.thread_id = threading.main_thread().ident
@@ -59,7 +65,7 @@ class Probe:
     def take(self, horizon: float, resolve: Callable[[Any], Any] | None = None
              ) -> tuple[list[list[float]], list[Mark]]:
         """The events logged before ``horizon``, per code, and the marks
-        (sender thread, lock-free).
+        (sender thread, lock-free); `take_spans` takes the collectives' spans.
 
         Each list is cut with C-level slices only, so an append racing with it
         lands either in this take or the next.  An event stamped before
@@ -75,6 +81,7 @@ class Probe:
         marks = self._held_marks + self.marks[:n]
         del self.marks[:n]
         ready: list[Mark] = []
+        self.taken_to = horizon
         for t, payload in marks:
             if t >= horizon:
                 break
@@ -82,10 +89,22 @@ class Probe:
                 payload = resolve(payload)
                 if payload is None:
                     self._hold_back(times, t)
+                    self.taken_to = t
                     break
             ready.append((t, payload))
         self._held_marks = marks[len(ready):]
         return times, ready
+
+    def take_spans(self) -> list[tuple[float, float]]:
+        """The collective spans completed before the last `take` ended (sender
+        thread, right after it).  Spans come from several threads, so they are
+        filtered, not bisected."""
+        horizon = self.taken_to
+        n = len(self.spans)
+        spans = self._held_spans + self.spans[:n]
+        del self.spans[:n]
+        self._held_spans = [s for s in spans if s[1] >= horizon]
+        return [s for s in spans if s[1] < horizon]
 
     def _cut(self, code: int, stream: list[float], horizon: float) -> list[float]:
         n = len(stream)

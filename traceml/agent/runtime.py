@@ -69,6 +69,7 @@ class AgentRuntime:
         self._outbox: list[list[float]] = [[] for _ in range(NUM_EVENT_CODES)]
         self._outbox_marks: list[tuple[float, Any]] = []
         self._outbox_rss: list[tuple[float, int | None]] = []
+        self._outbox_spans: list[tuple[float, float]] = []
         self._num_queued = 0
         self._next_send = 0.0
         self._send_now = False  # traceml.summary() wants the steps in the store now
@@ -122,7 +123,7 @@ class AgentRuntime:
         if self.env.mode == "run":
             from traceml.agent.patches import Instrumentation
 
-            self.instrumentation = Instrumentation(self.probe)
+            self.instrumentation = Instrumentation(self.probe, self._warn)
             self.instrumentation.install()
         self.sender.start()
         _ACTIVE = self
@@ -185,6 +186,7 @@ class AgentRuntime:
             give_up = probe.num_held() > protocol.MAX_EVENTS_PER_MESSAGE
             resolve = functools.partial(self._device_mark, give_up=give_up)
         times, marks = probe.take(horizon, resolve)
+        self._outbox_spans += probe.take_spans()
         if any(times) or marks:
             # Read after these events, so it goes with the steps they finish:
             # stamped as the first of them.
@@ -203,10 +205,11 @@ class AgentRuntime:
         self._send_now = False
         self._next_send = now + self.env.flush_interval_s
         payload = protocol.events_payload(self.num_batches, self._wall_offset, self._outbox,
-                                          self._outbox_marks, self._outbox_rss)
+                                          self._outbox_marks, self._outbox_rss,
+                                          self._outbox_spans)
         self.num_batches += 1
         self._outbox = [[] for _ in range(NUM_EVENT_CODES)]
-        self._outbox_marks, self._outbox_rss = [], []
+        self._outbox_marks, self._outbox_rss, self._outbox_spans = [], [], []
         self._num_queued = 0
         return [(protocol.KIND_EVENTS, payload)]
 

@@ -27,7 +27,7 @@ Boundaries (SPEC R-AG-3):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from traceml import phases, protocol
@@ -46,6 +46,7 @@ from traceml.protocol import (
     OPTIMIZER_END,
     OPTIMIZER_SKIPPED,
     RSS,
+    SPAN,
 )
 
 # Deeper phase nesting, or more device marks in one step, than any training
@@ -64,6 +65,7 @@ class StepTiming(NamedTuple):
     num_skipped: int
     marks: tuple[Any, ...] = ()  # MARK payloads logged while the step ran
     rss_bytes: int | None = None  # the rank's RSS when the step finished
+    collective_s: float | None = None  # time any collective was in flight; None: none timed
 
     @property
     def wait_s(self) -> float:
@@ -93,6 +95,7 @@ class StepTracker:
         self._nograd_start: float | None = None
         self._marks: list[Any] = []
         self._rss: int | None = None
+        self._in_flight = InFlight()
 
     # -- the event log ------------------------------------------------------
 
@@ -106,9 +109,12 @@ class StepTracker:
             if code < END:  # a phase begins
                 if len(stack) >= MAX_DEPTH:  # begins without ends: not a rank's log
                     self.resync()
-                if code != INPUT and not stack and (
+                if not stack and (code in _STARTS_STEP or (code in _COLLECTIVE
+                                                            and self._pending_n)) and (
                         not self._open or self._complete or self._pending_n
                         or self._nograd_start is not None or self._manual):
+                    # Training activity (a collective only once a fetch waits
+                    # for what it was for).
                     self._on_training(t)
                 stack.append([code, t, 0.0])
             elif code <= OPTIMIZER_SKIPPED:  # the innermost phase ends
@@ -153,6 +159,9 @@ class StepTracker:
                     self._finish(t, keep=True)
             elif code == RSS:
                 self._rss = t
+            elif code == SPAN:
+                if self._open:
+                    self._in_flight.add(t[0], t[1])
             elif code == CLOSE:
                 self.close()
 
@@ -244,6 +253,7 @@ class StepTracker:
         self._counts = [0] * len(phases.PHASES)
         self._num_skipped = 0
         self._marks = []
+        self._in_flight = InFlight()
 
     def _finish(self, end: float, keep: bool) -> None:
         self._open = False
@@ -251,9 +261,41 @@ class StepTracker:
             return
         timing = StepTiming(self._next_step, self._begin, max(0.0, end - self._begin),
                             tuple(self._acc), tuple(self._counts),
-                            self._num_skipped, tuple(self._marks), self._rss)
+                            self._num_skipped, tuple(self._marks), self._rss,
+                            self._in_flight.total_s())
         self._next_step += 1
         self._emit(timing)
+
+
+_STARTS_STEP = frozenset(i for i, p in enumerate(phases.PHASES) if phases.starts_step(p))
+_COLLECTIVE = frozenset(i for i, p in enumerate(phases.PHASES) if p.collective)
+
+
+class InFlight:
+    """The union of a step's collective spans, fed in order of completion: the
+    time at least one collective was in flight, however many overlapped."""
+
+    def __init__(self) -> None:
+        self._blocks: list[list[float]] = []  # disjoint [start, end], by end
+        self._folded_s = 0.0  # blocks folded away (too many to keep)
+        self._any = False
+
+    def add(self, launch: float, done: float) -> None:
+        blocks = self._blocks
+        start = launch
+        while blocks and blocks[-1][1] >= launch:
+            start = min(start, blocks.pop()[0])
+        blocks.append([start, done])
+        self._any = True
+        if len(blocks) > MAX_DEPTH:
+            first = blocks.pop(0)
+            self._folded_s += first[1] - first[0]
+
+    def total_s(self) -> float | None:
+        """Seconds in flight; None when no collective was timed."""
+        if not self._any:
+            return None
+        return self._folded_s + sum(end - start for start, end in self._blocks)
 
 
 # Events stamped alike.  The rank stamps some so on purpose: an RSS reading as
@@ -262,18 +304,21 @@ class StepTracker:
 # events (perf_counter is nanoseconds on Linux and macOS): of a phase's end and
 # the next one's begin, the end goes first.
 _TIE_ORDER = {code: i for i, code in enumerate((
-    RSS, END, END_UNCOUNTED, END_EXHAUSTED, OPTIMIZER_END, OPTIMIZER_SKIPPED, MARK, MANUAL_EXIT,
+    RSS, SPAN, END, END_UNCOUNTED, END_EXHAUSTED, OPTIMIZER_END, OPTIMIZER_SKIPPED, MARK, MANUAL_EXIT,
     CLOSE, MANUAL_ENTER, *range(len(phases.PHASES)), NOGRAD_FORWARD))}
 
 
 def merge_events(times: list[list[float]], marks: list[list[Any]],
-                 rss: list[list[Any]]) -> list[tuple[int, Any]]:
-    """One rank's per-code event times, device marks and RSS readings as one
-    timeline of ``(code, time or value)``."""
+                 rss: list[list[Any]], spans: Sequence[Sequence[float]] = ()
+                 ) -> list[tuple[int, Any]]:
+    """One rank's per-code event times, device marks, RSS readings and
+    collective spans (at their completion) as one timeline of ``(code, time or
+    value)``."""
     timeline: list[tuple[float, int, int, Any]] = [
         (t, _TIE_ORDER[code], code, t) for code, ts in enumerate(times) for t in ts]
     timeline += [(t, _TIE_ORDER[MARK], MARK, payload) for t, payload in marks]
     timeline += [(t, _TIE_ORDER[RSS], RSS, value) for t, value in rss]
+    timeline += [(done, _TIE_ORDER[SPAN], SPAN, (launch, done)) for launch, done in spans]
     timeline.sort(key=lambda e: (e[0], e[1]))
     return [(code, value) for _, _, code, value in timeline]
 
@@ -298,7 +343,7 @@ class RankSteps:
         self._last_batch = batch.batch
         self._wall_offset_s = batch.wall_offset_s
         try:
-            self.tracker.replay(merge_events(batch.times, batch.marks, batch.rss))
+            self.tracker.replay(merge_events(batch.times, batch.marks, batch.rss, batch.spans))
         except (TypeError, ValueError, ArithmeticError, IndexError) as exc:
             # Well-formed but impossible (no rank logs this): nothing of the
             # batch is kept, and the next one starts afresh.

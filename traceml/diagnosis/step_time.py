@@ -24,13 +24,14 @@ phase times alone (they all wait for it); that needs GPU or collective timing.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from traceml import phases
 from traceml.diagnosis import thresholds
 from traceml.diagnosis.finding import Finding, format_ranks, grade, not_measured, order_findings
-from traceml.diagnosis.stats import Distribution, distribution, medians_of_others
+from traceml.diagnosis.stats import Distribution, distribution
+from traceml.diagnosis.stragglers import stragglers
 from traceml.diagnosis.window import StepWindow
 
 PHASES = tuple(p.name for p in phases.step_metrics())
@@ -177,103 +178,26 @@ def balanced(times: Mapping[int, RankStepTimes]) -> Finding:
     return Finding("BALANCED", "BALANCED", "info", why, next_step, (), evidence)
 
 
-@dataclass(frozen=True)
-class Excess:
-    """How much of one rank's own work exceeds its reference (ms)."""
+def communication_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
+    """COMMUNICATION-BOUND: exposed communication share >= 10 % (crit >= 20 %).
 
-    rank: int
-    what: str  # "input", "compute", "forward+optimizer" or "input+compute"
-    value_ms: float
-    reference_ms: float
-
-    @property
-    def excess_ms(self) -> float:
-        """Own time beyond the reference; negative when faster."""
-        return self.value_ms - self.reference_ms
-
-
-def own_excesses(times: Mapping[int, RankStepTimes]) -> dict[int, tuple[Excess, Excess]]:
-    """Every rank's (input, compute) excess over its reference (needs >= 2 ranks).
-
-    Input: against the median of the other ranks' input. Compute: the larger of
-    the compute and forward+optimizer excesses (see the module docstring)."""
-    inputs = {r: t.mean("input") for r, t in times.items()}
-    compute = {r: t.mean("compute") for r, t in times.items()}
-    local = {r: t.mean("forward") + t.mean("optimizer") for r, t in times.items()}
-    ref_input, ref_compute, ref_local = (medians_of_others(v) for v in (inputs, compute, local))
-    own_input = {r: Excess(r, "input", inputs[r], ref_input[r]) for r in times}
-    slow_loaders = sorted((max(0.0, e.excess_ms), r) for r, e in own_input.items())
-    out = {}
-    for r in times:
-        # The largest input excess of another rank: what r may wait for in a collective.
-        absorbed = next(x for x, other in reversed(slow_loaders) if other != r)
-        by_total = Excess(r, "compute", compute[r], ref_compute[r] + absorbed)
-        by_local = Excess(r, "forward+optimizer", local[r], ref_local[r] + absorbed)
-        out[r] = (own_input[r], by_local if by_local.excess_ms > by_total.excess_ms else by_total)
-    return out
-
-
-_STRAGGLER_LABELS = {
-    "INPUT_STRAGGLER": "INPUT STRAGGLER",
-    "COMPUTE_STRAGGLER": "COMPUTE STRAGGLER",
-    "STRAGGLER": "STRAGGLER",
-}
-
-
-def stragglers(times: Mapping[int, RankStepTimes]) -> list[Finding]:
-    """INPUT STRAGGLER / COMPUTE STRAGGLER / STRAGGLER: with >= 2 ranks, a rank's own
-    input or compute exceeds its reference by >= 10 % of the median step (crit >= 20 %).
-    STRAGGLER: neither alone does, but both together do."""
-    step_ms = median_mean_ms(times, "total") if len(times) >= 2 else 0.0
-    if step_ms <= 0:
-        return []
-    limit_ms = thresholds.STRAGGLER_WARN_PCT * step_ms / 100.0
-    flagged: dict[str, list[Excess]] = {kind: [] for kind in _STRAGGLER_LABELS}
-    for rank, (own_input, own_compute) in sorted(own_excesses(times).items()):
-        if own_input.excess_ms >= limit_ms:
-            flagged["INPUT_STRAGGLER"].append(own_input)
-        if own_compute.excess_ms >= limit_ms:
-            flagged["COMPUTE_STRAGGLER"].append(own_compute)
-        both = max(0.0, own_input.excess_ms) + max(0.0, own_compute.excess_ms)
-        if max(own_input.excess_ms, own_compute.excess_ms) < limit_ms <= both:
-            value = own_input.value_ms + own_compute.value_ms
-            flagged["STRAGGLER"].append(Excess(rank, "input+compute", value, value - both))
-    return [_straggler(kind, found, step_ms) for kind, found in flagged.items() if found]
-
-
-def _straggler(kind: str, found: list[Excess], step_ms: float) -> Finding:
-    found = sorted(found, key=lambda e: -e.excess_ms)
-    worst = found[0]
-    excess_pct = 100.0 * worst.excess_ms / step_ms
-    severity = grade(excess_pct, thresholds.STRAGGLER_WARN_PCT, thresholds.STRAGGLER_CRIT_PCT)
-    ranks = tuple(e.rank for e in found)
-    why = (
-        f"r{worst.rank} {worst.what} was {worst.value_ms:.1f} ms vs {worst.reference_ms:.1f} ms "
-        f"on the other ranks (+{worst.excess_ms:.1f} ms, {excess_pct:.1f}% of the "
-        f"{step_ms:.1f} ms median step)."
+    The caller uses it only when no rank straggles: a slow rank makes the others
+    wait in their collectives, and that is the straggler's to fix."""
+    return _share_rule(
+        times, "communication", "COMMUNICATION_BOUND", "COMMUNICATION-BOUND",
+        (thresholds.COMM_SHARE_WARN_PCT, thresholds.COMM_SHARE_CRIT_PCT),
+        "Collectives blocked the training thread for {share:.1f}% of step time "
+        "({ms:.1f} of {step:.1f} ms, median rank), on every rank alike.",
+        "Overlap communication with compute (DDP bucket_cap_mb, gradient_as_bucket_view=True, "
+        "static_graph=True), communicate less often (no_sync() with gradient accumulation, "
+        "a larger batch) or less (a bf16/fp16 or PowerSGD DDP comm hook, fewer and larger "
+        "collectives), and check the interconnect (NCCL_DEBUG=INFO, nccl-tests).",
     )
-    if len(found) > 1:
-        why = why[:-1] + f"; slow too: {format_ranks(ranks[1:])}."
-    evidence = {
-        "rank": worst.rank,
-        "value_ms": worst.value_ms,
-        "reference_ms": worst.reference_ms,
-        "excess_ms": worst.excess_ms,
-        "step_ms": step_ms,
-        "excess_pct": excess_pct,
-    }
-    return Finding(kind, _STRAGGLER_LABELS[kind], severity or "warn", why,
-                   _straggler_next(kind, f"r{worst.rank}"), ranks, evidence)
 
 
-def _straggler_next(kind: str, rank: str) -> str:
-    if kind == "INPUT_STRAGGLER":
-        return (f"Check {rank}'s data path: its shard size, DataLoader num_workers, and storage "
-                "or preprocessing load on its node; every rank should load alike.")
-    if kind == "COMPUTE_STRAGGLER":
-        return (f"Check {rank}'s GPU and node (clocks, temperature, other processes) and its "
-                "batch shapes; uneven sequence lengths or rank-only work slow one rank.")
-    return f"Profile {rank} with torch.profiler: both its input and its compute run slower."
+def comm_measured(times: Mapping[int, RankStepTimes]) -> bool:
+    """Whether collectives were timed (their in-flight time is known) on every rank."""
+    return bool(times) and all(t.collective_ms is not None for t in times.values())
 
 
 def diagnose_step_time(
@@ -284,8 +208,15 @@ def diagnose_step_time(
     (most severe first); else COMPUTE-BOUND; else BALANCED."""
     if not times:
         return (not_measured("STEP TIME", unmeasured_why),)
-    rules: tuple[Callable[[Mapping[int, RankStepTimes]], list[Finding]], ...] = (
-        stragglers, input_bound, wait_heavy,
-    )
-    found = [f for rule in rules for f in rule(times)]
+    measured = comm_measured(times)
+    found = stragglers(times, median_mean_ms(times, "total") if len(times) >= 2 else 0.0,
+                       measured)
+    named = any(f.kind != "STRAGGLER_UNCLEAR" for f in found)
+    found += input_bound(times) + wait_heavy(times)
+    if not named:
+        found += communication_bound(times)
+    if len(times) >= 2 and not measured:
+        found.append(not_measured("COMMUNICATION", "No collective of this run was timed "
+                                  "(a backend or hook traceml cannot time), so waiting for "
+                                  "another rank may read as compute."))
     return order_findings(found or compute_bound(times), balanced(times))

@@ -27,11 +27,19 @@ WAIT_SHARE_CRIT_PCT = 20.0  # SPEC §7
 COMPUTE_SHARE_PCT = 85.0  # SPEC §7 COMPUTE-BOUND (info), only when nothing else fired
 
 STRAGGLER_WARN_PCT = 10.0
-"""SPEC §7: a rank's own input or compute exceeds the reference rank's by this share
-of the median step time. The reference for rank r is the median of the *other*
-ranks, so with 2 ranks the reference is the other rank."""
+"""SPEC §7: a rank's own work in one part (input, a compute phase, untraced host
+work) exceeds the reference rank's by this share of the median step time. The
+reference for rank r is the median of the *other* ranks, so with 2 ranks the
+reference is the other rank."""
 
 STRAGGLER_CRIT_PCT = 20.0  # SPEC §7
+
+STRAGGLER_EXPLAINS_FRACTION = 0.5
+"""traceml (SPEC R-COMM-2): another rank's excess explains a candidate's (which
+may be waiting for it) when it is at least this fraction of the candidate's."""
+
+COMM_SHARE_WARN_PCT = 10.0  # SPEC R-COMM-3 COMMUNICATION-BOUND: exposed communication share
+COMM_SHARE_CRIT_PCT = 20.0  # SPEC R-COMM-3
 
 # --- Step Memory --------------------------------------------------------------
 
