@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 DEFAULT_AGGREGATOR_PORT = 29765
+DEFAULT_WINDOW_ROWS = 10000  # steps per rank the final summary analyses
 MODES = ("summary", "cli", "dashboard")
 
 

@@ -16,7 +16,13 @@ from typing import NoReturn
 
 from torch.distributed import run as torchrun
 
-from traceml.config import DEFAULT_AGGREGATOR_PORT, MODES, SESSION_ID_RE, RunConfig
+from traceml.config import (
+    DEFAULT_AGGREGATOR_PORT,
+    DEFAULT_WINDOW_ROWS,
+    MODES,
+    SESSION_ID_RE,
+    RunConfig,
+)
 from traceml.errors import UsageError
 
 # dest names of the options traceml adds; everything else belongs to torch.
@@ -75,8 +81,9 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
                        help="Address the collector binds (default 127.0.0.1 for one node, "
                             "0.0.0.0 for several).")
     group.add_argument("--summary-window-rows", "--summary_window_rows",
-                       dest="summary_window_rows", type=_positive_int, default=10000,
-                       help="Steps per rank the final summary analyses (default 10000).")
+                       dest="summary_window_rows", type=_positive_int, default=DEFAULT_WINDOW_ROWS,
+                       help="Steps per rank the final summary analyses "
+                            f"(default {DEFAULT_WINDOW_ROWS}).")
     group.add_argument("--sample-interval", "--sample_interval", dest="sample_interval",
                        type=_positive_float, default=1.0,
                        help="Seconds between telemetry samples (default 1.0).")

@@ -22,6 +22,7 @@ from typing import Any
 import traceml
 from traceml.collector.server import CollectorConfig
 from traceml.collector.store import STORE_FILENAME
+from traceml.config import DEFAULT_WINDOW_ROWS
 from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.launcher.system_sampler import SystemSampler
@@ -54,7 +55,7 @@ class InProcessSession:
             session_id=self.env.session_id, command=[sys.executable, *sys.argv],
             started_at=time.time(), traceml_version=traceml.__version__,
             torch_version=str(torch.__version__), python_version=platform.python_version(),
-            summary_window_rows=10000, mode="run", expected_world_size=1)
+            summary_window_rows=DEFAULT_WINDOW_ROWS, mode="run", expected_world_size=1)
         self.sampler.start()
         environ = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
         self.runtime = AgentRuntime(self.env, identity_from(self.env, environ))
