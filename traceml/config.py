@@ -1,7 +1,9 @@
 """The run configuration: argv parsed once into this object (launcher side).
 
 Nothing after the CLI sees argparse, except torch's own namespace, which is
-handed back to torch's launcher untouched.
+handed back to torch's launcher untouched.  The parser class and the defaults
+here are shared with the offline commands (``traceml report``, ``compare``),
+so this module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -9,11 +11,22 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass
+from typing import NoReturn
+
+from traceml.errors import UsageError
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 DEFAULT_AGGREGATOR_PORT = 29765
 DEFAULT_WINDOW_ROWS = 10000  # steps per rank the final summary analyses
 MODES = ("summary", "cli", "dashboard")
+
+
+class UsageErrorParser(argparse.ArgumentParser):
+    """argparse, but errors become one-line UsageErrors (the CLI prints them
+    without a traceback and exits with status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see '{self.prog} --help')")
 
 
 @dataclass(frozen=True)

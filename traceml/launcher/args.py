@@ -12,7 +12,6 @@ import argparse
 import datetime
 import secrets
 from collections.abc import Sequence
-from typing import NoReturn
 
 from torch.distributed import run as torchrun
 
@@ -22,6 +21,7 @@ from traceml.config import (
     MODES,
     SESSION_ID_RE,
     RunConfig,
+    UsageErrorParser,
 )
 from traceml.errors import UsageError
 
@@ -31,13 +31,6 @@ OWN_DESTS = (
     "aggregator_bind_host", "summary_window_rows", "sample_interval", "dashboard_port",
     "html", "no_trace",
 )
-
-
-class _Parser(argparse.ArgumentParser):
-    """torch's parser, but errors become one-line UsageErrors."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message} (see '{self.prog} --help')")
 
 
 def _positive_float(text: str) -> float:
@@ -97,7 +90,7 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = torchrun.get_args_parser()
-    parser.__class__ = _Parser
+    parser.__class__ = UsageErrorParser  # torch's parser, with one-line errors
     parser.prog = prog
     parser.description = (
         "Launch a PyTorch training script exactly as torchrun would, and diagnose it. "
