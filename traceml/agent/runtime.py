@@ -5,7 +5,7 @@ only appends phase events to the probe's log; the sender thread drains the log
 every tick, stamps it with the rank's RSS, resolves CUDA marks to numbers, and
 ships the events in batches to the collector, whose step tracker turns them
 into steps (`traceml.collector.steps`).  Any error of the agent disables the
-failing part, warns once on stderr and leaves training unchanged.
+failing part, warns once per cause on stderr and leaves training unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from traceml.agent.cuda_timing import CudaPhaseTimer, allocator_bytes
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
 from traceml.environment import AgentEnv
+from traceml.errors import WarnOnce
 from traceml.protocol import CLOSE, MANUAL_ENTER, MANUAL_EXIT, NUM_EVENT_CODES, Sender
 from traceml.security import session_keys
 from traceml.sender import BatchSender
@@ -79,7 +80,7 @@ class AgentRuntime:
         self.instrumentation: Any = None
         self._wall_offset = time.time() - time.perf_counter()
         self._rss = RssReader()
-        self._warned = False
+        self._warnings = WarnOnce()  # one warning per failing part
         self.process_sampler = ProcessSampler(env.sample_interval_s)
         self.sender = BatchSender(
             env.endpoint, env.session_id, identity,
@@ -152,7 +153,7 @@ class AgentRuntime:
             try:
                 self.instrumentation.uninstall()
             except Exception as exc:
-                self._warn(f"could not remove instrumentation: {exc!r}")
+                self._warnings.to_stderr("uninstall", f"could not remove instrumentation: {exc!r}")
 
     def _sender_exited(self) -> None:
         """Nothing drains the log any more: stop logging, so it cannot grow."""
@@ -164,12 +165,8 @@ class AgentRuntime:
         exit: the error may be raised inside torch's loop over the optimizer
         hooks, which removing a hook there would break."""
         self.probe.off = True
-        self._warn(f"step instrumentation disabled after an internal error: {exc!r}")
-
-    def _warn(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
-            print(f"traceml: warning: {message}", file=sys.stderr)
+        self._warnings.to_stderr(
+            "instrumentation", f"step instrumentation disabled after an internal error: {exc!r}")
 
     def _drain_events(self) -> list[tuple[str, dict[str, Any]]]:
         """Sender thread, every tick: take what the training thread logged,
@@ -221,7 +218,8 @@ class AgentRuntime:
                 resolved = timer.resolve(spans)
             except Exception as exc:  # the GPU times go, the rest stays
                 self._gpu_times_failed = True
-                self._warn(f"GPU phase times disabled after an internal error: {exc!r}")
+                self._warnings.to_stderr(
+                    "gpu-times", f"GPU phase times disabled after an internal error: {exc!r}")
                 resolved = None
             if resolved is None and not (self._final or give_up or self._gpu_times_failed):
                 return None
