@@ -23,7 +23,7 @@ from traceml import protocol
 from traceml.agent.cuda_timing import CudaPhaseTimer, allocator_bytes
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
-from traceml.environment import AgentEnv
+from traceml.environment import AgentEnv, TorchRank
 from traceml.errors import WarnOnce
 from traceml.protocol import CLOSE, MANUAL_ENTER, MANUAL_EXIT, NUM_EVENT_CODES, Sender
 from traceml.security import session_keys
@@ -38,23 +38,18 @@ def active() -> AgentRuntime | None:
     return _ACTIVE
 
 
-def identity_from(env: AgentEnv, environ: dict[str, str] | os._Environ[str]) -> Sender:
-    """Who this rank is, from the variables torch's elastic agent sets."""
-
-    def get_int(name: str) -> int | None:
-        value = environ.get(name)
-        return int(value) if value not in (None, "") else None
-
-    group_rank = get_int("GROUP_RANK")
+def identity_from(env: AgentEnv, rank: TorchRank) -> Sender:
+    """Who this rank is: torch's rank variables, the launcher's node rank when
+    torch does not name the node."""
     return Sender(
         role="rank",
         host=socket.gethostname(),
         pid=os.getpid(),
-        node_rank=group_rank if group_rank is not None else env.node_rank,
-        rank=get_int("RANK"),
-        local_rank=get_int("LOCAL_RANK"),
-        world_size=get_int("WORLD_SIZE"),
-        restart=get_int("TORCHELASTIC_RESTART_COUNT") or 0,
+        node_rank=rank.group_rank if rank.group_rank is not None else env.node_rank,
+        rank=rank.rank,
+        local_rank=rank.local_rank,
+        world_size=rank.world_size,
+        restart=rank.restart_count,
     )
 
 
