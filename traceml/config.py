@@ -1,7 +1,8 @@
 """The run configuration: argv parsed once into this object (launcher side).
 
-Nothing after the CLI sees argparse, except torch's own namespace, which is
-handed back to torch's launcher untouched.  The parser class and the defaults
+Nothing after the CLI sees argparse: traceml reads torch's options from the
+typed `TorchOptions`, and torch's own namespace is only copied, by
+`traceml.launcher.args.torch_namespace`, for each launch.  The parser class and the defaults
 here are shared with the offline commands (``traceml report``, ``compare``),
 so this module imports nothing heavy.
 """
@@ -30,6 +31,19 @@ class UsageErrorParser(argparse.ArgumentParser):
 
 
 @dataclass(frozen=True)
+class TorchOptions:
+    """The torchrun options traceml reads after parsing, as torch parsed them."""
+
+    nnodes: str  # "N" or "MIN:MAX"
+    nproc_per_node: str  # a number, or torch's "gpu", "cpu", "auto"
+    rdzv_backend: str
+    rdzv_endpoint: str
+    standalone: bool
+    master_addr: str
+    master_port: int | None  # None: torch's default
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one ``traceml run``/``watch`` needs to know."""
 
@@ -54,8 +68,12 @@ class RunConfig:
     min_nodes: int
     max_nodes: int
     node_rank: int
+    torch: TorchOptions
+    # --mode=cli on a terminal: torch writes the workers' output to files here
+    # (not to the terminal, where the view is) on the node that shows the view.
+    worker_log_dir: str | None
     argv: tuple[str, ...]
-    torch_args: argparse.Namespace
+    torch_args: argparse.Namespace  # torch's, for torch: see launcher.args.torch_namespace
 
     @property
     def multi_node(self) -> bool:
