@@ -24,10 +24,9 @@ from traceml import environment
 from traceml.environment import AgentEnv, TorchRank
 
 
-def is_training_rank(env: AgentEnv, rank: TorchRank | None) -> bool:
-    """A worker of this session's launcher (``rank``: torch's variables here)."""
-    if rank is None:
-        return False
+def is_training_rank(env: AgentEnv, rank: TorchRank) -> bool:
+    """Whether this process, which torch gave ``rank``, is that rank's training
+    process in this session (not a subprocess of it)."""
     if env.arm_dir is None:
         return os.getppid() == env.launcher_pid
     marker = os.path.join(env.arm_dir, f"rank{rank.rank}.restart{rank.restart_count}")
