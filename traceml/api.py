@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import warnings
 from types import TracebackType
 from typing import Any
 
 from traceml import environment
 from traceml.environment import AgentEnv
+from traceml.errors import WarnOnce
 
-_warned = False
+_warnings = WarnOnce()
 
 
 def _runtime() -> Any:
@@ -25,13 +25,6 @@ def _runtime() -> Any:
 
 
 _session: Any = None
-
-
-def _warn_once(message: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def init(logs_dir: str = "./logs", session_id: str | None = None,
@@ -50,8 +43,9 @@ def init(logs_dir: str = "./logs", session_id: str | None = None,
     if _session is not None:
         return _session.env  # type: ignore[no-any-return]
     if environment.distributed_launch(os.environ):
-        _warn_once("traceml.init(): this is a multi-process job not started by "
-                   "'traceml run'; launch it with 'traceml run' to trace it")
+        _warnings.warn("init-foreign-launch",
+                       "traceml.init(): this is a multi-process job not started by "
+                       "'traceml run'; launch it with 'traceml run' to trace it", stacklevel=2)
         return None
     try:
         from traceml.launcher.args import new_session_id
@@ -60,7 +54,8 @@ def init(logs_dir: str = "./logs", session_id: str | None = None,
         session = InProcessSession(logs_dir, session_id or new_session_id(), sample_interval_s)
         session.start()
     except Exception as exc:  # never raise into training
-        _warn_once(f"traceml.init(): tracing not started: {exc}")
+        _warnings.warn("init-failed", f"traceml.init(): tracing not started: {exc}",
+                       stacklevel=2)
         return None
     _session = session
     return session.env
@@ -102,7 +97,8 @@ def summary() -> dict[str, float | str]:
     """
     env = environment.current() or (_session.env if _session is not None else None)
     if env is None or env.session_dir is None:
-        _warn_once("traceml.summary(): no traced run in this process")
+        _warnings.warn("summary-no-run", "traceml.summary(): no traced run in this process",
+                       stacklevel=2)
         return {}
     try:
         from pathlib import Path
@@ -113,7 +109,8 @@ def summary() -> dict[str, float | str]:
         run, window = _load_own_steps(Path(env.session_dir), load_run)
         return flatten_summary(report_to_json(build_report(run, window)))
     except Exception as exc:  # never raise into training
-        _warn_once(f"traceml.summary(): telemetry not readable here: {exc}")
+        _warnings.warn("summary-unreadable",
+                       f"traceml.summary(): telemetry not readable here: {exc}", stacklevel=2)
         return {}
 
 

@@ -1,7 +1,10 @@
 """The run configuration: argv parsed once into this object (launcher side).
 
-Nothing after the CLI sees argparse, except torch's own namespace, which is
-handed back to torch's launcher untouched.
+Nothing after the CLI sees argparse: traceml reads torch's options from the
+typed `TorchOptions`, and torch's own namespace is only copied, by
+`traceml.launcher.args.torch_namespace`, for each launch.  The parser class and the defaults
+here are shared with the offline commands (``traceml report``, ``compare``),
+so this module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -9,10 +12,35 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass
+from typing import NoReturn
+
+from traceml.errors import UsageError
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 DEFAULT_AGGREGATOR_PORT = 29765
+DEFAULT_WINDOW_ROWS = 10000  # steps per rank the final summary analyses
 MODES = ("summary", "cli", "dashboard")
+
+
+class UsageErrorParser(argparse.ArgumentParser):
+    """argparse, but errors become one-line UsageErrors (the CLI prints them
+    without a traceback and exits with status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see '{self.prog} --help')")
+
+
+@dataclass(frozen=True)
+class TorchOptions:
+    """The torchrun options traceml reads after parsing, as torch parsed them."""
+
+    nnodes: str  # "N" or "MIN:MAX"
+    nproc_per_node: str  # a number, or torch's "gpu", "cpu", "auto"
+    rdzv_backend: str
+    rdzv_endpoint: str
+    standalone: bool
+    master_addr: str
+    master_port: int | None  # None: torch's default
 
 
 @dataclass(frozen=True)
@@ -40,8 +68,12 @@ class RunConfig:
     min_nodes: int
     max_nodes: int
     node_rank: int
+    torch: TorchOptions
+    # --mode=cli on a terminal: torch writes the workers' output to files here
+    # (not to the terminal, where the view is) on the node that shows the view.
+    worker_log_dir: str | None
     argv: tuple[str, ...]
-    torch_args: argparse.Namespace
+    torch_args: argparse.Namespace  # torch's, for torch: see launcher.args.torch_namespace
 
     @property
     def multi_node(self) -> bool:

@@ -1,4 +1,5 @@
-"""The one place that reads and writes ``TRACEML_*`` environment variables.
+"""The one place that reads and writes ``TRACEML_*`` environment variables,
+and that reads torch's rank variables (launcher and agent side).
 
 The launcher writes them into the environment it hands to torch's elastic
 agent (so every worker inherits them); the agent bootstrap inside a worker
@@ -42,6 +43,10 @@ Set by the user (read by the launcher, passed on to the workers):
     A file holding the session secret; it must not be readable by group or
     others (``chmod 600``).  Without either, the secret is derived from the
     session id.
+
+Set by torch's elastic agent in every worker (read only, into `TorchRank`):
+``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK`` (the node rank) and
+``TORCHELASTIC_RESTART_COUNT``.
 """
 
 from __future__ import annotations
@@ -135,10 +140,41 @@ def user_secret(environ: Mapping[str, str]) -> str | None:
     return secret
 
 
+@dataclass(frozen=True)
+class TorchRank:
+    """Who a worker is, as torch's elastic agent told it in its environment."""
+
+    rank: int
+    local_rank: int | None = None
+    world_size: int | None = None
+    group_rank: int | None = None  # the node rank torch assigned (None: not said)
+    restart_count: int = 0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> TorchRank | None:
+        """Read torch's variables; None without ``RANK`` (not a worker torch started)."""
+        rank = _int_var(environ, "RANK")
+        if rank is None:
+            return None
+        return cls(
+            rank=rank,
+            local_rank=_int_var(environ, "LOCAL_RANK"),
+            world_size=_int_var(environ, "WORLD_SIZE"),
+            group_rank=_int_var(environ, "GROUP_RANK"),
+            restart_count=_int_var(environ, "TORCHELASTIC_RESTART_COUNT") or 0,
+        )
+
+
+def _int_var(environ: Mapping[str, str], name: str) -> int | None:
+    """An integer variable; None when unset or empty."""
+    value = environ.get(name)
+    return int(value) if value else None
+
+
 def distributed_launch(environ: Mapping[str, str]) -> bool:
     """True when a launcher (torchrun or another) started this process as a rank
     of a job with more than one process.  Reads torch's variables, not ours."""
-    return int(environ.get("WORLD_SIZE", "1") or "1") > 1
+    return (_int_var(environ, "WORLD_SIZE") or 1) > 1
 
 
 def current() -> AgentEnv | None:

@@ -11,7 +11,6 @@ can count gaps and the summary can report both.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any
 import zmq
 
 from traceml import protocol
+from traceml.errors import WarnOnce
 from traceml.protocol import Envelope, Sender
 from traceml.security import CurveKeys, secure_client
 
@@ -56,7 +56,7 @@ class BatchSender:
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
         self._socket: Any = None
         self._context: Any = None
-        self._warned = False
+        self._warnings = WarnOnce()
 
     def start(self) -> None:
         self._thread.start()
@@ -87,7 +87,7 @@ class BatchSender:
                 self.num_flushes += 1
             self._flush(self.producers + self.final_producers)
         except Exception as exc:  # fail open: telemetry stops, training goes on
-            self._warn(f"telemetry sender stopped: {exc!r}")
+            self._warnings.to_stderr("stopped", f"telemetry sender stopped: {exc!r}")
         finally:
             self._close()
             if self.on_exit is not None:
@@ -135,8 +135,3 @@ class BatchSender:
                 self.last_seq[kind] = seq
         except zmq.Again:
             self.num_dropped += 1
-
-    def _warn(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
-            print(f"traceml: warning: {message}", file=sys.stderr)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import traceml
+from traceml.errors import WarnOnce
 from traceml.integrations import boundaries
 
 FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning", "wandb", "mlflow")
@@ -66,7 +67,7 @@ class FakeRuntime:
 def with_runtime(monkeypatch: pytest.MonkeyPatch, runtime: FakeRuntime | None) -> None:
     fake_module = SimpleNamespace(active=lambda: runtime)
     monkeypatch.setitem(sys.modules, "traceml.agent.runtime", fake_module)
-    monkeypatch.setattr(boundaries, "_warned", False)
+    monkeypatch.setattr(boundaries, "_warnings", WarnOnce())
 
 
 def hf_callback() -> Any:

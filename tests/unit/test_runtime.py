@@ -226,3 +226,20 @@ def test_a_failing_gpu_timer_drops_gpu_times_not_steps(
     assert len(steps) == 3
     assert all(s["gpu_forward_ms"] is None and s["peak_allocated_bytes"] == 100 for s in steps)
     assert capsys.readouterr().err.count("GPU phase times disabled") == 1
+
+
+def test_each_distinct_agent_failure_warns_once(
+        runtime: AgentRuntime, capsys: pytest.CaptureFixture[str]) -> None:
+    timer = StandInTimer()
+    timer.error = RuntimeError("CUDA error: an illegal memory access")
+    log_device_marks(runtime, timer)
+    install(runtime)
+    train(3)
+    runtime.probe.log(CLOSE)
+    Collector().steps(runtime._bye())  # the GPU times fail: their warning
+    runtime._fail(RuntimeError("first"))  # then the step instrumentation, twice
+    runtime._fail(RuntimeError("again"))
+    err = capsys.readouterr().err
+    assert err.count("traceml: warning: GPU phase times disabled") == 1
+    assert err.count("traceml: warning: step instrumentation disabled") == 1
+    assert "first" in err and "again" not in err

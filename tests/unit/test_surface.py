@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import traceml
 
 PKG = Path(traceml.__file__).parent
@@ -126,3 +128,21 @@ def test_torchrun_spellings_and_env_fallbacks_parse() -> None:
         assert parse("run", ["x.py"]).torch_args.nproc_per_node == "3"
     finally:
         del os.environ["PET_NPROC_PER_NODE"]
+
+
+def test_worker_output_redirection_is_decided_at_parse_and_copies_torchs_namespace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from traceml.launcher.args import parse, torch_namespace
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    cfg = parse("run", ["--mode", "cli", "--logs-dir", "/l", "--session-id", "s", "x.py"])
+    assert cfg.worker_log_dir == "/l/s/workers"
+    launched = torch_namespace(cfg, redirect_output=True)
+    assert (launched.log_dir, launched.redirects, launched.tee) == ("/l/s/workers", "3", "0")
+    assert (cfg.torch_args.log_dir, cfg.torch_args.redirects) == (None, "0")  # untouched
+    plain = torch_namespace(cfg, redirect_output=False)
+    assert vars(plain) == vars(cfg.torch_args) and plain is not cfg.torch_args
+    given = parse("run", ["--mode", "cli", "--log-dir", "/w", "x.py"])
+    assert given.worker_log_dir == "/w" and given.torch.nproc_per_node == "1"
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    assert parse("run", ["--mode", "cli", "x.py"]).worker_log_dir is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from traceml import protocol
-from traceml.environment import AgentEnv, without_traceml
+from traceml.environment import AgentEnv, TorchRank, distributed_launch, without_traceml
 from traceml.errors import ProtocolError
 from traceml.protocol import Envelope, Sender
 
@@ -61,6 +61,23 @@ def test_environment_contract_round_trip() -> None:
     assert AgentEnv.from_env(variables) == env
     assert AgentEnv.from_env({}) is None
     assert without_traceml({**variables, "PATH": "/bin"}) == {"PATH": "/bin"}
+
+
+def test_torch_rank_variables_are_read_in_one_place() -> None:
+    worker = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "GROUP_RANK": "2",
+              "TORCHELASTIC_RESTART_COUNT": "3"}
+    assert TorchRank.from_env(worker) == TorchRank(5, 1, 8, 2, 3)
+    assert TorchRank.from_env({"RANK": "0", "GROUP_RANK": ""}) == TorchRank(0)
+    assert TorchRank.from_env({"WORLD_SIZE": "8"}) is None  # no RANK: not torch's worker
+    assert TorchRank.from_env({"RANK": ""}) is None
+    assert distributed_launch(worker) and not distributed_launch({"WORLD_SIZE": ""})
+    from pathlib import Path
+
+    import traceml
+
+    readers = [p.name for p in Path(traceml.__file__).parent.rglob("*.py")
+               if '"LOCAL_RANK"' in p.read_text() or '"TORCHELASTIC_RESTART_COUNT"' in p.read_text()]
+    assert readers == ["environment.py"]
 
 
 def test_only_environment_module_touches_traceml_variables() -> None:

@@ -21,16 +21,15 @@ from types import ModuleType
 from typing import Any
 
 from traceml import environment
-from traceml.environment import AgentEnv
+from traceml.environment import AgentEnv, TorchRank
 
 
-def is_training_rank(env: AgentEnv) -> bool:
-    if "RANK" not in os.environ:
-        return False
+def is_training_rank(env: AgentEnv, rank: TorchRank) -> bool:
+    """Whether this process, which torch gave ``rank``, is that rank's training
+    process in this session (not a subprocess of it)."""
     if env.arm_dir is None:
         return os.getppid() == env.launcher_pid
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    marker = os.path.join(env.arm_dir, f"rank{os.environ['RANK']}.restart{restart}")
+    marker = os.path.join(env.arm_dir, f"rank{rank.rank}.restart{rank.restart_count}")
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except OSError:
@@ -38,11 +37,11 @@ def is_training_rank(env: AgentEnv) -> bool:
     return True
 
 
-def _start(env: AgentEnv) -> None:
+def _start(env: AgentEnv, rank: TorchRank) -> None:
     try:
         from traceml.agent.runtime import AgentRuntime, identity_from
 
-        AgentRuntime(env, identity_from(env, os.environ)).start()
+        AgentRuntime(env, identity_from(env, rank)).start()
     except Exception as exc:  # fail open
         print(f"traceml: warning: agent not started: {exc!r}", file=sys.stderr)
 
@@ -50,8 +49,9 @@ def _start(env: AgentEnv) -> None:
 class _TorchImportWatcher(importlib.abc.MetaPathFinder):
     """Runs a callback right after ``import torch`` has finished executing."""
 
-    def __init__(self, env: AgentEnv) -> None:
+    def __init__(self, env: AgentEnv, rank: TorchRank) -> None:
         self.env = env
+        self.rank = rank
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != "torch":
@@ -62,11 +62,11 @@ class _TorchImportWatcher(importlib.abc.MetaPathFinder):
             return spec
         loader = spec.loader
         original_exec = loader.exec_module
-        env = self.env
+        env, rank = self.env, self.rank
 
         def exec_module(module: ModuleType) -> None:
             original_exec(module)
-            _start(env)
+            _start(env, rank)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -76,11 +76,14 @@ def main() -> None:
     """Entry point of the bootstrap sitecustomize."""
     try:
         env = environment.current()
-        if env is None or not is_training_rank(env):
+        if env is None:
+            return
+        rank = TorchRank.from_env(os.environ)
+        if rank is None or not is_training_rank(env, rank):
             return
         if env.mode == "watch" or "torch" in sys.modules:
-            _start(env)
+            _start(env, rank)
         else:
-            sys.meta_path.insert(0, _TorchImportWatcher(env))
+            sys.meta_path.insert(0, _TorchImportWatcher(env, rank))
     except Exception as exc:  # fail open
         print(f"traceml: warning: agent not armed: {exc!r}", file=sys.stderr)

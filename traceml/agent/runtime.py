@@ -5,7 +5,7 @@ only appends phase events to the probe's log; the sender thread drains the log
 every tick, stamps it with the rank's RSS, resolves CUDA marks to numbers, and
 ships the events in batches to the collector, whose step tracker turns them
 into steps (`traceml.collector.steps`).  Any error of the agent disables the
-failing part, warns once on stderr and leaves training unchanged.
+failing part, warns once per cause on stderr and leaves training unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from traceml import phases, protocol
 from traceml.agent.cuda_timing import CudaPhaseTimer, allocator_bytes
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
-from traceml.environment import AgentEnv
+from traceml.environment import AgentEnv, TorchRank
+from traceml.errors import WarnOnce
 from traceml.protocol import CLOSE, MANUAL_ENTER, MANUAL_EXIT, NUM_EVENT_CODES, Sender
 from traceml.security import session_keys
 from traceml.sender import BatchSender
@@ -37,23 +38,18 @@ def active() -> AgentRuntime | None:
     return _ACTIVE
 
 
-def identity_from(env: AgentEnv, environ: dict[str, str] | os._Environ[str]) -> Sender:
-    """Who this rank is, from the variables torch's elastic agent sets."""
-
-    def get_int(name: str) -> int | None:
-        value = environ.get(name)
-        return int(value) if value not in (None, "") else None
-
-    group_rank = get_int("GROUP_RANK")
+def identity_from(env: AgentEnv, rank: TorchRank) -> Sender:
+    """Who this rank is: torch's rank variables, the launcher's node rank when
+    torch does not name the node."""
     return Sender(
         role="rank",
         host=socket.gethostname(),
         pid=os.getpid(),
-        node_rank=group_rank if group_rank is not None else env.node_rank,
-        rank=get_int("RANK"),
-        local_rank=get_int("LOCAL_RANK"),
-        world_size=get_int("WORLD_SIZE"),
-        restart=get_int("TORCHELASTIC_RESTART_COUNT") or 0,
+        node_rank=rank.group_rank if rank.group_rank is not None else env.node_rank,
+        rank=rank.rank,
+        local_rank=rank.local_rank,
+        world_size=rank.world_size,
+        restart=rank.restart_count,
     )
 
 
@@ -80,7 +76,7 @@ class AgentRuntime:
         self.instrumentation: Any = None
         self._wall_offset = time.time() - time.perf_counter()
         self._rss = RssReader()
-        self._warned = False
+        self._warnings = WarnOnce()  # one warning per failing part
         self.process_sampler = ProcessSampler(env.sample_interval_s)
         self.sender = BatchSender(
             env.endpoint, env.session_id, identity,
@@ -153,7 +149,7 @@ class AgentRuntime:
             try:
                 self.instrumentation.uninstall()
             except Exception as exc:
-                self._warn(f"could not remove instrumentation: {exc!r}")
+                self._warnings.to_stderr("uninstall", f"could not remove instrumentation: {exc!r}")
 
     def _sender_exited(self) -> None:
         """Nothing drains the log any more: stop logging, so it cannot grow."""
@@ -165,12 +161,8 @@ class AgentRuntime:
         exit: the error may be raised inside torch's loop over the optimizer
         hooks, which removing a hook there would break."""
         self.probe.off = True
-        self._warn(f"step instrumentation disabled after an internal error: {exc!r}")
-
-    def _warn(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
-            print(f"traceml: warning: {message}", file=sys.stderr)
+        self._warnings.to_stderr(
+            "instrumentation", f"step instrumentation disabled after an internal error: {exc!r}")
 
     def _drain_events(self) -> list[tuple[str, dict[str, Any]]]:
         """Sender thread, every tick: take what the training thread logged,
@@ -224,7 +216,8 @@ class AgentRuntime:
                 resolved = timer.resolve(spans)
             except Exception as exc:  # the GPU times go, the rest stays
                 self._gpu_times_failed = True
-                self._warn(f"GPU phase times disabled after an internal error: {exc!r}")
+                self._warnings.to_stderr(
+                    "gpu-times", f"GPU phase times disabled after an internal error: {exc!r}")
                 resolved = None
             if resolved is None and not (self._final or give_up or self._gpu_times_failed):
                 return None

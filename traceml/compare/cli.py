@@ -18,7 +18,6 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 from traceml.compare.build import compare_runs
 from traceml.compare.json_codec import comparison_to_json
@@ -26,6 +25,7 @@ from traceml.compare.load import load_side
 from traceml.compare.model import Comparison
 from traceml.compare.text import render_text
 from traceml.compare.verdict import STEP_TIME_THRESHOLD_PCT
+from traceml.config import UsageErrorParser
 from traceml.errors import UsageError
 
 PROG = "traceml compare"
@@ -59,13 +59,6 @@ class CompareOptions:
     threshold_pct: float
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but errors become one-line UsageErrors."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message} (see '{self.prog} --help')")
-
-
 def _threshold(text: str) -> float:
     try:
         value = float(text)
@@ -78,8 +71,8 @@ def _threshold(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``traceml compare`` parser."""
-    parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = UsageErrorParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("a", metavar="A", help="baseline: final_summary.json or session folder")
     parser.add_argument("b", metavar="B", help="new run: final_summary.json or session folder")
     parser.add_argument("--output", metavar="BASE",

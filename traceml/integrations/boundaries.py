@@ -9,10 +9,11 @@ training.
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Any
 
-_warned = False
+from traceml.errors import WarnOnce
+
+_warnings = WarnOnce()
 
 
 def _runtime() -> Any:
@@ -21,12 +22,10 @@ def _runtime() -> Any:
     return None if module is None else module.active()
 
 
-def _warn_once(owner: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(f"{owner}: not running under 'traceml run'; steps are not traced",
-                      RuntimeWarning, stacklevel=3)
+def _warn_not_traced(owner: str) -> None:
+    """Once per process, whichever callback notices first."""
+    _warnings.warn("not-traced", f"{owner}: not running under 'traceml run'; steps are not "
+                   "traced", stacklevel=3)
 
 
 class StepBoundaries:
@@ -39,7 +38,7 @@ class StepBoundaries:
     def begin(self) -> None:
         runtime = _runtime()
         if runtime is None:
-            _warn_once(self.owner)
+            _warn_not_traced(self.owner)
             return
         runtime.step_enter()
         self.is_open = True
@@ -47,7 +46,7 @@ class StepBoundaries:
     def end(self) -> None:
         runtime = _runtime()
         if runtime is None:
-            _warn_once(self.owner)
+            _warn_not_traced(self.owner)
             return
         if self.is_open:
             runtime.step_exit()

@@ -3,7 +3,9 @@
 torchrun's options come from torch's own parser (``get_args_parser``), so every
 option of the installed torch works with its names, spellings, defaults and
 ``PET_*`` fallbacks; traceml adds its own options to that parser.  The result
-is one `RunConfig`.
+is one `RunConfig`, with the torch options traceml reads in `TorchOptions`
+and whether the workers' output goes to files decided here, once.  Torch's
+namespace itself is never changed: each launch gets a copy.
 """
 
 from __future__ import annotations
@@ -11,12 +13,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import secrets
+import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from pathlib import Path
 
 from torch.distributed import run as torchrun
 
-from traceml.config import DEFAULT_AGGREGATOR_PORT, MODES, SESSION_ID_RE, RunConfig
+from traceml.config import (
+    DEFAULT_AGGREGATOR_PORT,
+    DEFAULT_WINDOW_ROWS,
+    MODES,
+    SESSION_ID_RE,
+    RunConfig,
+    TorchOptions,
+    UsageErrorParser,
+)
 from traceml.errors import UsageError
 
 # dest names of the options traceml adds; everything else belongs to torch.
@@ -25,13 +36,7 @@ OWN_DESTS = (
     "aggregator_bind_host", "summary_window_rows", "sample_interval", "dashboard_port",
     "html", "no_trace",
 )
-
-
-class _Parser(argparse.ArgumentParser):
-    """torch's parser, but errors become one-line UsageErrors."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message} (see '{self.prog} --help')")
+WORKER_LOG_DIR = "workers"  # in the session folder, without torch's --log-dir
 
 
 def _positive_float(text: str) -> float:
@@ -75,8 +80,9 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
                        help="Address the collector binds (default 127.0.0.1 for one node, "
                             "0.0.0.0 for several).")
     group.add_argument("--summary-window-rows", "--summary_window_rows",
-                       dest="summary_window_rows", type=_positive_int, default=10000,
-                       help="Steps per rank the final summary analyses (default 10000).")
+                       dest="summary_window_rows", type=_positive_int, default=DEFAULT_WINDOW_ROWS,
+                       help="Steps per rank the final summary analyses "
+                            f"(default {DEFAULT_WINDOW_ROWS}).")
     group.add_argument("--sample-interval", "--sample_interval", dest="sample_interval",
                        type=_positive_float, default=1.0,
                        help="Seconds between telemetry samples (default 1.0).")
@@ -90,7 +96,7 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = torchrun.get_args_parser()
-    parser.__class__ = _Parser
+    parser.__class__ = UsageErrorParser  # torch's parser, with one-line errors
     parser.prog = prog
     parser.description = (
         "Launch a PyTorch training script exactly as torchrun would, and diagnose it. "
@@ -112,16 +118,8 @@ def parse(command: str, argv: Sequence[str]) -> RunConfig:
         min_nodes, max_nodes = torchrun.parse_min_max_nnodes(ns.nnodes)
     except (ValueError, RuntimeError) as exc:
         raise UsageError(f"traceml {command}: bad --nnodes {ns.nnodes!r}: {exc}") from None
-    if ns.session_id is not None and not SESSION_ID_RE.match(ns.session_id):
-        raise UsageError(
-            f"traceml {command}: invalid --session-id {ns.session_id!r}: use letters, digits, "
-            "'_', '.' and '-' only"
-        )
-    if max_nodes > 1 and ns.session_id is None:
-        raise UsageError(
-            f"traceml {command}: --session-id is required with --nnodes {ns.nnodes}: "
-            "pass the same id on every node"
-        )
+    check_session_id(command, ns, max_nodes)
+    session_id = ns.session_id or new_session_id()
     torch_ns = argparse.Namespace(
         **{k: v for k, v in vars(ns).items() if k not in OWN_DESTS}
     )
@@ -129,7 +127,7 @@ def parse(command: str, argv: Sequence[str]) -> RunConfig:
         command=command,
         mode=ns.mode,
         logs_dir=ns.logs_dir,
-        session_id=ns.session_id or new_session_id(),
+        session_id=session_id,
         session_id_given=ns.session_id is not None,
         aggregator_host=ns.aggregator_host,
         aggregator_port=ns.aggregator_port,
@@ -146,6 +144,52 @@ def parse(command: str, argv: Sequence[str]) -> RunConfig:
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         node_rank=int(ns.node_rank),
+        torch=torch_options(ns),
+        worker_log_dir=worker_log_dir(ns, session_id),
         argv=tuple(argv),
         torch_args=torch_ns,
     )
+
+
+def check_session_id(command: str, ns: argparse.Namespace, max_nodes: int) -> None:
+    """A usable ``--session-id``, and one given whenever several nodes must agree on it."""
+    if ns.session_id is not None and not SESSION_ID_RE.match(ns.session_id):
+        raise UsageError(
+            f"traceml {command}: invalid --session-id {ns.session_id!r}: use letters, digits, "
+            "'_', '.' and '-' only"
+        )
+    if max_nodes > 1 and ns.session_id is None:
+        raise UsageError(
+            f"traceml {command}: --session-id is required with --nnodes {ns.nnodes}: "
+            "pass the same id on every node"
+        )
+
+
+def torch_options(ns: argparse.Namespace) -> TorchOptions:
+    """The torchrun options traceml reads, read once, here."""
+    return TorchOptions(
+        nnodes=str(ns.nnodes), nproc_per_node=str(ns.nproc_per_node),
+        rdzv_backend=str(ns.rdzv_backend), rdzv_endpoint=str(ns.rdzv_endpoint or ""),
+        standalone=bool(ns.standalone), master_addr=str(ns.master_addr),
+        master_port=None if ns.master_port is None else int(ns.master_port),
+    )
+
+
+def worker_log_dir(ns: argparse.Namespace, session_id: str) -> str | None:
+    """Where the workers' output goes under ``--mode=cli`` on a terminal (torch's
+    ``--log-dir``, else the session's folder), so it cannot garble the view;
+    None when it stays on the terminal."""
+    if ns.mode != "cli" or not sys.stdout.isatty():
+        return None
+    return str(ns.log_dir or Path(ns.logs_dir) / session_id / WORKER_LOG_DIR)
+
+
+def torch_namespace(cfg: RunConfig, redirect_output: bool) -> argparse.Namespace:
+    """A fresh copy of torch's namespace for one launch (torch's ``run`` writes
+    into the one it gets).  ``redirect_output``: this node shows the cli view,
+    so torch writes every worker's stdout and stderr to ``cfg.worker_log_dir``
+    only (``--redirects 3 --tee 0``)."""
+    values = dict(vars(cfg.torch_args))
+    if redirect_output and cfg.worker_log_dir is not None:
+        values.update(log_dir=cfg.worker_log_dir, redirects="3", tee="0")
+    return argparse.Namespace(**values)

@@ -21,7 +21,8 @@ from typing import Any
 
 from traceml.collector.server import CollectorConfig
 from traceml.collector.store import STORE_FILENAME
-from traceml.environment import AgentEnv
+from traceml.config import DEFAULT_WINDOW_ROWS
+from traceml.environment import AgentEnv, TorchRank
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.launcher.system_sampler import SystemSampler
 from traceml.version import __version__
@@ -54,10 +55,10 @@ class InProcessSession:
             session_id=self.env.session_id, command=[sys.executable, *sys.argv],
             started_at=time.time(), traceml_version=__version__,
             torch_version=str(torch.__version__), python_version=platform.python_version(),
-            summary_window_rows=10000, mode="run", expected_world_size=1)
+            summary_window_rows=DEFAULT_WINDOW_ROWS, mode="run", expected_world_size=1)
         self.sampler.start()
-        environ = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-        self.runtime = AgentRuntime(self.env, identity_from(self.env, environ))
+        rank = TorchRank(rank=0, local_rank=0, world_size=1)  # the one process is rank 0
+        self.runtime = AgentRuntime(self.env, identity_from(self.env, rank))
         self.runtime.start()
         sys.excepthook = self._excepthook
         atexit.register(self.finish)  # after the runtime's: runs first at exit

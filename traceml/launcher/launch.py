@@ -24,6 +24,7 @@ from traceml.config import RunConfig
 from traceml.environment import AgentEnv
 from traceml.errors import UsageError
 from traceml.launcher import topology
+from traceml.launcher.args import torch_namespace
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.launcher.ending import finish
 from traceml.launcher.nodes import JoinCheck, SilenceWatch, Waiting, wait_for_nodes
@@ -93,8 +94,7 @@ def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
             dashboard_port=cfg.dashboard_port if cfg.mode == "dashboard" else None,  # live views
             secure=topo.secure, secret=secret,
             join_port=topo.join_port if cfg.multi_node else None,
-            expected={"nnodes": str(cfg.torch_args.nnodes),
-                      "nproc_per_node": str(cfg.torch_args.nproc_per_node)},
+            expected={"nnodes": cfg.torch.nnodes, "nproc_per_node": cfg.torch.nproc_per_node},
         ))
     except UsageError:
         if topo.may_host:
@@ -137,7 +137,7 @@ def run(cfg: RunConfig) -> int:
     """Run the training under traceml; returns the training's exit status."""
     check_script(cfg)
     if cfg.no_trace:
-        return run_torch(cfg.torch_args)
+        return run_torch(torch_namespace(cfg, redirect_output=False))
     topo = topology.resolve(cfg)
     secret = environment.user_secret(os.environ)
     session_dir = session_dir_for(cfg, topo.collector_here or topo.may_host)
@@ -167,10 +167,13 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
                                       cfg.node_rank if topo.static else None,
                                       cfg.sample_interval_s, keys))
         helpers[-1].start()
+    # The live view runs where the collector does; only there does the
+    # workers' output leave the terminal (--mode=cli).
+    torch_args = torch_namespace(cfg, redirect_output=collector is not None)
     view = start_live_view(cfg, session_dir, collector.ready if collector else {})  # live views
     exit_code = 128 + signal.SIGINT
     try:
-        exit_code = run_torch(cfg.torch_args)
+        exit_code = run_torch(torch_args)
     except KeyboardInterrupt:
         pass
     finally:
@@ -220,7 +223,7 @@ def end_session(cfg: RunConfig, collector: CollectorProcess, session_dir: Path,
 def expected_world_size(cfg: RunConfig) -> int:
     """World size when every node of ``--nnodes`` (its minimum) joins."""
     try:
-        nproc = torchrun.determine_local_world_size(cfg.torch_args.nproc_per_node)
+        nproc = torchrun.determine_local_world_size(cfg.torch.nproc_per_node)
     except (ValueError, RuntimeError):
         return 0
     return int(nproc) * cfg.min_nodes

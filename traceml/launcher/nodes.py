@@ -62,8 +62,7 @@ class JoinCheck(threading.Thread):
         super().__init__(name="traceml-join", daemon=True)
         self.request = orjson.dumps({
             "session_id": cfg.session_id, "host": os.uname().nodename,
-            "options": {"nnodes": str(cfg.torch_args.nnodes),
-                        "nproc_per_node": str(cfg.torch_args.nproc_per_node)},
+            "options": {"nnodes": cfg.torch.nnodes, "nproc_per_node": cfg.torch.nproc_per_node},
         })
         self.address = f"tcp://{host}:{port}"
         self.done = threading.Event()

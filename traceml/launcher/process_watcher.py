@@ -17,6 +17,7 @@ import psutil
 
 from traceml import protocol
 from traceml.agent.process_sampler import usable_cpus
+from traceml.environment import TorchRank
 from traceml.protocol import Sender
 from traceml.security import CurveKeys
 from traceml.sender import BatchSender
@@ -52,18 +53,20 @@ class ProcessWatcher:
             if child.pid in self.workers:
                 continue
             try:
-                env = child.environ()
-            except psutil.Error:
+                rank = TorchRank.from_env(child.environ())
+            except (psutil.Error, ValueError):  # gone, or not torch's numbers: not a worker
                 continue
-            if "RANK" not in env:
+            if rank is None:
                 continue
             child.cpu_percent(None)  # prime
-            node = int(env.get("GROUP_RANK", self.node_rank or 0))
-            self.workers[child.pid] = (child, Sender(
-                role="rank", host=self.host, pid=child.pid, node_rank=node,
-                rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", "0")),
-                world_size=int(env.get("WORLD_SIZE", "1")),
-                restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))))
+            self.workers[child.pid] = (child, self._identity(child.pid, rank))
+
+    def _identity(self, pid: int, rank: TorchRank) -> Sender:
+        """The worker ``pid`` as the rank it would report itself as under ``run``."""
+        node = rank.group_rank if rank.group_rank is not None else self.node_rank or 0
+        return Sender(role="rank", host=self.host, pid=pid, node_rank=node, rank=rank.rank,
+                      local_rank=rank.local_rank, world_size=rank.world_size,
+                      restart=rank.restart_count)
 
     def produce(self) -> list[tuple[str, dict[str, Any]]]:
         self._discover()

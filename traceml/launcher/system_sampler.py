@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from traceml import protocol
+from traceml.environment import TorchRank
 from traceml.protocol import Sender
 from traceml.security import CurveKeys
 from traceml.sender import BatchSender
@@ -76,12 +77,16 @@ class Nvml:
 def workers_node_rank() -> int | None:
     """This node's rank as torch's rendezvous assigned it (GROUP_RANK of a worker)."""
     try:
-        for child in psutil.Process().children():
-            value = child.environ().get("GROUP_RANK")
-            if value is not None and value.isdigit():
-                return int(value)
+        children = psutil.Process().children()
     except psutil.Error:
         return None
+    for child in children:
+        try:
+            rank = TorchRank.from_env(child.environ())
+        except (psutil.Error, ValueError):  # gone, or not torch's numbers: not a worker
+            continue
+        if rank is not None and rank.group_rank is not None:
+            return rank.group_rank
     return None
 
 

@@ -33,18 +33,18 @@ class Topology:
 
 
 def _endpoint_host(cfg: RunConfig) -> str:
-    args = cfg.torch_args
+    args = cfg.torch
     if args.rdzv_backend == "static" and not args.rdzv_endpoint:
-        return str(args.master_addr)
-    endpoint = str(args.rdzv_endpoint or "127.0.0.1")
+        return args.master_addr
+    endpoint = args.rdzv_endpoint or "127.0.0.1"
     return endpoint.rsplit(":", 1)[0] if ":" in endpoint else endpoint
 
 
 def rendezvous_address(cfg: RunConfig) -> str:
-    args = cfg.torch_args
+    args = cfg.torch
     if args.rdzv_backend == "static" and not args.rdzv_endpoint:
         return f"{args.master_addr}:{args.master_port or 29500}"
-    return str(args.rdzv_endpoint)
+    return args.rdzv_endpoint
 
 
 def is_local_address(host: str) -> bool:
@@ -67,7 +67,7 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def resolve(cfg: RunConfig) -> Topology:
-    static = cfg.torch_args.rdzv_backend == "static" and not cfg.torch_args.standalone
+    static = cfg.torch.rdzv_backend == "static" and not cfg.torch.standalone
     host = cfg.aggregator_host or _endpoint_host(cfg)
     if not cfg.multi_node:
         bind = cfg.aggregator_bind_host or "127.0.0.1"

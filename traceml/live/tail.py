@@ -16,14 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from traceml.collector.store import StoreReader
+from traceml.config import DEFAULT_WINDOW_ROWS
 from traceml.diagnosis.samples import ProcessSample, RunData, StepRow, SystemSample
-from traceml.report.session import (
-    DEFAULT_WINDOW_ROWS,
-    process_sample,
-    run_meta,
-    step_row,
-    system_sample,
-)
+from traceml.report.session import process_sample, run_meta, step_row, system_sample
 
 LIVE_STEPS_KEPT = 300
 """Steps per rank a live view keeps (its charts' x range)."""

@@ -1,10 +1,11 @@
 """Start and stop the live view that ``--mode`` asks for (launcher process).
 
 ``--mode=cli`` on a terminal: torch elastic writes the workers' output to
-files (``--redirects 3``, ``--tee 0``, under ``--log-dir`` or
-``logs/<session>/workers``) so it cannot garble the view; the view shows the
-last lines and the folder is printed at the start and the end. Without a
-terminal: plain output, workers untouched, a status line now and then.
+files (``RunConfig.worker_log_dir``, decided when the arguments are parsed;
+the launcher hands torch the redirection) so it cannot garble the view; the
+view shows the last lines and the folder is printed at the start and the end.
+Without a terminal: plain output, workers untouched, a status line now and
+then.
 ``--mode=dashboard``: the server runs in the collector; the launcher prints
 its address (and that it moved, when the asked port was taken). Both views
 run on the collector's node only, where every rank's data arrives.
@@ -12,7 +13,6 @@ run on the collector's node only, where every rank's data arrives.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,8 +20,6 @@ from typing import Any, Protocol
 
 from traceml.collector.store import STORE_FILENAME
 from traceml.config import RunConfig
-
-WORKER_LOG_DIR = "workers"
 
 
 class LiveView(Protocol):
@@ -64,27 +62,18 @@ def start_live_view(cfg: RunConfig, session_dir: Path, ready: Mapping[str, Any])
     from traceml.live.worker_output import WorkerOutput
 
     db_path = session_dir / STORE_FILENAME
-    if not sys.stdout.isatty():
+    if cfg.worker_log_dir is None:
         _say(f"--mode=cli: stdout is not a terminal, so plain output and a status line every "
              f"{PLAIN_INTERVAL_S:.0f} s instead of the live view")
         plain = PlainStatus(db_path)
         plain.start()
         return plain
-    log_dir = redirect_worker_output(cfg.torch_args, session_dir / WORKER_LOG_DIR)
+    log_dir = Path(cfg.worker_log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
     _say(f"the workers' output goes to {log_dir} (the view shows the last lines)")
     view = TerminalView(db_path, WorkerOutput(log_dir, skip=_entries(log_dir)))
     view.start()
     return _CliView(view, log_dir)
-
-
-def redirect_worker_output(torch_args: argparse.Namespace, default_dir: Path) -> Path:
-    """Have torch write every worker's stdout and stderr to files only; returns the folder."""
-    log_dir = Path(torch_args.log_dir) if torch_args.log_dir else default_dir
-    log_dir.mkdir(parents=True, exist_ok=True)
-    torch_args.log_dir = str(log_dir)
-    torch_args.redirects = "3"
-    torch_args.tee = "0"
-    return log_dir
 
 
 def _entries(folder: Path) -> frozenset[str]:

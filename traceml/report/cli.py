@@ -7,14 +7,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
+from traceml.config import UsageErrorParser
 from traceml.errors import UsageError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message} (see '{self.prog} --help')")
 
 
 def _positive_int(text: str) -> int:
@@ -25,7 +20,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="traceml report", description=(
+    parser = UsageErrorParser(prog="traceml report", description=(
         "Recompute final_summary.json and final_summary.txt of a session folder from its "
         "telemetry.sqlite, and print the text."))
     parser.add_argument("session_dir", help="The session folder (logs/<session>).")

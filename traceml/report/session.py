@@ -18,6 +18,7 @@ import orjson
 
 from traceml import phases
 from traceml.collector.store import STORE_FILENAME, StoreReader
+from traceml.config import DEFAULT_WINDOW_ROWS
 from traceml.diagnosis.samples import (
     GpuSample,
     NodeInfo,
@@ -35,7 +36,6 @@ from traceml.report.text import render_text
 
 JSON_NAME = "final_summary.json"
 TEXT_NAME = "final_summary.txt"
-DEFAULT_WINDOW_ROWS = 10000
 
 
 @dataclass(frozen=True)
