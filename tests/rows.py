@@ -15,8 +15,9 @@ def step_row(rank: int, step: int, input_ms: float, forward_ms: float, backward_
              **named: Any) -> StepRow:
     """A StepRow with input, forward, backward and optimizer times, then the
     rest of StepRow's fields in order (positionally or by name)."""
-    phase_ms = {"input": input_ms, "forward": forward_ms, "backward": backward_ms,
-                "optimizer": optimizer_ms}
+    phase_ms = {p.name: 0.0 for p in phases.PHASES} | {
+        "input": input_ms, "forward": forward_ms, "backward": backward_ms,
+        "optimizer": optimizer_ms}
     return StepRow(rank, step, phase_ms, total_ms, wait_ms, *rest, **named)
 
 

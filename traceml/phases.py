@@ -13,6 +13,7 @@ Standard library only: every process imports it, the agent included.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -105,6 +106,12 @@ def share_metrics() -> tuple[Phase, ...]:
     """The parts whose share of the step is reported: the phases outside compute,
     compute, wait."""
     return (*(p for p in PHASES if not p.compute), COMPUTE, WAIT)
+
+
+def visible(parts: Sequence[Phase], spent: Callable[[Phase], bool]) -> tuple[Phase, ...]:
+    """The parts a table shows: every one, except a collective phase no rank
+    ``spent`` time in (a single-process run has no communication column)."""
+    return tuple(p for p in parts if not p.collective or spent(p))
 
 
 def describe(parts: tuple[Phase, ...]) -> str:

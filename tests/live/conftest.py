@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import pytest
 
 from tests.rows import step_row
+from traceml import phases
 from traceml.diagnosis.samples import (
     GpuSample,
     NodeInfo,
@@ -158,7 +159,9 @@ def chart_facts(page: Any) -> dict[str, Any]:
 
 def assert_every_rank_charted(facts: dict[str, Any], ranks: list[int]) -> None:
     assert [p["rank"] for p in facts["phases"]] == ranks
-    assert all(p["points"] > 0 and p["paths"] == 5 for p in facts["phases"]), facts["phases"]
+    # One stacked area per part of the step: every phase, then wait.
+    assert all(p["points"] > 0 and p["paths"] == len(phases.stacked())
+               for p in facts["phases"]), facts["phases"]
     assert facts["heat"] == ",".join(map(str, ranks)) and facts["heatCols"] > 0
     assert facts["memory"] == ",".join(map(str, ranks))
     assert facts["tableRanks"] == ranks

@@ -39,7 +39,9 @@ def uniform(phases: Phases) -> Callable[[int], Phases]:
 
 
 def kinds(findings: list[Finding] | tuple[Finding, ...]) -> list[str]:
-    return [f.kind for f in findings]
+    """The measured findings' kinds (hand-built runs time no collectives: the
+    COMMUNICATION abstention is tested on its own)."""
+    return [f.kind for f in findings if f.measured]
 
 
 @pytest.mark.parametrize(
@@ -141,19 +143,19 @@ def test_compute_straggler_two_ranks_slow_backward() -> None:
     times = times_of(2, lambda r: (5.0, 20.0, 60.0 + (30.0 if r == 1 else 0.0), 10.0, 5.0))
     found = stragglers(times)
     assert [(f.kind, f.ranks) for f in found] == [("COMPUTE_STRAGGLER", (1,))]
-    assert found[0].why.startswith("r1 compute was 120.0 ms vs 90.0 ms")
+    assert found[0].why.startswith("r1 backward was 90.0 ms vs 60.0 ms")
 
 
 def test_compute_straggler_eight_ranks_ddp_slow_forward() -> None:
-    # r5's forward is 30 ms slower; the others wait for it in backward: equal totals
-    # and equal compute totals, only forward (no collective in it) tells them apart.
+    # r5's forward is 30 ms slower; the others wait for it in backward (not timed
+    # here): equal totals and equal compute totals, forward names the phase.
     def phases(rank: int) -> Phases:
         return (2.0, 50.0, 60.0, 6.0, 2.0) if rank == 5 else (2.0, 20.0, 90.0, 6.0, 2.0)
     times = times_of(8, phases)
     assert len({t.total_ms.mean for t in times.values()}) == 1
     found = stragglers(times)
     assert [(f.kind, f.severity, f.ranks) for f in found] == [("COMPUTE_STRAGGLER", "crit", (5,))]
-    assert found[0].why.startswith("r5 forward+optimizer was 56.0 ms vs 26.0 ms")
+    assert found[0].why.startswith("r5 forward was 50.0 ms vs 20.0 ms")
 
 
 def test_straggler_when_input_and_compute_are_each_just_below_the_limit() -> None:

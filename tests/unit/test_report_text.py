@@ -92,6 +92,7 @@ EXPECTED = """\
 |    alike.                                                                  |
 |  - Also: INPUT-BOUND [crit]: Input (data loading) took 22.0% of step time  |
 |    (22.0 of 100.0 ms, median rank).                                        |
+|  - Not measured: COMMUNICATION                                             |
 |                                                                            |
 |  Step Memory                                                               |
 |  - Diagnosis: BALANCED                                                     |

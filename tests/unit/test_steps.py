@@ -78,10 +78,10 @@ def test_plain_loop_steps_add_up() -> None:
     s.log(CLOSE)
     assert [t.step for t in s.steps] == [0, 1, 2, 3]
     for t in s.steps[:3]:
-        assert t.phase_s == (1, 2, 3, 1)
+        assert t.phase_s == (1, 2, 3, 1, 0)
         assert t.total_s == pytest.approx(7.5)  # boundary (fetch) to boundary
         assert t.wait_s == pytest.approx(0.5)
-        assert t.counts == (1, 1, 1, 1)
+        assert t.counts == (1, 1, 1, 1, 0)
     assert s.steps[3].total_s == pytest.approx(7.0)  # last one ends at its optimizer
 
 
@@ -95,8 +95,8 @@ def test_gradient_accumulation_is_one_step() -> None:
         s.phase(OPTIMIZER, 1)
     s.log(CLOSE)
     assert len(s.steps) == 3
-    assert all(t.counts == (4, 4, 4, 1) for t in s.steps)
-    assert s.steps[0].phase_s == (4, 8, 12, 1)
+    assert all(t.counts == (4, 4, 4, 1, 0) for t in s.steps)
+    assert s.steps[0].phase_s == (4, 8, 12, 1, 0)
 
 
 def test_two_optimizers_with_dataloader_is_one_step() -> None:
@@ -111,7 +111,7 @@ def test_two_optimizers_with_dataloader_is_one_step() -> None:
         s.phase(OPTIMIZER, 1)
     s.log(CLOSE)
     assert len(s.steps) == 3
-    assert s.steps[0].counts == (1, 2, 2, 2)
+    assert s.steps[0].counts == (1, 2, 2, 2, 0)
     assert s.steps[0].total_s == pytest.approx(13)
 
 
@@ -122,7 +122,7 @@ def test_without_dataloader_forward_begins_the_step() -> None:
     s.log(CLOSE)
     assert len(s.steps) == 3
     assert s.steps[0].total_s == pytest.approx(8)
-    assert s.steps[0].phase_s == (0, 2, 3, 1)
+    assert s.steps[0].phase_s == (0, 2, 3, 1, 0)
 
 
 def test_closure_optimizer_time_is_exclusive() -> None:
@@ -137,8 +137,8 @@ def test_closure_optimizer_time_is_exclusive() -> None:
         s.log(OPTIMIZER_END)
     s.log(CLOSE)
     assert len(s.steps) == 2
-    assert s.steps[0].phase_s == pytest.approx((1, 2, 3, 0.75))
-    assert s.steps[0].counts == (1, 1, 1, 1)
+    assert s.steps[0].phase_s == pytest.approx((1, 2, 3, 0.75, 0))
+    assert s.steps[0].counts == (1, 1, 1, 1, 0)
 
 
 def test_eval_loop_is_kept_out_of_steps() -> None:
@@ -151,8 +151,8 @@ def test_eval_loop_is_kept_out_of_steps() -> None:
     assert len(s.steps) == 3
     first, second = s.steps[0], s.steps[1]
     assert first.total_s == pytest.approx(7.5)  # closed where evaluation began
-    assert second.phase_s == (1, 2, 3, 1)
-    assert second.counts == (1, 1, 1, 1)
+    assert second.phase_s == (1, 2, 3, 1, 0)
+    assert second.counts == (1, 1, 1, 1, 0)
     assert second.total_s == pytest.approx(7.5)
 
 
@@ -168,7 +168,7 @@ def test_nograd_forward_inside_a_step_is_not_evaluation() -> None:
         s.phase(OPTIMIZER, 1)
     s.log(CLOSE)
     assert len(s.steps) == 3
-    assert s.steps[0].phase_s == (1, 2, 3, 1)
+    assert s.steps[0].phase_s == (1, 2, 3, 1, 0)
     assert s.steps[0].total_s == pytest.approx(11)
     assert s.steps[0].wait_s == pytest.approx(4)
 
@@ -202,7 +202,7 @@ def test_manual_boundaries_replace_detection() -> None:
         s.gap(5)  # outside any step
     s.log(CLOSE)
     assert len(s.steps) == 3
-    assert s.steps[1].phase_s == (1, 4, 3, 2)
+    assert s.steps[1].phase_s == (1, 4, 3, 2, 0)
     assert s.steps[1].total_s == pytest.approx(10)
     assert s.steps[2].total_s == pytest.approx(10)
 
@@ -231,7 +231,7 @@ def test_work_after_an_eval_loop_stays_out_of_the_next_step() -> None:
     s.log(CLOSE)
     assert len(s.steps) == 3
     assert s.steps[0].total_s == pytest.approx(7.5)
-    assert s.steps[1].total_s == pytest.approx(7.5) and s.steps[1].counts == (1, 1, 1, 1)
+    assert s.steps[1].total_s == pytest.approx(7.5) and s.steps[1].counts == (1, 1, 1, 1, 0)
 
 
 def test_a_training_loader_running_out_still_begins_the_last_step() -> None:
@@ -246,7 +246,7 @@ def test_a_training_loader_running_out_still_begins_the_last_step() -> None:
     s.phase(BACKWARD, 3)
     s.phase(OPTIMIZER, 1)
     s.log(CLOSE)
-    assert len(s.steps) == 2 and s.steps[1].counts == (1, 1, 1, 1)
+    assert len(s.steps) == 2 and s.steps[1].counts == (1, 1, 1, 1, 0)
 
 
 def test_marks_belong_to_the_step_they_were_logged_in() -> None:
@@ -305,7 +305,7 @@ def test_a_cut_log_resynchronises_at_the_next_boundary(resync: bool) -> None:
         s.train_iter()
     s.log(CLOSE)
     if resync:  # the interrupted step is dropped and detection goes on
-        assert [t.phase_s for t in s.steps] == [(1, 2, 3, 1)] * 4
+        assert [t.phase_s for t in s.steps] == [(1, 2, 3, 1, 0)] * 4
     else:  # the orphan optimizer phase swallows every later iteration into one step
         assert len(s.steps) == 2
         assert s.steps[1].counts[FORWARD] == 3
@@ -375,7 +375,7 @@ def test_rank_steps_resynchronise_after_a_lost_batch() -> None:
     counts = [r.counts for r in rows]
     # The iteration cut in two went: from the gap on, only its optimizer step
     # was seen, a step of its own.  The iterations after it are whole.
-    assert counts == [(0, 0, 0, 1), (1, 1, 1, 1)]
+    assert counts == [(0, 0, 0, 1, 0), (1, 1, 1, 1, 0)]
 
 
 @pytest.mark.parametrize("events", [

@@ -28,6 +28,7 @@ Instrumented (SPEC R-AG-2):
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from torch.utils.data import dataloader as _dataloader
 
 from traceml.agent.comm import CommTiming
 from traceml.agent.probe import Probe
+from traceml.errors import WarnOnce
 from traceml.protocol import (
     BACKWARD,
     END,
@@ -315,14 +317,11 @@ def _scaler_classes() -> list[type]:
     return classes
 
 
-def _warn(message: str) -> None:
-    print(f"traceml: warning: {message}", file=sys.stderr)
-
-
 class Instrumentation:
     """All patches of one rank, installed and removed together."""
 
     def __init__(self, probe: Probe, warn: Callable[[str], None] | None = None) -> None:
+        """``warn`` reports a part that could not be instrumented (once)."""
         self.probe = probe
         self.patches: list[Patch] = [
             Patch(_dataloader._BaseDataLoaderIter, "__next__", _wrap_next(probe)),
@@ -331,7 +330,7 @@ class Instrumentation:
         ]
         self.patches += [Patch(cls, "step", _wrap_scaler_step(probe)) for cls in _scaler_classes()]
         self.hooks = OptimizerHooks(probe)
-        self.comm = CommTiming(probe, warn or _warn)
+        self.comm = CommTiming(probe, warn or functools.partial(WarnOnce().to_stderr, "comm"))
         self.installed = False
 
     def install(self) -> None:

@@ -359,7 +359,8 @@ class RankSteps:
             step=t.step, t_begin=self._wall_offset_s + t.t_begin, total_ms=t.total_s * 1e3,
             wait_ms=t.wait_s * 1e3, phase_ms=tuple(s * 1e3 for s in t.phase_s),
             counts=t.counts, num_skipped=t.num_skipped, rss_bytes=t.rss_bytes,
-            peak_allocated_bytes=alloc, peak_reserved_bytes=reserved, gpu_ms=tuple(gpu)))
+            peak_allocated_bytes=alloc, peak_reserved_bytes=reserved, gpu_ms=tuple(gpu),
+            collective_ms=None if t.collective_s is None else t.collective_s * 1e3))
 
 
 def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -36,13 +36,14 @@ class StepRecord:
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     gpu_ms: tuple[float | None, ...] = ()  # per GPU-timed phase; empty off CUDA
+    collective_ms: float | None = None  # any collective in flight; None: none timed
 
     def values(self) -> tuple[Any, ...]:
         """The record in :data:`STEP_COLUMNS` order."""
         gpu = self.gpu_ms or (None,) * len(phases.gpu_timed())
         return (self.step, self.t_begin, self.total_ms, self.wait_ms, *self.phase_ms,
                 *self.counts, self.num_skipped, self.rss_bytes, self.peak_allocated_bytes,
-                self.peak_reserved_bytes, *gpu)
+                self.peak_reserved_bytes, *gpu, self.collective_ms)
 
     def columns(self) -> dict[str, Any]:
         """The record by :data:`STEP_COLUMNS` name."""
@@ -53,7 +54,7 @@ STEP_COLUMNS: tuple[str, ...] = (
     "step", "t_begin", "total_ms", "wait_ms",
     *(p.column for p in phases.PHASES), *(p.count_column for p in phases.PHASES),
     "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-    *(p.gpu_column for p in phases.gpu_timed()),
+    *(p.gpu_column for p in phases.gpu_timed()), "collective_ms",
 )
 """The steps table's columns after (rank, restart, node_rank), from the phase table."""
 

@@ -24,8 +24,9 @@ from traceml.compare.verdict import memory_change, step_signal, time_change, ver
 from traceml.report.model import SECTION_NAMES, SECTION_TITLES
 
 SECTION_ROWS: Mapping[str, tuple[tuple[str, str], ...]] = {
-    "step_time": tuple((p.column, p.label)
-                       for p in (phases.TOTAL, *phases.stacked(), phases.COMPUTE)),
+    "step_time": (*((p.column, p.label) for p in (phases.TOTAL, *phases.stacked(),
+                                                   phases.COMPUTE)),
+                  ("collective_ms", "Collectives in flight")),
     "step_memory": (
         ("peak_allocated_bytes", "Peak allocated"), ("peak_reserved_bytes", "Peak reserved"),
         ("pressure_pct", "Device pressure"), ("allocated_growth_bytes", "Allocated growth"),
@@ -46,6 +47,9 @@ SECTION_ROWS: Mapping[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 """The rows of each section's table, as (stats key, display name), in order."""
+
+COMMUNICATION_ROWS = {*(p.column for p in phases.PHASES if p.collective), "collective_ms"}
+"""Rows left out when neither side spent time in collectives (a single-process pair)."""
 
 PRESSURE_KINDS = {"CPU_PRESSURE", "RAM_PRESSURE"}
 """System findings that make step times of that run depend on other load."""
@@ -73,7 +77,9 @@ def run_info(run: RunSummary) -> RunInfo:
 def section_compare(name: str, a: SectionData | None, b: SectionData | None) -> SectionCompare:
     """One section's diagnosis row and table; INCONCLUSIVE when a side lacks it."""
     diagnosis = DiagnosisRow(a.diagnosis_label if a else None, b.diagnosis_label if b else None)
-    rows = tuple(row for row in metric_rows(name, a, b) if row.a is not None or row.b is not None)
+    rows = tuple(row for row in metric_rows(name, a, b)
+                 if (row.a or row.b) or (row.key not in COMMUNICATION_ROWS
+                                          and (row.a is not None or row.b is not None)))
     return SectionCompare(name, SECTION_TITLES[name], diagnosis, rows, inconclusive_why(a, b))
 
 

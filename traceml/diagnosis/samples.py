@@ -36,6 +36,7 @@ class StepRow:
     rss_bytes: int | None = None  # host RSS of the rank at step end
     gpu_ms: float | None = None  # GPU time of the GPU-timed phases; None off CUDA
     t: float | None = None  # unix seconds at step end; lets sample sections use the step window
+    collective_ms: float | None = None  # any collective in flight (exposed or hidden); None: untimed
 
     def ms(self, name: str) -> float:
         """Time of a phase, or of ``total``, ``compute`` or ``wait``; a phase the row
@@ -141,6 +142,7 @@ class _StepColumns:
     rss_bytes: int | None = None
     gpu_ms: float | None = None
     t: float | None = None
+    collective_ms: float | None = None
     phase_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -189,7 +191,7 @@ def _encode_steps(rows: Sequence[StepRow]) -> dict[str, Json]:
 def _decode_step(cols: _StepColumns) -> StepRow:
     return StepRow(cols.rank, cols.step, cols.phase_ms, cols.total_ms, cols.wait_ms,
                    cols.peak_allocated_bytes, cols.peak_reserved_bytes, cols.rss_bytes,
-                   cols.gpu_ms, cols.t)
+                   cols.gpu_ms, cols.t, cols.collective_ms)
 
 
 def _encode_rows(cls: type[_Row], rows: Sequence[_Row]) -> dict[str, Json]:

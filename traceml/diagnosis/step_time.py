@@ -28,10 +28,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from traceml import phases
+from traceml.diagnosis import stragglers as attribution
 from traceml.diagnosis import thresholds
-from traceml.diagnosis.finding import Finding, format_ranks, grade, not_measured, order_findings
+from traceml.diagnosis.finding import Finding, grade, not_measured, order_findings
 from traceml.diagnosis.stats import Distribution, distribution
-from traceml.diagnosis.stragglers import stragglers
 from traceml.diagnosis.window import StepWindow
 
 PHASES = tuple(p.name for p in phases.step_metrics())
@@ -49,6 +49,7 @@ class RankStepTimes:
     node_rank: int | None
     num_steps: int
     dists: Mapping[str, Distribution]  # one of PHASES -> its distribution
+    collective_ms: Distribution | None = None  # collectives in flight; None: not timed
 
     def dist(self, phase: str) -> Distribution:
         """The distribution of one of PHASES."""
@@ -73,6 +74,7 @@ class RankStepTimes:
         ``<part>_share_pct`` shares."""
         return {"rank": self.rank, "node_rank": self.node_rank, "num_steps": self.num_steps,
                 **{f"{p}_ms": self.dists[p] for p in PHASES},
+                "collective_ms": self.collective_ms,
                 **{f"{p}_share_pct": self.share_pct(p) for p in SHARES}}
 
 
@@ -83,7 +85,11 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
         if not rows:
             continue
         dists = {p: distribution([r.ms(p) for r in rows]) for p in PHASES}
-        out[rank] = RankStepTimes(rank, node_of.get(rank), len(rows), dists)
+        # Timed once any step timed a collective; a step without one had none in flight.
+        flights = [r.collective_ms for r in rows]
+        collective = None if all(f is None for f in flights) else distribution(
+            [f or 0.0 for f in flights])
+        out[rank] = RankStepTimes(rank, node_of.get(rank), len(rows), dists, collective)
     return out
 
 
@@ -195,6 +201,13 @@ def communication_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
     )
 
 
+def stragglers(times: Mapping[int, RankStepTimes]) -> list[Finding]:
+    """INPUT / COMPUTE / HOST-WORK STRAGGLER and STRAGGLER, from each rank's own work
+    (`traceml.diagnosis.stragglers`)."""
+    step_ms = median_mean_ms(times, "total") if len(times) >= 2 else 0.0
+    return attribution.stragglers(times, step_ms, comm_measured(times))
+
+
 def comm_measured(times: Mapping[int, RankStepTimes]) -> bool:
     """Whether collectives were timed (their in-flight time is known) on every rank."""
     return bool(times) and all(t.collective_ms is not None for t in times.values())
@@ -209,14 +222,16 @@ def diagnose_step_time(
     if not times:
         return (not_measured("STEP TIME", unmeasured_why),)
     measured = comm_measured(times)
-    found = stragglers(times, median_mean_ms(times, "total") if len(times) >= 2 else 0.0,
-                       measured)
+    found = stragglers(times)
     named = any(f.kind != "STRAGGLER_UNCLEAR" for f in found)
     found += input_bound(times) + wait_heavy(times)
     if not named:
         found += communication_bound(times)
     if len(times) >= 2 and not measured:
-        found.append(not_measured("COMMUNICATION", "No collective of this run was timed "
-                                  "(a backend or hook traceml cannot time), so waiting for "
-                                  "another rank may read as compute."))
-    return order_findings(found or compute_bound(times), balanced(times))
+        found.append(not_measured(
+            "COMMUNICATION", "Collectives were not timed end to end (CUDA/NCCL, a hook or "
+            "backend traceml cannot time, or none ran), so a rank waiting for another may "
+            "read as its own compute."))
+    if not any(f.measured for f in found):
+        found += compute_bound(times)
+    return order_findings(found, balanced(times))

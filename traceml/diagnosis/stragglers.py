@@ -122,6 +122,7 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
     standing, explained = attribute(every, limit_ms, comm_measured)
     seen = {e.rank for e in standing + explained}
     standing += _combined(every, sorted(set(times) - seen), limit_ms, comm_measured)
+    standing.sort(key=lambda e: -e.excess_ms)
     by_kind: dict[tuple[str, str], list[Excess]] = {}
     for excess in standing:
         by_kind.setdefault(_kind(excess.part), []).append(excess)
@@ -133,12 +134,17 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
 
 def _combined(every: Mapping[tuple[int, str], Excess], ranks: list[int], limit_ms: float,
               comm_measured: bool) -> list[Excess]:
-    """Ranks whose own parts are each below the limit but together reach it,
-    counting only parts that cannot hold waiting for another rank."""
-    sure = (INPUT_PART, *(COMPUTE_PARTS if comm_measured else ()))
+    """Ranks whose own parts are each below the limit but together reach it:
+    input and compute, less any compute another rank's input or untraced
+    excess may explain (communication not measured); untraced work never, as
+    it may be waiting."""
+    waits = [e for e in every.values() if e.part in (INPUT_PART, UNTRACED_PART)]
     out = []
     for rank in ranks:
-        parts = [every[rank, part] for part in sure]
+        parts = [every[rank, part] for part in (INPUT_PART, *COMPUTE_PARTS)]
+        if not comm_measured:
+            parts = [e for e in parts if e.part == INPUT_PART
+                     or not any(_explains(w, e) for w in waits)]
         extra = sum(max(0.0, e.excess_ms) for e in parts)
         if extra >= limit_ms:
             value = sum(e.value_ms for e in parts)
@@ -151,7 +157,7 @@ def _straggler(kind: tuple[str, str], found: list[Excess], step_ms: float) -> Fi
     excess_pct = 100.0 * worst.excess_ms / step_ms
     severity = grade(excess_pct, thresholds.STRAGGLER_WARN_PCT, thresholds.STRAGGLER_CRIT_PCT)
     ranks = tuple(dict.fromkeys(e.rank for e in found))
-    why = (f"r{worst.rank} {_part_text(worst.part)} took {worst.value_ms:.1f} ms per step vs "
+    why = (f"r{worst.rank} {_part_text(worst.part)} was {worst.value_ms:.1f} ms vs "
            f"{worst.reference_ms:.1f} ms on the other ranks (+{worst.excess_ms:.1f} ms, "
            f"{excess_pct:.1f}% of the {step_ms:.1f} ms median step).")
     if len(ranks) > 1:

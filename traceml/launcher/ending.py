@@ -17,7 +17,7 @@ from traceml.collector.store import STORE_FILENAME
 from traceml.diagnosis.samples import StepRow
 from traceml.errors import UsageError
 
-PHASES = (*phases.stacked(), phases.TOTAL)
+PARTS = (*phases.stacked(), phases.TOTAL)
 
 
 def phase_table(steps: tuple[StepRow, ...]) -> str:
@@ -26,13 +26,14 @@ def phase_table(steps: tuple[StepRow, ...]) -> str:
     for row in steps:
         by_rank.setdefault(row.rank, []).append(row)
     table = []
+    shown = phases.visible(PARTS, lambda p: any(r.ms(p.name) > 0 for r in steps))
     for rank in sorted(by_rank):
         rows = by_rank[rank]
-        means = [sum(r.ms(p.name) for r in rows) / len(rows) for p in PHASES]
+        means = [sum(r.ms(p.name) for r in rows) / len(rows) for p in shown]
         table.append([f"r{rank}", len(rows), *(f"{m:.2f}" for m in means)])
     if not table:
         return "traceml: no training steps were captured."
-    headers = ["rank", "steps", *(f"{p.name} ms" for p in PHASES)]
+    headers = ["rank", "steps", *(f"{p.name} ms" for p in shown)]
     rendered: str = tabulate(table, headers=headers, disable_numparse=True)
     return "traceml: mean time per step\n" + rendered
 

@@ -16,11 +16,12 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from traceml import phases
 from traceml.diagnosis.finding import Finding, format_ranks
 from traceml.live.worker_output import OutputLine
 from traceml.report.model import SECTION_NAMES, SECTION_TITLES
 from traceml.report.page.gauges import Gauge, GaugeRow
-from traceml.report.page.snapshot import TABLE_PHASES, RankPhases, Snapshot
+from traceml.report.page.snapshot import TABLE_PARTS, RankPhases, Snapshot
 
 MAX_TABLE_RANKS = 16
 """Ranks shown in the phase table at most: the slowest by median step time."""
@@ -107,20 +108,29 @@ def phase_table(snap: Snapshot) -> RenderableType:
                   box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1),
                   collapse_padding=True)
     with_node = snap.report.system.scope.num_nodes > 1
+    columns = shown_columns(snap)
     names = ("rank", *(("node",) if with_node else ()), "step",
-             *(p.removesuffix("_ms") for p in TABLE_PHASES))
+             *(p.removesuffix("_ms") for p in columns))
     for name in names:
         table.add_column(name, justify="left" if name in ("rank", "node") else "right",
                          no_wrap=True)
     for row in shown:
         node = ("-" if row.node_rank is None else f"n{row.node_rank}",) if with_node else ()
         table.add_row(f"r{row.rank}", *node, "-" if row.last_step is None else str(row.last_step),
-                      *(_cell(snap, row, p) for p in TABLE_PHASES))
+                      *(_cell(snap, row, p) for p in columns))
     if len(rows) > 1:
         table.add_row("worst", *(("",) if with_node else ()), "",
                       *(f"r{snap.worst_ranks[p]}" if p in snap.worst_ranks else "-"
-                        for p in TABLE_PHASES), style="dim")
+                        for p in columns), style="dim")
     return table
+
+
+def shown_columns(snap: Snapshot) -> tuple[str, ...]:
+    """The phase table's columns: a communication column only when some rank
+    spent time in it."""
+    def spent(phase: phases.Phase) -> bool:
+        return any(row.worst_ms.get(phase.column, 0.0) > 0 for row in snap.phases)
+    return tuple(p.column for p in phases.visible(TABLE_PARTS, spent))
 
 
 def _cell(snap: Snapshot, row: RankPhases, phase: str) -> Text:

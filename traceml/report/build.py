@@ -79,6 +79,8 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
     times = rank_step_times(window, node_of)
     rows = [times[r] for r in sorted(times)]
     stats = {f"{phase}_ms": _rank_stat(rows, _phase_mean(phase)) for phase in PHASES}
+    stats["collective_ms"] = _rank_stat(
+        rows, lambda t: t.collective_ms.mean if t.collective_ms is not None else None)
     for phase in SHARES:
         stats[f"{phase}_share_pct"] = _rank_stat(rows, _phase_share(phase))
     findings = diagnose_step_time(times, _unmeasured_steps_why(run))

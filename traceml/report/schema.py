@@ -24,6 +24,7 @@ _INT_OR_NULL = {"type": ["integer", "null"]}
 _NUM_OR_NULL = {"type": ["number", "null"]}
 _INTS = {"type": "array", "items": _INT}
 _DIST = {"$ref": "#/$defs/distribution"}
+_DIST_OR_NULL = {"$ref": "#/$defs/distribution_or_null"}
 _STAT = {"$ref": "#/$defs/stat"}
 
 
@@ -36,6 +37,10 @@ def _obj(props: Mapping[str, Schema], nullable: bool = False) -> dict[str, Any]:
         "additionalProperties": False,
     }
 
+
+_DIST_PROPS: dict[str, Schema] = {
+    "count": _INT, "mean": _NUM, "p10": _NUM, "p25": _NUM, "p50": _NUM, "p75": _NUM, "p90": _NUM,
+}
 
 _FINDING_PROPS: dict[str, Schema] = {
     "kind": _STR,
@@ -85,6 +90,7 @@ _STEP_TIME_ROW = _obj({
     "node_rank": _INT_OR_NULL,
     "num_steps": _INT,
     **{p.column: _DIST for p in phases.step_metrics()},
+    "collective_ms": _DIST_OR_NULL,
     **{f"{p.name}_share_pct": _NUM_OR_NULL for p in phases.share_metrics()},
 })
 
@@ -148,7 +154,7 @@ _SYSTEM_ROW = _obj({
 
 SECTION_STATS: Mapping[str, tuple[str, ...]] = {
     "step_time": (
-        *(p.column for p in phases.step_metrics()),
+        *(p.column for p in phases.step_metrics()), "collective_ms",
         *(f"{p.name}_share_pct" for p in phases.share_metrics()),
     ),
     "step_memory": (
@@ -206,10 +212,8 @@ SUMMARY_SCHEMA: dict[str, Any] = {
             "worst_node": _INT_OR_NULL,
             "worst_gpu": _INT_OR_NULL,
         }, nullable=True),
-        "distribution": _obj({
-            "count": _INT, "mean": _NUM, "p10": _NUM, "p25": _NUM, "p50": _NUM, "p75": _NUM,
-            "p90": _NUM,
-        }),
+        "distribution": _obj(_DIST_PROPS),
+        "distribution_or_null": _obj(_DIST_PROPS, nullable=True),
     },
 }
 

@@ -97,7 +97,7 @@ def step_row(r: dict[str, Any]) -> StepRow:
         peak_allocated_bytes=r["peak_allocated_bytes"],
         peak_reserved_bytes=r["peak_reserved_bytes"], rss_bytes=r["rss_bytes"],
         t=(r["t_begin"] + r["total_ms"] / 1e3) if r["t_begin"] is not None else None,
-        gpu_ms=_gpu_ms(r),
+        gpu_ms=_gpu_ms(r), collective_ms=r.get("collective_ms"),
     )
 
 

@@ -28,8 +28,9 @@ _CARD_STATS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 """Stats each non-Step-Time block shows, as (stats key, display name)."""
 
-_STEP_PHASES = tuple((p.column, p.name) for p in (phases.TOTAL, *phases.share_metrics()))
-"""The Step Time stats the card shows: total, the phases outside compute, compute, wait."""
+_STEP_PARTS = (phases.TOTAL, *phases.share_metrics())
+"""The Step Time stats the card shows: total, the phases outside compute, compute, wait
+(communication only when some rank spent time in it)."""
 
 
 def render_text(report: Report, width: int = 78) -> str:
@@ -121,14 +122,26 @@ def _scope(section: Section, report: Report) -> str:
 
 
 def _step_time_stats(section: Section) -> list[str]:
-    shown = [(name, stat) for key, name in _STEP_PHASES if (stat := section.stats.get(key))]
-    stats = " | ".join(f"{name} {stat.median:.1f}/{stat.worst:.1f}ms" for name, stat in shown)
+    def spent(part: phases.Phase) -> bool:
+        stat = section.stats.get(part.column)
+        return stat is not None and stat.worst > 0
+    shown = [(p, stat) for p in phases.visible(_STEP_PARTS, spent)
+             if (stat := section.stats.get(p.column))]
+    stats = " | ".join(f"{p.name} {stat.median:.1f}/{stat.worst:.1f}ms{_in_flight(p, section)}"
+                       for p, stat in shown)
     lines = [f"- Stats: median/worst | {stats}"]
     if len(section.scope.ranks) > 1:
-        ranks = " | ".join(f"{name} r{stat.median_rank}/r{stat.worst_rank}"
-                           for name, stat in shown)
+        ranks = " | ".join(f"{p.name} r{stat.median_rank}/r{stat.worst_rank}"
+                           for p, stat in shown)
         lines.append(f"- Ranks: median/worst | {ranks}")
     return lines
+
+
+def _in_flight(part: phases.Phase, section: Section) -> str:
+    """`` (in flight 8.1ms)`` after communication: collectives' whole time, the
+    part backward hid included."""
+    stat = section.stats.get("collective_ms")
+    return f" (in flight {stat.median:.1f}ms)" if part.collective and stat else ""
 
 
 def _stats_text(section: Section) -> str:

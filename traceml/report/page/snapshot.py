@@ -27,7 +27,8 @@ from traceml.report.page.series import MAX_POINTS, Series, build_series, series_
 LIVE_WINDOW_STEPS = 100
 """Aligned steps per rank the live diagnosis and phase table look at."""
 
-TABLE_PHASES = tuple(p.column for p in (*phases.stacked(), phases.TOTAL))
+TABLE_PARTS = (*phases.stacked(), phases.TOTAL)
+TABLE_PHASES = tuple(p.column for p in TABLE_PARTS)
 """The phase table's columns: every phase, wait, total."""
 
 SNAPSHOT_FORMAT = "traceml.snapshot/1"
