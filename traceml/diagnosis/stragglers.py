@@ -134,10 +134,10 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
 
 def _combined(every: Mapping[tuple[int, str], Excess], ranks: list[int], limit_ms: float,
               comm_measured: bool) -> list[Excess]:
-    """Ranks whose own parts are each below the limit but together reach it:
-    input and compute, less any compute another rank's input or untraced
-    excess may explain (communication not measured); untraced work never, as
-    it may be waiting."""
+    """Ranks whose own parts are each below the limit but together reach it
+    (signed: noise in one part is not added up, it cancels): input and compute,
+    less any compute another rank's input or untraced excess may explain
+    (communication not measured); untraced work never, as it may be waiting."""
     waits = [e for e in every.values() if e.part in (INPUT_PART, UNTRACED_PART)]
     out = []
     for rank in ranks:
@@ -145,7 +145,7 @@ def _combined(every: Mapping[tuple[int, str], Excess], ranks: list[int], limit_m
         if not comm_measured:
             parts = [e for e in parts if e.part == INPUT_PART
                      or not any(_explains(w, e) for w in waits)]
-        extra = sum(max(0.0, e.excess_ms) for e in parts)
+        extra = sum(e.excess_ms for e in parts)
         if extra >= limit_ms:
             value = sum(e.value_ms for e in parts)
             out.append(Excess(rank, "own work", value, value - extra))

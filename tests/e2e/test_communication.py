@@ -1,0 +1,86 @@
+"""End to end on real 2-rank gloo DDP and FSDP, zero code: communication is a
+phase of its own, and a slow rank is named from its own work, never the rank
+that waits for it (SPEC R-COMM-1..3)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_traceml, script
+
+DELAY_MS = 15.0
+
+
+def _ddp(tmp_path: Any, case: str) -> Any:
+    res = run_traceml(tmp_path, "run", "--nproc-per-node=2", script("ddp_cases.py"),
+                      "--case", case, "--delay-ms", str(DELAY_MS), "--steps", "30")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.summary is not None and set(res.evidence()) == {0, 1}
+    return res
+
+
+def _stragglers(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    return [f for f in summary["step_time"]["findings"] if "STRAGGLER" in f["kind"]]
+
+
+def _excess_ok(finding: dict[str, Any]) -> bool:
+    return abs(finding["evidence"]["excess_ms"] - DELAY_MS) <= 1.0 + 0.15 * DELAY_MS
+
+
+def test_rank_slow_inside_backward_is_named_with_backward(tmp_path: Any) -> None:
+    summary = _ddp(tmp_path, "backward").summary
+    (found,) = _stragglers(summary)
+    assert (found["kind"], found["ranks"]) == ("COMPUTE_STRAGGLER", [1]), found
+    assert found["why"].startswith("r1 backward was"), found["why"]
+    assert _excess_ok(found), found["evidence"]
+    # The fast rank's wait is communication, not its backward.
+    r0 = summary["step_time"]["ranks"][0]
+    assert r0["communication_ms"]["mean"] > 0.6 * DELAY_MS
+    assert summary["step_time"]["diagnosis"]["kind"] == "COMPUTE_STRAGGLER"
+
+
+def test_rank_slow_between_steps_is_named_never_the_waiting_rank(tmp_path: Any) -> None:
+    summary = _ddp(tmp_path, "between").summary
+    found = _stragglers(summary)
+    assert [(f["kind"], f["ranks"]) for f in found] == [("HOST_STRAGGLER", [1])], found
+    assert "untraced host work" in found[0]["why"] and _excess_ok(found[0])
+    assert all(0 not in f["ranks"] for f in found)
+
+
+def test_slow_all_reduce_on_every_rank_is_communication_bound(tmp_path: Any) -> None:
+    summary = _ddp(tmp_path, "network").summary
+    step_time = summary["step_time"]
+    assert step_time["diagnosis"]["kind"] == "COMMUNICATION_BOUND", step_time["findings"]
+    assert _stragglers(summary) == []
+    assert step_time["stats"]["communication_ms"]["median"] > DELAY_MS
+    # Exposed communication is part of what was in flight.
+    assert (step_time["stats"]["collective_ms"]["median"]
+            >= step_time["stats"]["communication_ms"]["median"] * 0.95)
+
+
+def test_balanced_run_has_no_straggler_and_times_its_all_reduce(tmp_path: Any) -> None:
+    res = _ddp(tmp_path, "balanced")
+    assert _stragglers(res.summary) == []
+    stats = res.summary["step_time"]["stats"]
+    assert stats["collective_ms"] is not None and stats["collective_ms"]["median"] > 0
+    # DDP's own averaging, unchanged by the timing hook.
+    assert res.evidence()[0]["grad"] == pytest.approx(res.evidence()[0]["sum_of_local_grads"] / 2)
+
+
+def test_the_scripts_own_comm_hook_still_decides_the_gradients(tmp_path: Any) -> None:
+    res = _ddp(tmp_path, "hook")
+    for rank in (0, 1):  # the hook sums instead of averaging
+        assert res.evidence()[rank]["grad"] == pytest.approx(res.evidence()[rank]["sum_of_local_grads"])
+    assert res.summary["step_time"]["stats"]["communication_ms"]["median"] > 0
+
+
+def test_fsdp_steps_are_counted_with_communication_measured(tmp_path: Any) -> None:
+    res = run_traceml(tmp_path, "run", "--nproc-per-node=2", script("fsdp_loop.py"), "20")
+    assert res.returncode == 0, res.stderr[-3000:]
+    step_time = res.summary["step_time"]
+    assert [r["num_steps"] for r in step_time["ranks"]] == [18, 18]  # 20, less 2 warm-up
+    assert step_time["stats"]["communication_ms"]["median"] > 0
+    assert step_time["stats"]["collective_ms"]["median"] > 0
+    assert all(s["num_communication"] > 0 for s in res.steps_of(0))
