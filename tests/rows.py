@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from traceml import phases
-from traceml.collector.store import STEP_COLUMNS, StepRecord
 from traceml.diagnosis.samples import StepRow
+from traceml.store import STEP_COLUMNS, StepRecord
 
 
 def step_row(rank: int, step: int, input_ms: float, forward_ms: float, backward_ms: float,

@@ -16,10 +16,10 @@ import pytest
 from tests.live.conftest import GIB, T0, free_port
 from tests.rows import step_record
 from traceml.collector.server import CollectorConfig
-from traceml.collector.store import SenderState, StoreWriter
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.live.dashboard import Dashboard
 from traceml.protocol import Sender
+from traceml.store import SenderState, StoreWriter
 
 
 def get(url: str) -> tuple[int, str, bytes]:

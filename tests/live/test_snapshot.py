@@ -7,7 +7,6 @@ from pathlib import Path
 
 from tests.live.conftest import GIB, T0, fixed_run
 from tests.rows import step_record, step_row
-from traceml.collector.store import SenderState, StoreWriter
 from traceml.diagnosis.samples import StepRow
 from traceml.live.series import build_series, series_to_json
 from traceml.live.snapshot import (
@@ -19,6 +18,7 @@ from traceml.live.snapshot import (
 from traceml.live.tail import StoreTail
 from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, Sender
 from traceml.report import build_report, report_to_json
+from traceml.store import SenderState, StoreWriter
 
 
 def row(rank: int, step: int, total_ms: float = 10.0) -> StepRow:

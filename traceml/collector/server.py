@@ -24,10 +24,10 @@ import zmq
 
 from traceml import protocol
 from traceml.collector.steps import RankSteps
-from traceml.collector.store import SenderState, StoreWriter
 from traceml.errors import ProtocolError
 from traceml.protocol import Envelope
 from traceml.security import secure_server, session_keys
+from traceml.store import SenderState, StoreWriter
 
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from traceml import phases, protocol
-from traceml.collector.store import StepRecord
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     BACKWARD,
@@ -50,6 +49,7 @@ from traceml.protocol import (
     OPTIMIZER_SKIPPED,
     RSS,
 )
+from traceml.store import StepRecord
 
 # Deeper phase nesting, or more device marks in one step, than any training
 # loop makes: the events are not a rank's, and are dropped.

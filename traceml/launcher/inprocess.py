@@ -20,10 +20,10 @@ from types import TracebackType
 from typing import Any
 
 from traceml.collector.server import CollectorConfig
-from traceml.collector.store import STORE_FILENAME
 from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.launcher.system_sampler import SystemSampler
+from traceml.store import STORE_FILENAME
 from traceml.version import __version__
 
 

@@ -19,7 +19,6 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from traceml import environment
 from traceml.collector.server import CollectorConfig
-from traceml.collector.store import STORE_FILENAME
 from traceml.config import RunConfig
 from traceml.environment import AgentEnv
 from traceml.errors import UsageError
@@ -32,6 +31,7 @@ from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
 from traceml.security import session_keys
+from traceml.store import STORE_FILENAME
 from traceml.version import __version__
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")

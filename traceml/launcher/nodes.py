@@ -183,8 +183,8 @@ class SilenceWatch(threading.Thread):
         self.reported: set[int] = set()
 
     def run(self) -> None:
-        from traceml.collector.store import STORE_FILENAME
         from traceml.report.session import write_summary
+        from traceml.store import STORE_FILENAME
 
         while not self.done.wait(1.0):
             rows = _read_store(self.session_dir / STORE_FILENAME,

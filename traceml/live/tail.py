@@ -15,7 +15,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from traceml.collector.store import StoreReader
 from traceml.diagnosis.samples import ProcessSample, RunData, StepRow, SystemSample
 from traceml.report.session import (
     DEFAULT_WINDOW_ROWS,
@@ -24,6 +23,7 @@ from traceml.report.session import (
     step_row,
     system_sample,
 )
+from traceml.store import StoreReader
 
 LIVE_STEPS_KEPT = 300
 """Steps per rank a live view keeps (its charts' x range)."""

@@ -17,7 +17,6 @@ from typing import Any
 import orjson
 
 from traceml import phases
-from traceml.collector.store import STORE_FILENAME, StoreReader
 from traceml.diagnosis.samples import (
     GpuSample,
     NodeInfo,
@@ -32,6 +31,7 @@ from traceml.report.build import build_report
 from traceml.report.json_codec import report_to_json
 from traceml.report.model import Report
 from traceml.report.text import render_text
+from traceml.store import STORE_FILENAME, StoreReader
 
 JSON_NAME = "final_summary.json"
 TEXT_NAME = "final_summary.txt"

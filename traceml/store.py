@@ -1,5 +1,5 @@
-"""The session's SQLite store: ``logs/<session>/telemetry.sqlite`` (collector
-writes; offline analysis reads).
+"""The session's SQLite store: ``logs/<session>/telemetry.sqlite`` (shared: the
+collector writes it; the launcher, offline analysis and the live views read it).
 
 WAL journal, batched transactions.  One table per kind of record; the steps
 table has one column per phase of `traceml.phases`.
