@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -21,10 +20,10 @@ from typing import Any
 
 from traceml.collector.server import CollectorConfig
 from traceml.environment import AgentEnv
-from traceml.launcher.collector_process import CollectorProcess
+from traceml.launcher.collector_process import CollectorProcess, run_start
 from traceml.launcher.system_sampler import SystemSampler
+from traceml.protocol import RunEnd
 from traceml.store import STORE_FILENAME
-from traceml.version import __version__
 
 
 class InProcessSession:
@@ -46,15 +45,11 @@ class InProcessSession:
         self.runtime: Any = None
 
     def start(self) -> None:
-        import torch
-
         from traceml.agent.runtime import AgentRuntime, identity_from
 
-        self.collector.set_meta(
-            session_id=self.env.session_id, command=[sys.executable, *sys.argv],
-            started_at=time.time(), traceml_version=__version__,
-            torch_version=str(torch.__version__), python_version=platform.python_version(),
-            summary_window_rows=10000, mode="run", expected_world_size=1)
+        self.collector.record(run_start(
+            self.env.session_id, [sys.executable, *sys.argv], mode="run",
+            summary_window_rows=10000, expected_world_size=1))
         self.sampler.start()
         environ = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
         self.runtime = AgentRuntime(self.env, identity_from(self.env, environ))
@@ -72,6 +67,6 @@ class InProcessSession:
 
         self.runtime.shutdown()
         self.sampler.stop()
-        self.collector.set_meta(ended_at=time.time(), exit_code=1 if self.failed else 0)
+        self.collector.record(RunEnd(ended_at=time.time(), exit_code=1 if self.failed else 0))
         self.collector.stop()
         finish(self.session_dir, collector_alive=True)
