@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import sqlite3
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +26,8 @@ import zmq
 from traceml import protocol
 from traceml.collector.server import CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
-from traceml.protocol import Envelope, Sender
+from traceml.protocol import Envelope, RunEnd, RunStart, Sender
+from traceml.store import StoreError, StoreReader
 
 SESSION = "scale"
 FLUSH_S = 0.5
@@ -95,12 +95,9 @@ def log_iteration(times: list[list[float]], t: float) -> None:
 
 def count_steps(db_path: Path) -> int:
     try:
-        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
-        try:
-            return int(db.execute("SELECT COUNT(*) FROM steps").fetchone()[0])
-        finally:
-            db.close()
-    except sqlite3.Error:
+        with StoreReader(db_path) as reader:
+            return reader.num_steps()
+    except StoreError:
         return 0
 
 
@@ -114,9 +111,10 @@ def bench(num_ranks: int, steps_per_s: float, duration_s: float, senders: int) -
         collector = CollectorProcess(CollectorConfig(
             session_id=SESSION, bind_host="127.0.0.1", port=0, db_path=str(db_path),
             parent_pid=os.getpid()))
-        collector.set_meta(session_id=SESSION, command=["bench"], started_at=time.time(),
-                           summary_window_rows=10000, mode="run",
-                           expected_world_size=num_ranks)
+        collector.record(RunStart(
+            session_id=SESSION, command=("bench",), started_at=time.time(),
+            traceml_version="", torch_version="", python_version="",
+            summary_window_rows=10000, mode="run", expected_world_size=num_ranks))
         proc = psutil.Process(collector.proc.pid)
         proc.cpu_percent(None)
         out: mp.Queue[tuple[int, int, int]] = mp.Queue()
@@ -139,7 +137,7 @@ def bench(num_ranks: int, steps_per_s: float, duration_s: float, senders: int) -
             time.sleep(0.2)
         ingest_s = time.monotonic() - start
         stored = count_steps(db_path)
-        collector.set_meta(ended_at=time.time(), exit_code=0)
+        collector.record(RunEnd(ended_at=time.time(), exit_code=0))
         collector.stop()
         t0 = time.monotonic()
         write_summary(session_dir)

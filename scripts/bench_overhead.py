@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import CLOSE, Sender
 from traceml.report.page.render import SNAPSHOT_PATH
+from traceml.store import StoreReader
 
 
 def make_loop(width: int, depth: int, batch: int, steps: int,  # type: ignore[no-untyped-def]
@@ -216,8 +216,8 @@ def main() -> None:
         if poller is not None:
             print(f"dashboard polls answered: {poller.stop()}")
         collector.stop()
-        with sqlite3.connect(os.path.join(tmp, "telemetry.sqlite")) as db:
-            stored = db.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+        with StoreReader(os.path.join(tmp, "telemetry.sqlite")) as reader:
+            stored = reader.num_steps()
         print(f"steps the collector made of the events: {stored}, "
               f"messages sent {runtime.sender.num_sent}, dropped {runtime.sender.num_dropped}")
     if args.startup_runs:

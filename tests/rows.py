@@ -1,13 +1,15 @@
-"""Hand-built step rows for tests: the four phases the tests were written with,
-positionally, as they were before the phase table (traceml.phases)."""
+"""Hand-built rows for tests: step rows with the four phases the tests were written
+with, positionally, as they were before the phase table (traceml.phases); step and
+run-start records for hand-built stores."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from traceml import phases
-from traceml.collector.store import STEP_COLUMNS, StepRecord
 from traceml.diagnosis.samples import StepRow
+from traceml.protocol import RunStart
+from traceml.store import STEP_COLUMNS, StepRecord
 
 
 def step_row(rank: int, step: int, input_ms: float, forward_ms: float, backward_ms: float,
@@ -32,3 +34,12 @@ def step_record(step: int, **columns: Any) -> StepRecord:
         peak_allocated_bytes=columns.get("peak_allocated_bytes"),
         peak_reserved_bytes=columns.get("peak_reserved_bytes"),
         gpu_ms=tuple(columns.get(p.gpu_column) for p in phases.gpu_timed()))
+
+
+def run_start(session_id: str, started_at: float, summary_window_rows: int,
+              expected_world_size: int = 0) -> RunStart:
+    """A RunStart of a ``run`` with no command and no versions."""
+    return RunStart(session_id=session_id, command=(), started_at=started_at,
+                    traceml_version="", torch_version="", python_version="",
+                    summary_window_rows=summary_window_rows, mode="run",
+                    expected_world_size=expected_world_size)

@@ -80,12 +80,9 @@ def _stored_seq(session_dir: Any, sender_id: str) -> int:
     """The last message of ``sender_id`` the collector has committed."""
     from traceml.report.session import open_store
 
-    reader = open_store(session_dir)
-    try:
-        return max((r["last_seq"] for r in reader.senders() if r["sender_id"] == sender_id),
+    with open_store(session_dir) as reader:
+        return max((s.last_seq for s in reader.senders() if s.sender.sender_id == sender_id),
                    default=-1)
-    finally:
-        reader.close()
 
 
 def summary() -> dict[str, float | str]:

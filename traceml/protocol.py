@@ -6,14 +6,17 @@ standard library, orjson and the phase table.  A message carries a batch:
 a rank's step events (``events``: one list of times per event code, replayed
 into steps by the collector), or many process or system samples (columnar
 ``fields`` + ``rows``, so a sender can add a field without changing the
-transport).  Each payload kind is decoded here into a typed record.
+transport).  The launcher's control messages carry typed records: what runs
+(`RunStart`), how it ended (`RunEnd`) and the request to stop (`StopCollector`).
+Each payload kind is decoded here into a typed record.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, Union
 
 import orjson
 
@@ -254,3 +257,96 @@ def iter_rows(payload: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
         if not isinstance(row, list) or len(row) != len(fields):
             raise ProtocolError("row does not match fields")
     return [str(f) for f in fields], rows
+
+
+# -- the launcher's control messages (KIND_CONTROL) --------------------------------------
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """What runs: the launcher tells its collector before the workers start."""
+
+    session_id: str
+    command: tuple[str, ...]  # as typed: ``traceml run ...`` or ``python train.py ...``
+    started_at: float  # unix seconds
+    traceml_version: str
+    torch_version: str
+    python_version: str
+    summary_window_rows: int
+    mode: str  # "run" | "watch"
+    expected_world_size: int = 0  # when every node of --nnodes (its minimum) joins; 0: unknown
+    expected_nodes: int = 1
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How the run ended: the launcher tells its collector once the training is over."""
+
+    ended_at: float  # unix seconds
+    exit_code: int  # the training's, as a shell reports it
+
+
+@dataclass(frozen=True)
+class StopCollector:
+    """The run is over: drain what is still in flight, then exit."""
+
+
+Control = Union[RunStart, RunEnd, StopCollector]
+"""What a control message carries."""
+
+OP_RUN_START, OP_RUN_END, OP_STOP = "run_start", "run_end", "stop"
+
+_Record = TypeVar("_Record", RunStart, RunEnd)
+
+
+def control_payload(record: Control) -> dict[str, Any]:
+    """The payload of a control message carrying ``record``."""
+    if isinstance(record, RunStart):
+        return {"op": OP_RUN_START, **record_to_json(record)}
+    if isinstance(record, RunEnd):
+        return {"op": OP_RUN_END, **record_to_json(record)}
+    return {"op": OP_STOP}
+
+
+def check_control(payload: dict[str, Any]) -> Control:
+    """A control payload, decoded; ProtocolError for anything else."""
+    op = payload.get("op")
+    fields = {k: v for k, v in payload.items() if k != "op"}
+    if op == OP_RUN_START:
+        return record_from_json(RunStart, fields)
+    if op == OP_RUN_END:
+        return record_from_json(RunEnd, fields)
+    if op == OP_STOP:
+        return StopCollector()
+    raise ProtocolError(f"unknown control op {op!r}")
+
+
+def record_to_json(record: RunStart | RunEnd) -> dict[str, Any]:
+    """A run record as one flat JSON object, a key per field (the store's meta table
+    keeps the same keys)."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
+def record_from_json(cls: type[_Record], obj: Mapping[str, Any]) -> _Record:
+    """What :func:`record_to_json` made, checked field by field (a field with a default
+    may be absent); ProtocolError when malformed."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in obj:
+            values[f.name] = _field_value(str(f.type), obj[f.name], f.name)
+        elif f.default is dataclasses.MISSING:
+            raise ProtocolError(f"{cls.__name__} without {f.name}")
+    return cls(**values)
+
+
+def _field_value(kind: str, value: Any, name: str) -> Any:
+    if kind == "str" and isinstance(value, str):
+        return value
+    if kind == "int" and type(value) is int:
+        return value
+    if kind == "float" and _is_number(value):
+        return float(value)
+    if (kind == "tuple[str, ...]" and isinstance(value, (list, tuple))
+            and all(isinstance(v, str) for v in value)):
+        return tuple(value)
+    raise ProtocolError(f"{name}: {type(value).__name__} is not a {kind}")

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 from tests.live.conftest import GIB, T0, free_port
-from tests.rows import step_record
+from tests.rows import run_start, step_record
 from traceml.collector.server import CollectorConfig
-from traceml.collector.store import SenderState, StoreWriter
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.live.dashboard import Dashboard
 from traceml.protocol import Sender
+from traceml.store import SenderState, StoreWriter
 
 
 def get(url: str) -> tuple[int, str, bytes]:
@@ -32,8 +32,7 @@ def get(url: str) -> tuple[int, str, bytes]:
 
 def make_store(path: Path, num_steps: int = 12) -> None:
     writer = StoreWriter(str(path))
-    writer.set_meta({"session_id": "dash", "started_at": T0, "summary_window_rows": 100,
-                     "expected_world_size": 2})
+    writer.save_run(run_start("dash", T0, summary_window_rows=100, expected_world_size=2))
     for rank in (0, 1):
         sender = Sender(role="agent", host="h", pid=10 + rank, node_rank=0, rank=rank,
                         local_rank=rank, world_size=2)

@@ -6,8 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from tests.live.conftest import GIB, T0, fixed_run
-from tests.rows import step_record, step_row
-from traceml.collector.store import SenderState, StoreWriter
+from tests.rows import run_start, step_record, step_row
 from traceml.diagnosis.samples import StepRow
 from traceml.live.tail import StoreTail
 from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, Sender
@@ -19,6 +18,7 @@ from traceml.report.page.snapshot import (
     live_snapshot,
     snapshot_to_json,
 )
+from traceml.store import SenderState, StoreWriter
 
 
 def row(rank: int, step: int, total_ms: float = 10.0) -> StepRow:
@@ -90,7 +90,7 @@ def _steps(writer: StoreWriter, rank: int, steps: range, restart: int = 0) -> No
 def test_tail_reads_only_new_rows_and_keeps_a_bounded_history(tmp_path: Path) -> None:
     db = tmp_path / "telemetry.sqlite"
     writer = StoreWriter(str(db))
-    writer.set_meta({"session_id": "s", "started_at": T0, "summary_window_rows": 50})
+    writer.save_run(run_start("s", T0, summary_window_rows=50))
     for rank in (0, 1):
         writer.save_sender(SenderState(_sender(rank), T0, T0))
         _steps(writer, rank, range(8))

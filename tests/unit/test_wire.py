@@ -1,4 +1,4 @@
-"""Protocol envelopes and the environment contract round-trip."""
+"""Protocol envelopes, the launcher's control records and the environment contract round-trip."""
 
 from __future__ import annotations
 
@@ -89,3 +89,27 @@ def test_only_environment_module_touches_traceml_variables() -> None:
     offenders = [p for p in root.rglob("*.py")
                  if "TRACEML_" in p.read_text() and p.name != "environment.py"]
     assert offenders == []
+
+
+START = protocol.RunStart(
+    session_id="s1", command=("traceml", "run", "train.py"), started_at=1.5e9,
+    traceml_version="9.9", torch_version="2.x", python_version="3.11.1",
+    summary_window_rows=50, mode="run", expected_world_size=2, expected_nodes=1)
+
+
+@pytest.mark.parametrize("record", [START, protocol.RunEnd(ended_at=1.5e9 + 30, exit_code=3),
+                                    protocol.StopCollector()])
+def test_control_records_round_trip(record: protocol.Control) -> None:
+    env = _env(kind=protocol.KIND_CONTROL, payload=protocol.control_payload(record))
+    assert protocol.check_control(protocol.decode(protocol.encode(env)).payload) == record
+
+
+@pytest.mark.parametrize("payload,reason", [
+    ({"op": "meta", "values": {}}, "unknown control op"),
+    ({"op": "run_end", "ended_at": 1.5e9}, "RunEnd without exit_code"),
+    ({"op": "run_end", "ended_at": 1.5e9, "exit_code": "0"}, "exit_code: str is not a int"),
+    ({**protocol.control_payload(START), "command": "train.py"}, "command"),
+])
+def test_malformed_control_payloads_are_rejected(payload: dict[str, object], reason: str) -> None:
+    with pytest.raises(ProtocolError, match=reason):
+        protocol.check_control(payload)

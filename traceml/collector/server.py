@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sqlite3
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,10 +23,10 @@ import zmq
 
 from traceml import protocol
 from traceml.collector.steps import RankSteps
-from traceml.collector.store import SenderState, StoreWriter
 from traceml.errors import ProtocolError
-from traceml.protocol import Envelope
+from traceml.protocol import Envelope, RunEnd, RunStart
 from traceml.security import secure_server, session_keys
+from traceml.store import JoinError, SenderState, StoreError, StoreWriter
 
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -97,7 +96,7 @@ class Collector:
         try:
             self._dispatch(env)
         except (ProtocolError, ValueError, TypeError, KeyError, ArithmeticError,
-                sqlite3.Error) as exc:
+                StoreError) as exc:
             self.reject(f"bad {env.kind} payload: {type(exc).__name__}")
 
     def all_said_bye(self) -> bool:
@@ -144,10 +143,10 @@ class Collector:
         self.store.save_sender(state)
 
     def _control(self, payload: dict[str, Any]) -> None:
-        op = payload.get("op")
-        if op == "meta":
-            self.store.set_meta(dict(payload["values"]))
-        elif op == "end":
+        record = protocol.check_control(payload)
+        if isinstance(record, (RunStart, RunEnd)):
+            self.store.save_run(record)
+        else:
             self.ended = True
 
     def flush(self) -> None:
@@ -231,7 +230,7 @@ class Listener:
             problem = "malformed join request"
         if problem:
             collector.reject("node with mismatching options")
-            collector.store.set_meta({f"join_error/{time.time():.6f}": problem})
+            collector.store.add_join_error(JoinError(time.time(), problem))
         self.join.send(orjson.dumps({"ok": not problem, "error": problem}))
 
     def close(self) -> None:

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from traceml import phases, protocol
-from traceml.collector.store import StepRecord
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     CLOSE,
@@ -48,6 +47,7 @@ from traceml.protocol import (
     RSS,
     SPAN,
 )
+from traceml.store import StepRecord
 
 # Deeper phase nesting, or more device marks in one step, than any training
 # loop makes: the events are not a rank's, and are dropped.

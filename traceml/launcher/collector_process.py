@@ -1,8 +1,14 @@
-"""Start, feed and stop the collector process (launcher side)."""
+"""Start, feed and stop the collector process (launcher side).
+
+The launcher tells its collector what runs (`RunStart`, before the workers
+start) and how it ended (`RunEnd`), then asks it to stop; the collector stores
+both records in the session's store.
+"""
 
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -16,8 +22,9 @@ import zmq
 from traceml import environment, protocol
 from traceml.collector.server import CollectorConfig
 from traceml.errors import UsageError
-from traceml.protocol import Envelope, Sender
+from traceml.protocol import Control, Envelope, RunEnd, RunStart, Sender, StopCollector
 from traceml.security import secure_client, session_keys
+from traceml.version import __version__
 
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
@@ -71,11 +78,15 @@ class CollectorProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def control(self, op: str, **fields: Any) -> None:
+    def record(self, run: RunStart | RunEnd) -> None:
+        """Have the collector store the run's start or end."""
+        self._send(run)
+
+    def _send(self, control: Control) -> None:
         env = Envelope(
             session_id=self.config.session_id, kind=protocol.KIND_CONTROL,
             sender=self._identity, seq=self._seq, sent_at=time.time(),
-            payload={"op": op, **fields},
+            payload=protocol.control_payload(control),
         )
         self._seq += 1
         try:
@@ -83,13 +94,10 @@ class CollectorProcess:
         except zmq.Again:
             pass  # collector gone; the launcher reports that at the end
 
-    def set_meta(self, **values: Any) -> None:
-        self.control("meta", values=values)
-
     def stop(self) -> int | None:
         """Ask the collector to drain and exit; returns its exit status (None: killed)."""
         if self.alive():
-            self.control("end")
+            self._send(StopCollector())
         else:
             self._control.setsockopt(zmq.LINGER, 0)
         self._control.close()
@@ -100,3 +108,16 @@ class CollectorProcess:
             self.proc.kill()
             self.proc.wait()
             return None
+
+
+def run_start(session_id: str, command: list[str], mode: str, summary_window_rows: int,
+              expected_world_size: int, expected_nodes: int = 1) -> RunStart:
+    """The record of a run starting now, under this interpreter and torch."""
+    import torch
+
+    return RunStart(
+        session_id=session_id, command=tuple(command), started_at=time.time(),
+        traceml_version=__version__, torch_version=str(torch.__version__),
+        python_version=platform.python_version(), summary_window_rows=summary_window_rows,
+        mode=mode, expected_world_size=expected_world_size, expected_nodes=expected_nodes)
+

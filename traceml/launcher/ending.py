@@ -13,9 +13,9 @@ from pathlib import Path
 from tabulate import tabulate
 
 from traceml import phases
-from traceml.collector.store import STORE_FILENAME
 from traceml.diagnosis.samples import StepRow
 from traceml.errors import UsageError
+from traceml.store import STORE_FILENAME
 
 PARTS = (*phases.stacked(), phases.TOTAL)
 

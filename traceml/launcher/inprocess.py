@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -20,12 +19,12 @@ from types import TracebackType
 from typing import Any
 
 from traceml.collector.server import CollectorConfig
-from traceml.collector.store import STORE_FILENAME
 from traceml.config import DEFAULT_WINDOW_ROWS
 from traceml.environment import AgentEnv, TorchRank
-from traceml.launcher.collector_process import CollectorProcess
+from traceml.launcher.collector_process import CollectorProcess, run_start
 from traceml.launcher.system_sampler import SystemSampler
-from traceml.version import __version__
+from traceml.protocol import RunEnd
+from traceml.store import STORE_FILENAME
 
 
 class InProcessSession:
@@ -47,15 +46,11 @@ class InProcessSession:
         self.runtime: Any = None
 
     def start(self) -> None:
-        import torch
-
         from traceml.agent.runtime import AgentRuntime, identity_from
 
-        self.collector.set_meta(
-            session_id=self.env.session_id, command=[sys.executable, *sys.argv],
-            started_at=time.time(), traceml_version=__version__,
-            torch_version=str(torch.__version__), python_version=platform.python_version(),
-            summary_window_rows=DEFAULT_WINDOW_ROWS, mode="run", expected_world_size=1)
+        self.collector.record(run_start(
+            self.env.session_id, [sys.executable, *sys.argv], mode="run",
+            summary_window_rows=DEFAULT_WINDOW_ROWS, expected_world_size=1))
         self.sampler.start()
         rank = TorchRank(rank=0, local_rank=0, world_size=1)  # the one process is rank 0
         self.runtime = AgentRuntime(self.env, identity_from(self.env, rank))
@@ -73,6 +68,6 @@ class InProcessSession:
 
         self.runtime.shutdown()
         self.sampler.stop()
-        self.collector.set_meta(ended_at=time.time(), exit_code=1 if self.failed else 0)
+        self.collector.record(RunEnd(ended_at=time.time(), exit_code=1 if self.failed else 0))
         self.collector.stop()
         finish(self.session_dir, collector_alive=True)

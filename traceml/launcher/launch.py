@@ -5,7 +5,6 @@ injected, the collector alongside, and the end-of-run output (launcher side).
 from __future__ import annotations
 
 import os
-import platform
 import signal
 import sys
 import time
@@ -19,21 +18,21 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from traceml import environment
 from traceml.collector.server import CollectorConfig
-from traceml.collector.store import STORE_FILENAME
 from traceml.config import RunConfig
 from traceml.environment import AgentEnv
 from traceml.errors import UsageError
 from traceml.launcher import topology
 from traceml.launcher.args import torch_namespace
-from traceml.launcher.collector_process import CollectorProcess
+from traceml.launcher.collector_process import CollectorProcess, run_start
 from traceml.launcher.ending import finish
 from traceml.launcher.nodes import JoinCheck, SilenceWatch, Waiting, wait_for_nodes
 from traceml.launcher.process_watcher import ProcessWatcher
 from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
+from traceml.protocol import RunEnd
 from traceml.security import session_keys
-from traceml.version import __version__
+from traceml.store import STORE_FILENAME
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
 
@@ -124,13 +123,10 @@ def inject(agent_env: AgentEnv) -> None:
 
 
 def record_start(collector: CollectorProcess, cfg: RunConfig) -> None:
-    collector.set_meta(
-        session_id=cfg.session_id, command=["traceml", cfg.command, *cfg.argv],
-        started_at=time.time(), traceml_version=__version__,
-        torch_version=_torch_version(), python_version=platform.python_version(),
-        summary_window_rows=cfg.summary_window_rows, mode=cfg.command,
-        expected_world_size=expected_world_size(cfg), expected_nodes=cfg.min_nodes,
-    )
+    collector.record(run_start(
+        cfg.session_id, ["traceml", cfg.command, *cfg.argv], mode=cfg.command,
+        summary_window_rows=cfg.summary_window_rows,
+        expected_world_size=expected_world_size(cfg), expected_nodes=cfg.min_nodes))
 
 
 def run(cfg: RunConfig) -> int:
@@ -215,7 +211,7 @@ def end_session(cfg: RunConfig, collector: CollectorProcess, session_dir: Path,
             print(f"traceml: no goodbye from {', '.join(missing)}; writing the summary "
                   "without waiting longer", file=sys.stderr)
     collector_alive = collector.alive()
-    collector.set_meta(ended_at=time.time(), exit_code=exit_code)
+    collector.record(RunEnd(ended_at=time.time(), exit_code=exit_code))
     collector.stop()
     finish(session_dir, collector_alive, html=cfg.html)
 
@@ -227,9 +223,3 @@ def expected_world_size(cfg: RunConfig) -> int:
     except (ValueError, RuntimeError):
         return 0
     return int(nproc) * cfg.min_nodes
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)

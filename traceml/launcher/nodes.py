@@ -15,18 +15,19 @@
 from __future__ import annotations
 
 import os
-import sqlite3
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import psutil
 import zmq
 
 from traceml.config import RunConfig
+from traceml.store import STORE_FILENAME, JoinError, SenderState, StoreError, StoreReader
 
 WAIT_REPORT_S = 10.0
 NODES_FINISH_TIMEOUT_S = 20.0
@@ -44,15 +45,21 @@ def local_workers_started(skip_pids: set[int]) -> bool:
         return False
 
 
-def _read_store(db_path: Path, sql: str) -> list[Any]:
+_T = TypeVar("_T")
+
+
+def _read_store(db_path: Path, read: Callable[[StoreReader], tuple[_T, ...]]) -> tuple[_T, ...]:
+    """What ``read`` finds in the store; nothing while it cannot be read (not made yet, busy)."""
     try:
-        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=1.0)
-        try:
-            return list(db.execute(sql))
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return []
+        with StoreReader(db_path, timeout_s=1.0) as reader:
+            return read(reader)
+    except StoreError:
+        return ()
+
+
+def _launchers(db_path: Path) -> tuple[SenderState, ...]:
+    """Each node's launcher (its system sampler) that reached the collector."""
+    return _read_store(db_path, lambda reader: reader.senders(role="system"))
 
 
 class JoinCheck(threading.Thread):
@@ -111,7 +118,7 @@ class Waiting(threading.Thread):
         self.cfg, self.rendezvous, self.db_path = cfg, rendezvous, db_path
         self.skip_pids = skip_pids
         self.done = threading.Event()
-        self.reported: set[str] = set()
+        self.reported: set[JoinError] = set()
 
     def run(self) -> None:
         next_report = time.monotonic() + WAIT_REPORT_S
@@ -128,20 +135,17 @@ class Waiting(threading.Thread):
         if self.db_path is None:
             return (f"waiting for the rendezvous at {self.rendezvous} "
                     f"({want} nodes expected; torch's rendezvous timeout applies)")
-        rows = _read_store(self.db_path, "SELECT COUNT(DISTINCT host || pid) FROM senders "
-                                         "WHERE role = 'system'")
-        joined = rows[0][0] if rows else 0
+        joined = len({(s.sender.host, s.sender.pid) for s in _launchers(self.db_path)})
         return (f"waiting for nodes to join the rendezvous at {self.rendezvous}: "
                 f"{joined} of {want} launchers have reached the collector")
 
     def _report_mismatches(self) -> None:
         if self.db_path is None:
             return
-        for key, value in _read_store(self.db_path,
-                                      "SELECT key, value FROM meta WHERE key LIKE 'join_error/%'"):
-            if key not in self.reported:
-                self.reported.add(key)
-                _say(f"error: {orjson.loads(value)}")
+        for error in _read_store(self.db_path, StoreReader.join_errors):
+            if error not in self.reported:
+                self.reported.add(error)
+                _say(f"error: {error.problem}")
 
     def stop(self) -> None:
         self.done.set()
@@ -155,12 +159,12 @@ def wait_for_nodes(db_path: Path, num_nodes: int) -> list[str]:
     deadline = time.monotonic() + NODES_FINISH_TIMEOUT_S
     announced = False
     while True:
-        rows = _read_store(db_path, "SELECT node_rank, host, said_bye FROM senders "
-                                    "WHERE role = 'system' AND node_rank >= 0")
-        seen = {r[0] for r in rows}
-        done = {r[0] for r in rows if r[2]}
+        launchers = [s for s in _launchers(db_path) if s.sender.node_rank >= 0]
+        seen = {s.sender.node_rank for s in launchers}
+        done = {s.sender.node_rank for s in launchers if s.said_bye}
         if done >= seen or time.monotonic() >= deadline:
-            missing = [f"node {r[0]} ({r[1]})" for r in rows if r[0] not in done]
+            missing = [f"node {s.sender.node_rank} ({s.sender.host})" for s in launchers
+                       if s.sender.node_rank not in done]
             never = max(0, num_nodes - len(seen))
             return missing + ([f"{never} node(s) that never joined"] if never else [])
         if not announced:
@@ -182,20 +186,19 @@ class SilenceWatch(threading.Thread):
         self.reported: set[int] = set()
 
     def run(self) -> None:
-        from traceml.collector.store import STORE_FILENAME
         from traceml.report.session import write_summary
 
         while not self.done.wait(1.0):
-            rows = _read_store(self.session_dir / STORE_FILENAME,
-                               "SELECT node_rank, host, last_seen FROM senders WHERE "
-                               "role = 'system' AND node_rank >= 0 AND said_bye = 0")
+            launchers = _launchers(self.session_dir / STORE_FILENAME)
             now = time.time()
-            silent = [(n, h) for n, h, seen in rows
-                      if now - seen > self.silent_after_s and n not in self.reported]
+            silent = [s.sender for s in launchers
+                      if s.sender.node_rank >= 0 and not s.said_bye
+                      and now - s.last_seen > self.silent_after_s
+                      and s.sender.node_rank not in self.reported]
             if not silent:
                 continue
-            self.reported.update(n for n, _ in silent)
-            names = ", ".join(f"node {n} ({h})" for n, h in silent)
+            self.reported.update(n.node_rank for n in silent)
+            names = ", ".join(f"node {n.node_rank} ({n.host})" for n in silent)
             files = write_summary(self.session_dir)
             _say(f"{names} stopped reporting {self.silent_after_s:.0f} s ago; partial summary "
                  f"written to {files.json_path}")

@@ -10,7 +10,6 @@ stdout is not a terminal the view degrades to one plain status line every
 from __future__ import annotations
 
 import dataclasses
-import sqlite3
 import sys
 import threading
 from pathlib import Path
@@ -24,6 +23,7 @@ from traceml.live.tail import StoreTail
 from traceml.live.terminal import render_view, status_line
 from traceml.live.worker_output import WorkerOutput
 from traceml.report.page.snapshot import Snapshot, live_snapshot
+from traceml.store import StoreError
 
 REFRESH_S = 1.0
 PLAIN_INTERVAL_S = 10.0
@@ -73,10 +73,10 @@ class _Ticker:
 
 
 def read_snapshot(tail: StoreTail) -> Snapshot | None:
-    """The current snapshot; None while the store is busy for a moment."""
+    """The current snapshot; None while the store cannot be read (busy for a moment)."""
     try:
         run, window_rows = tail.poll()
-    except sqlite3.OperationalError:
+    except StoreError:
         return None
     return live_snapshot(run, window_rows)
 

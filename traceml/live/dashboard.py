@@ -14,7 +14,6 @@ the collector calls :meth:`Dashboard.finish`: the page gets the final report
 from __future__ import annotations
 
 import errno
-import sqlite3
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from traceml.errors import UsageError
 from traceml.live.tail import StoreTail
 from traceml.report.page.render import SNAPSHOT_PATH, live_page
 from traceml.report.page.snapshot import build_snapshot, live_snapshot, snapshot_to_json
+from traceml.store import StoreError
 
 MIN_REBUILD_S = 1.0
 FINAL_LINGER_S = 3.0
@@ -76,7 +76,7 @@ class Dashboard:
             if time.monotonic() - self._doc_at >= MIN_REBUILD_S:
                 try:
                     run, window_rows = self._tail.poll()
-                except sqlite3.OperationalError:
+                except StoreError:
                     return self._doc  # the store is busy for a moment: the last one again
                 doc = snapshot_to_json(live_snapshot(run, window_rows), live=True)
                 self._doc, self._doc_at = orjson.dumps(doc), time.monotonic()
@@ -93,7 +93,7 @@ class Dashboard:
                                                   ended=True), live=False)
             with self._lock:
                 self._final = orjson.dumps(doc)
-        except (UsageError, sqlite3.Error) as exc:
+        except UsageError as exc:
             print(f"traceml collector: dashboard has no final report: {exc}", file=sys.stderr)
         if self._final is not None and time.monotonic() - self._last_request < CLIENT_ACTIVE_S:
             self._final_served.wait(FINAL_LINGER_S)

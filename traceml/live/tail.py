@@ -13,18 +13,19 @@ from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
-from traceml.collector.store import StoreReader
-from traceml.config import DEFAULT_WINDOW_ROWS
 from traceml.diagnosis.samples import ProcessSample, RunData, StepRow, SystemSample
-from traceml.report.session import process_sample, run_meta, step_row, system_sample
+from traceml.report.session import summary_window
+from traceml.store import RunRecords, StoredStep, StoreReader, run_data
 
 LIVE_STEPS_KEPT = 300
 """Steps per rank a live view keeps (its charts' x range)."""
 
 LIVE_SAMPLES_KEPT = 60
 """Process samples per rank and system samples per node a live view keeps."""
+
+_Sample = TypeVar("_Sample", ProcessSample, SystemSample)
 
 
 class StoreTail:
@@ -35,7 +36,7 @@ class StoreTail:
         self.db_path = db_path
         self.steps_kept = steps_kept
         self.samples_kept = samples_kept
-        self._after = {"steps": 0, "process": 0, "system": 0}
+        self._steps_after = self._process_after = self._system_after = 0  # rowids read
         self._steps: dict[int, dict[int, StepRow]] = {}
         self._restart: dict[int, int] = {}
         self._process: dict[int, deque[ProcessSample]] = {}
@@ -43,53 +44,44 @@ class StoreTail:
 
     def poll(self) -> tuple[RunData, int]:
         """The recent run (rows read so far, bounded) and the summary window it asked for."""
-        reader = StoreReader(str(self.db_path))
-        try:
-            senders = [dict(r) for r in reader.senders()]
+        with StoreReader(self.db_path) as reader:
+            records = reader.records()
             # Newer rows than this cannot all be kept: a late first poll skips the backlog.
-            most = 2 * max(1, len(senders))
-            for row in self._new_rows(reader, "steps", most * self.steps_kept):
-                self._add_step(row)
-            for row in self._new_rows(reader, "process", most * self.samples_kept):
-                self._add_sample(self._process, process_sample(row), row["rank"])
-            for row in self._new_rows(reader, "system", most * self.samples_kept):
-                self._add_sample(self._system, system_sample(row), row["node_rank"])
-            meta, rejected = reader.meta(), reader.rejected()
-        finally:
-            reader.close()
-        return self._run(meta, senders, rejected), int(
-            meta.get("summary_window_rows") or DEFAULT_WINDOW_ROWS)
+            most = 2 * max(1, len(records.senders))
+            steps = reader.steps_after(self._steps_after, most * self.steps_kept)
+            process = reader.process_after(self._process_after, most * self.samples_kept)
+            system = reader.system_after(self._system_after, most * self.samples_kept)
+        self._steps_after = steps.last_row_id
+        self._process_after = process.last_row_id
+        self._system_after = system.last_row_id
+        for entry in steps.rows:
+            self._add_step(entry)
+        for sample in process.rows:
+            self._add_sample(self._process, sample, sample.rank)
+        for system_sample in system.rows:
+            self._add_sample(self._system, system_sample, system_sample.node_rank)
+        return self._run(records), summary_window(records.start)
 
-    def _new_rows(self, reader: StoreReader, table: str, limit: int) -> list[dict[str, Any]]:
-        """The newest ``limit`` rows added since the last poll, oldest first."""
-        rows = [dict(r) for r in reader.db.execute(
-            f"SELECT * FROM (SELECT rowid AS row_id, * FROM {table} WHERE rowid > ? "
-            "ORDER BY rowid DESC LIMIT ?) ORDER BY row_id", (self._after[table], limit))]
-        if rows:
-            self._after[table] = rows[-1]["row_id"]
-        return rows
-
-    def _add_step(self, row: dict[str, Any]) -> None:
-        rank, restart = row["rank"], row["restart"]
+    def _add_step(self, entry: StoredStep) -> None:
+        rank, restart = entry.row.rank, entry.restart
         if restart < self._restart.get(rank, restart):
             return  # a late row of an earlier attempt
         if restart > self._restart.get(rank, restart):
             self._steps.pop(rank, None)  # a restarted rank counts its steps from 0 again
         self._restart[rank] = restart
         rows = self._steps.setdefault(rank, {})
-        rows[row["step"]] = step_row(row)
+        rows[entry.row.step] = entry.row
         if len(rows) > self.steps_kept:
             for step in sorted(rows)[: len(rows) - self.steps_kept]:
                 del rows[step]
 
-    def _add_sample(self, kept: dict[int, deque[Any]], sample: Any, key: int) -> None:
+    def _add_sample(self, kept: dict[int, deque[_Sample]], sample: _Sample, key: int) -> None:
         kept.setdefault(key, deque(maxlen=self.samples_kept)).append(sample)
 
-    def _run(self, meta: dict[str, Any], senders: list[dict[str, Any]],
-             rejected: dict[str, int]) -> RunData:
+    def _run(self, records: RunRecords) -> RunData:
         steps = tuple(row for rank in sorted(self._steps)
                       for _, row in sorted(self._steps[rank].items()))
         process = tuple(sorted((s for q in self._process.values() for s in q),
                                key=lambda s: s.t))
         system = tuple(sorted((s for q in self._system.values() for s in q), key=lambda s: s.t))
-        return RunData(run_meta(meta, senders, steps, process, rejected), steps, process, system)
+        return run_data(records, steps, process, system)

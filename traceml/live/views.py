@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from traceml.collector.store import STORE_FILENAME
 from traceml.config import RunConfig
+from traceml.store import STORE_FILENAME
 
 
 class LiveView(Protocol):

@@ -23,7 +23,6 @@ from rich.console import Console  # noqa: E402
 
 from traceml import protocol  # noqa: E402
 from traceml.collector.steps import RankSteps  # noqa: E402
-from traceml.collector.store import SenderState, StoreWriter  # noqa: E402
 from traceml.compare.cli import main as compare_main  # noqa: E402
 from traceml.launcher.ending import phase_table  # noqa: E402
 from traceml.live.terminal import render_view  # noqa: E402
@@ -31,6 +30,7 @@ from traceml.report.html import write_html  # noqa: E402
 from traceml.report.page.snapshot import live_snapshot  # noqa: E402
 from traceml.report.schema import validate_summary  # noqa: E402
 from traceml.report.session import write_summary  # noqa: E402
+from traceml.store import SenderState, StoreWriter  # noqa: E402
 
 H2D = phases.code("h2d")
 T0 = 1_767_225_600.0
@@ -69,9 +69,10 @@ def session(out: Path, name: str, h2d_s: float) -> Path:
     folder = out / name
     folder.mkdir(parents=True)
     writer = StoreWriter(str(folder / "telemetry.sqlite"))
-    writer.set_meta({"session_id": name, "started_at": T0, "ended_at": T0 + 1.0,
-                     "exit_code": 0, "summary_window_rows": 10000, "mode": "run",
-                     "expected_world_size": 2})
+    writer.save_run(protocol.RunStart(
+        session_id=name, command=(), started_at=T0, traceml_version="", torch_version="",
+        python_version="", summary_window_rows=10000, mode="run", expected_world_size=2))
+    writer.save_run(protocol.RunEnd(ended_at=T0 + 1.0, exit_code=0))
     for rank in (0, 1):
         sender = protocol.Sender("rank", "box", 100 + rank, 0, rank, rank, 2)
         writer.add_steps(sender, RankSteps().feed(events(h2d_s)))

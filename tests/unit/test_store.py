@@ -1,0 +1,98 @@
+"""The store: records written typed and read back typed, the on-disk format pinned
+(an existing session folder must still be readable)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from tests.rows import step_record
+from traceml.errors import UsageError
+from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, RunEnd, RunStart, Sender
+from traceml.report.session import load_run
+from traceml.store import JoinError, SenderState, StoreError, StoreReader, StoreWriter
+
+T0 = 1_700_000_000.0
+START = RunStart(session_id="s1", command=("traceml", "run", "train.py"), started_at=T0,
+                 traceml_version="9.9", torch_version="2.x", python_version="3.11.1",
+                 summary_window_rows=50, mode="run", expected_world_size=2, expected_nodes=1)
+END = RunEnd(ended_at=T0 + 30, exit_code=3)
+RANK = Sender(role="rank", host="h", pid=10, node_rank=0, rank=0, local_rank=0, world_size=2)
+NODE = Sender(role="system", host="h", pid=9, node_rank=0)
+
+
+def _store(path: Path) -> None:
+    writer = StoreWriter(str(path))
+    writer.save_run(START)
+    writer.add_join_error(JoinError(T0 + 2, "node on b has --nnodes '3'"))
+    writer.add_join_error(JoinError(T0 + 1, "node on a has --nnodes '4'"))
+    writer.save_sender(SenderState(RANK, T0, T0 + 5, num_messages=4, last_seq=3, num_sent=4,
+                                   num_dropped=1, said_bye=True))
+    writer.save_sender(SenderState(NODE, T0, T0 + 6, num_gaps=2))
+    writer.save_rejected({"foreign session": 2})
+    writer.add_steps(RANK, [step_record(s, t_begin=T0 + s, total_ms=10.0, input_ms=1.0)
+                            for s in range(3)])
+    writer.add_process(RANK, PROCESS_FIELDS[:3], [[T0, 50.0, 1024]])
+    writer.add_system(NODE, SYSTEM_FIELDS, [[T0, 10.0, 20.0, 4096, [[0, 1.0, 2, 3, 4.0, 5.0]]]])
+    writer.add_system(Sender("system", "h", 8, -1), SYSTEM_FIELDS, [[T0, 1.0, 2.0, 3, []]])
+    writer.save_run(END)
+    writer.close()
+
+
+def test_what_is_written_reads_back_typed(tmp_path: Path) -> None:
+    db = tmp_path / "telemetry.sqlite"
+    _store(db)
+    with StoreReader(db) as reader:
+        records = reader.records()
+        run = reader.run(records)
+        assert reader.join_errors() == (JoinError(T0 + 1, "node on a has --nnodes '4'"),
+                                        JoinError(T0 + 2, "node on b has --nnodes '3'"))
+        assert [s.sender for s in reader.senders(role="system")] == [NODE]
+        assert reader.num_steps() == 3
+        tail = reader.steps_after(0, 2)
+        assert [(s.restart, s.row.step) for s in tail.rows] == [(0, 1), (0, 2)]
+        assert reader.steps_after(tail.last_row_id, 2).rows == ()
+    assert (records.start, records.end, dict(records.rejected)) == (
+        START, END, {"foreign session": 2})
+    assert records.senders[1] == SenderState(RANK, T0, T0 + 5, 4, 0, 3, 4, 1, True)
+    assert (run.meta.session_id, run.meta.command, run.meta.exit_code) == (
+        "s1", ["traceml", "run", "train.py"], 3)
+    assert (run.meta.world_size, run.meta.missing_ranks, run.meta.partial) == (2, (1,), True)
+    assert run.meta.transport == {"sent": 4, "dropped": 1, "gaps": 2, "rejected": 2}
+    assert [r.phase_ms["input"] for r in run.steps] == [1.0, 1.0, 1.0]
+    assert run.steps[2].t == T0 + 2 + 0.01
+    assert (run.process[0].rss_bytes, run.process[0].device_total_bytes) == (1024, None)
+    assert [s.node_rank for s in run.system] == [0]  # not the launcher without a node rank
+    assert run.system[0].gpus[0].mem_total_bytes == 3
+
+
+def test_the_meta_table_keeps_one_json_value_per_field(tmp_path: Path) -> None:
+    db = tmp_path / "telemetry.sqlite"
+    _store(db)
+    with sqlite3.connect(db) as raw:
+        meta = dict(raw.execute("SELECT key, value FROM meta"))
+    assert meta["session_id"] == '"s1"' and meta["command"] == '["traceml","run","train.py"]'
+    assert (meta["started_at"], meta["summary_window_rows"], meta["mode"]) == (
+        str(T0), "50", '"run"')
+    assert (meta["ended_at"], meta["exit_code"], meta["store_schema_version"]) == (
+        str(T0 + 30), "3", "1")
+    assert meta[f"join_error/{T0 + 1:.6f}"] == '"node on a has --nnodes \'4\'"'
+
+
+def test_a_store_without_run_records_still_reads(tmp_path: Path) -> None:
+    db = tmp_path / "telemetry.sqlite"
+    StoreWriter(str(db)).close()
+    run, window_rows = load_run(tmp_path)
+    assert (run.meta.session_id, run.meta.exit_code, run.meta.mode, window_rows) == (
+        "", None, "run", 10000)
+
+
+def test_what_is_not_a_store_is_a_store_error(tmp_path: Path) -> None:
+    bad = tmp_path / "telemetry.sqlite"
+    bad.write_bytes(b"not a database, not at all" * 100)
+    with pytest.raises(StoreError):
+        StoreReader(bad)
+    with pytest.raises(UsageError, match="cannot read"):
+        load_run(tmp_path)

@@ -1,0 +1,486 @@
+"""The session's SQLite store, ``logs/<session>/telemetry.sqlite``, and every SQL
+statement traceml runs (shared: the collector writes it; the launcher, offline
+analysis and the live views read it).
+
+WAL journal, batched transactions.  One table per kind of record; the steps
+table has one column per phase of `traceml.phases`; the meta table holds the
+launcher's `RunStart` and `RunEnd` (one JSON value per field, keyed by the
+field's name) and the nodes whose options did not match (``join_error/<t>``).
+`StoreWriter` takes typed records; `StoreReader` gives back `RunData` and the
+same records, whole or as the rows added since a rowid (the live views' tail).
+Whatever SQLite raises comes out as `StoreError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+import orjson
+
+from traceml import phases
+from traceml.diagnosis.samples import (
+    GpuSample,
+    NodeInfo,
+    ProcessSample,
+    RunData,
+    RunMeta,
+    StepRow,
+    SystemSample,
+)
+from traceml.errors import ProtocolError
+from traceml.protocol import (
+    PROCESS_FIELDS,
+    SYSTEM_FIELDS,
+    RunEnd,
+    RunStart,
+    Sender,
+    record_from_json,
+    record_to_json,
+)
+
+STORE_FILENAME = "telemetry.sqlite"
+SCHEMA_VERSION = 1
+JOIN_ERROR_PREFIX = "join_error/"
+
+
+class StoreError(Exception):
+    """The store cannot be read or written (missing, not a store, busy, malformed)."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step of a rank as the collector stores it (times in ms)."""
+
+    step: int
+    t_begin: float  # unix seconds
+    total_ms: float
+    wait_ms: float
+    phase_ms: tuple[float, ...]  # per phase of `traceml.phases.PHASES`
+    counts: tuple[int, ...]  # calls per phase
+    num_skipped: int = 0  # GradScaler steps that skipped the update
+    rss_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    gpu_ms: tuple[float | None, ...] = ()  # per GPU-timed phase; empty off CUDA
+    collective_ms: float | None = None  # any collective in flight; None: none timed
+
+    def values(self) -> tuple[Any, ...]:
+        """The record in :data:`STEP_COLUMNS` order."""
+        gpu = self.gpu_ms or (None,) * len(phases.gpu_timed())
+        return (self.step, self.t_begin, self.total_ms, self.wait_ms, *self.phase_ms,
+                *self.counts, self.num_skipped, self.rss_bytes, self.peak_allocated_bytes,
+                self.peak_reserved_bytes, *gpu, self.collective_ms)
+
+    def columns(self) -> dict[str, Any]:
+        """The record by :data:`STEP_COLUMNS` name."""
+        return dict(zip(STEP_COLUMNS, self.values()))
+
+
+STEP_COLUMNS: tuple[str, ...] = (
+    "step", "t_begin", "total_ms", "wait_ms",
+    *(p.column for p in phases.PHASES), *(p.count_column for p in phases.PHASES),
+    "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+    *(p.gpu_column for p in phases.gpu_timed()), "collective_ms",
+)
+"""The steps table's columns after (rank, restart, node_rank), from the phase table."""
+
+
+@dataclass
+class SenderState:
+    """One sender as the collector tracks it between messages: a row of ``senders``."""
+
+    sender: Sender
+    first_seen: float  # unix seconds
+    last_seen: float
+    num_messages: int = 0
+    num_gaps: int = 0
+    last_seq: int = -1
+    num_sent: int = 0
+    num_dropped: int = 0
+    said_bye: bool = False
+
+
+@dataclass(frozen=True, order=True)
+class JoinError:
+    """A node whose options did not match node 0's, as the collector answered it."""
+
+    at: float  # unix seconds
+    problem: str  # the one line both launchers print
+
+
+@dataclass(frozen=True)
+class RunRecords:
+    """What the store holds about the run besides its samples."""
+
+    start: RunStart | None  # None: the launcher's record never arrived
+    end: RunEnd | None  # None: the run has not ended (or its launcher died)
+    senders: tuple[SenderState, ...]
+    rejected: Mapping[str, int]  # messages dropped, by reason
+
+
+@dataclass(frozen=True)
+class StoredStep:
+    """A step row and the attempt (restart) of its rank that ran it."""
+
+    restart: int
+    row: StepRow
+
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class NewRows(Generic[_T]):
+    """Rows added after a rowid, oldest first, and the rowid to read after next time."""
+
+    rows: tuple[_T, ...]
+    last_row_id: int
+
+
+_STEP_INT = {"step", "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+             *(p.count_column for p in phases.PHASES)}
+
+_SENDER_COLUMNS = ("sender_id", "role", "host", "pid", "node_rank", "rank", "local_rank",
+                   "world_size", "restart", "first_seen", "last_seen", "num_messages",
+                   "num_gaps", "last_seq", "num_sent", "num_dropped", "said_bye")
+
+_DDL = [
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS senders (
+        sender_id TEXT PRIMARY KEY, role TEXT NOT NULL, host TEXT NOT NULL,
+        pid INTEGER NOT NULL, node_rank INTEGER NOT NULL, rank INTEGER,
+        local_rank INTEGER, world_size INTEGER, restart INTEGER NOT NULL,
+        first_seen REAL NOT NULL, last_seen REAL NOT NULL,
+        num_messages INTEGER NOT NULL DEFAULT 0, num_gaps INTEGER NOT NULL DEFAULT 0,
+        last_seq INTEGER NOT NULL DEFAULT -1, num_sent INTEGER NOT NULL DEFAULT 0,
+        num_dropped INTEGER NOT NULL DEFAULT 0, said_bye INTEGER NOT NULL DEFAULT 0)""",
+    "CREATE TABLE IF NOT EXISTS steps (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
+    "node_rank INTEGER NOT NULL, "
+    + ", ".join(f"{c} {'INTEGER' if c in _STEP_INT else 'REAL'}" for c in STEP_COLUMNS)
+    + ", PRIMARY KEY (rank, restart, step))",
+    "CREATE TABLE IF NOT EXISTS rejected (reason TEXT PRIMARY KEY, count INTEGER NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS process (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
+    "node_rank INTEGER NOT NULL, t REAL NOT NULL, cpu_pct REAL, rss_bytes INTEGER, "
+    "host_ram_total_bytes INTEGER, num_cpus INTEGER, device_allocated_bytes INTEGER, "
+    "device_reserved_bytes INTEGER, device_total_bytes INTEGER)",
+    "CREATE TABLE IF NOT EXISTS system (node_rank INTEGER NOT NULL, host TEXT NOT NULL, "
+    "t REAL NOT NULL, cpu_pct REAL, ram_pct REAL, ram_total_bytes INTEGER, gpus TEXT)",
+]
+
+
+def _insert(table: str, columns: Sequence[str], verb: str = "INSERT") -> str:
+    return (f"{verb} INTO {table} ({', '.join(columns)}) "
+            f"VALUES ({', '.join('?' * len(columns))})")
+
+
+_STEPS_SQL = _insert("steps", ("rank", "restart", "node_rank", *STEP_COLUMNS), "INSERT OR REPLACE")
+_PROCESS_SQL = _insert("process", ("rank", "restart", "node_rank", *PROCESS_FIELDS))
+_SYSTEM_SQL = _insert("system", ("node_rank", "host", *SYSTEM_FIELDS))
+_SENDER_SQL = _insert("senders", _SENDER_COLUMNS, "INSERT OR REPLACE")
+_REJECTED_SQL = _insert("rejected", ("reason", "count"), "INSERT OR REPLACE")
+_META_SQL = ("INSERT INTO meta (key, value) VALUES (?, ?) "
+             "ON CONFLICT(key) DO UPDATE SET value = excluded.value")
+
+
+@contextlib.contextmanager
+def _sqlite_errors() -> Iterator[None]:
+    """SQLite's exceptions as StoreError."""
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise StoreError(str(exc)) from exc
+
+
+def _pick(fields: Sequence[str], wanted: Sequence[str],
+          rows: Iterable[Sequence[Any]]) -> list[list[Any]]:
+    """Columnar rows reordered to ``wanted``; a field the sender did not send is None."""
+    index = [fields.index(f) if f in fields else None for f in wanted]
+    return [[row[i] if i is not None else None for i in index] for row in rows]
+
+
+class StoreWriter:
+    """Appends to the store (the collector's one connection); the caller decides when
+    to commit."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with _sqlite_errors():
+            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            for ddl in _DDL:
+                self.db.execute(ddl)
+        self._set_meta({"store_schema_version": SCHEMA_VERSION})
+        self._execute("BEGIN")
+
+    def commit(self) -> None:
+        self._execute("COMMIT")
+        self._execute("BEGIN")
+
+    def close(self) -> None:
+        self._execute("COMMIT")
+        self.db.close()
+
+    def save_run(self, record: RunStart | RunEnd) -> None:
+        """The launcher's record of the run's start or end."""
+        self._set_meta(record_to_json(record))
+
+    def add_join_error(self, error: JoinError) -> None:
+        self._set_meta({f"{JOIN_ERROR_PREFIX}{error.at:.6f}": error.problem})
+
+    def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int:
+        prefix = (sender.rank, sender.restart, sender.node_rank)
+        batch = [prefix + record.values() for record in records]
+        self._executemany(_STEPS_SQL, batch)
+        return len(batch)
+
+    def add_process(self, sender: Sender, fields: Sequence[str],
+                    rows: Iterable[Sequence[Any]]) -> None:
+        """Process samples as columnar rows of ``fields`` (of `protocol.PROCESS_FIELDS`)."""
+        prefix = (sender.rank, sender.restart, sender.node_rank)
+        self._executemany(_PROCESS_SQL, [(*prefix, *values)
+                                         for values in _pick(fields, PROCESS_FIELDS, rows)])
+
+    def add_system(self, sender: Sender, fields: Sequence[str],
+                   rows: Iterable[Sequence[Any]]) -> None:
+        """System samples as columnar rows of ``fields`` (of `protocol.SYSTEM_FIELDS`)."""
+        gpus = SYSTEM_FIELDS.index("gpus")
+        batch = []
+        for values in _pick(fields, SYSTEM_FIELDS, rows):
+            values[gpus] = orjson.dumps(values[gpus] or []).decode()
+            batch.append((sender.node_rank, sender.host, *values))
+        self._executemany(_SYSTEM_SQL, batch)
+
+    def save_sender(self, s: SenderState) -> None:
+        p = s.sender
+        self._execute(_SENDER_SQL, (
+            p.sender_id, p.role, p.host, p.pid, p.node_rank, p.rank, p.local_rank,
+            p.world_size, p.restart, s.first_seen, s.last_seen, s.num_messages, s.num_gaps,
+            s.last_seq, s.num_sent, s.num_dropped, int(s.said_bye)))
+
+    def save_rejected(self, counts: Mapping[str, int]) -> None:
+        self._executemany(_REJECTED_SQL, list(counts.items()))
+
+    def _set_meta(self, values: Mapping[str, Any]) -> None:
+        self._executemany(_META_SQL, [(k, orjson.dumps(v).decode()) for k, v in values.items()])
+
+    def _execute(self, sql: str, params: Sequence[Any] = ()) -> None:
+        with _sqlite_errors():
+            self.db.execute(sql, params)
+
+    def _executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        with _sqlite_errors():
+            self.db.executemany(sql, rows)
+
+
+class StoreReader:
+    """Read-only access to a store (no torch needed), as a ``with`` block or closed by
+    the caller; StoreError from any method when the store cannot be read."""
+
+    def __init__(self, path: str | Path, timeout_s: float = 5.0) -> None:
+        with _sqlite_errors():
+            self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
+        self._db.row_factory = sqlite3.Row
+        try:
+            self._rows("SELECT key FROM meta LIMIT 1")  # not a store: say so now
+        except StoreError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def records(self) -> RunRecords:
+        meta = self._meta()
+        rejected = {r["reason"]: r["count"] for r in self._rows("SELECT * FROM rejected")}
+        return RunRecords(_run_record(RunStart, meta, "session_id"),
+                          _run_record(RunEnd, meta, "ended_at"), self.senders(), rejected)
+
+    def senders(self, role: str | None = None) -> tuple[SenderState, ...]:
+        """Every sender that spoke (of one role: ``"system"`` is each node's launcher)."""
+        where, params = ("WHERE role = ?", (role,)) if role is not None else ("", ())
+        rows = self._rows(f"SELECT * FROM senders {where} ORDER BY node_rank, rank", params)
+        return tuple(_sender_state(r) for r in rows)
+
+    def join_errors(self) -> tuple[JoinError, ...]:
+        return tuple(sorted(
+            JoinError(float(key[len(JOIN_ERROR_PREFIX):]), str(value))
+            for key, value in self._meta().items() if key.startswith(JOIN_ERROR_PREFIX)))
+
+    def run(self, records: RunRecords) -> RunData:
+        """The whole run, described by its ``records`` (see :meth:`records`)."""
+        steps = tuple(_step_row(r) for r in self._rows(
+            "SELECT * FROM steps ORDER BY rank, restart, step"))
+        process = tuple(_process_sample(r) for r in self._rows(
+            "SELECT * FROM process ORDER BY t"))
+        # A c10d launcher samples before it learns its node rank (-1): not a node yet.
+        system = tuple(_system_sample(r) for r in self._rows(
+            "SELECT * FROM system WHERE node_rank >= 0 ORDER BY t"))
+        return run_data(records, steps, process, system)
+
+    def num_steps(self) -> int:
+        return int(self._rows("SELECT COUNT(*) AS n FROM steps")[0]["n"])
+
+    def steps_after(self, row_id: int, limit: int) -> NewRows[StoredStep]:
+        """The newest ``limit`` steps stored after ``row_id``; a replaced step is new again."""
+        rows, last = self._after("steps", row_id, limit)
+        return NewRows(tuple(StoredStep(r["restart"], _step_row(r)) for r in rows), last)
+
+    def process_after(self, row_id: int, limit: int) -> NewRows[ProcessSample]:
+        rows, last = self._after("process", row_id, limit)
+        return NewRows(tuple(_process_sample(r) for r in rows), last)
+
+    def system_after(self, row_id: int, limit: int) -> NewRows[SystemSample]:
+        rows, last = self._after("system", row_id, limit)
+        return NewRows(tuple(_system_sample(r) for r in rows), last)
+
+    def _after(self, table: str, row_id: int, limit: int) -> tuple[list[dict[str, Any]], int]:
+        rows = self._rows(
+            f"SELECT * FROM (SELECT rowid AS row_id, * FROM {table} WHERE rowid > ? "
+            "ORDER BY rowid DESC LIMIT ?) ORDER BY row_id", (row_id, limit))
+        return rows, (int(rows[-1]["row_id"]) if rows else row_id)
+
+    def _meta(self) -> dict[str, Any]:
+        rows = self._rows("SELECT * FROM meta")
+        try:
+            return {r["key"]: orjson.loads(r["value"]) for r in rows}
+        except orjson.JSONDecodeError as exc:
+            raise StoreError(f"malformed meta value: {exc}") from None
+
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        with _sqlite_errors():
+            return [dict(r) for r in self._db.execute(sql, params)]
+
+
+_Run = TypeVar("_Run", RunStart, RunEnd)
+
+
+def _run_record(cls: type[_Run], meta: Mapping[str, Any], key: str) -> _Run | None:
+    """The run record kept in ``meta``, if its ``key`` is there."""
+    if key not in meta:
+        return None
+    try:
+        return record_from_json(cls, meta)
+    except ProtocolError as exc:
+        raise StoreError(f"malformed {cls.__name__} record: {exc}") from None
+
+
+def _sender_state(r: Mapping[str, Any]) -> SenderState:
+    sender = Sender(role=r["role"], host=r["host"], pid=r["pid"], node_rank=r["node_rank"],
+                    rank=r["rank"], local_rank=r["local_rank"], world_size=r["world_size"],
+                    restart=r["restart"])
+    return SenderState(sender, r["first_seen"], r["last_seen"], r["num_messages"],
+                       r["num_gaps"], r["last_seq"], r["num_sent"], r["num_dropped"],
+                       bool(r["said_bye"]))
+
+
+def _step_row(r: Mapping[str, Any]) -> StepRow:
+    return StepRow(
+        rank=r["rank"], step=r["step"], phase_ms={p.name: r[p.column] for p in phases.PHASES},
+        total_ms=r["total_ms"], wait_ms=r["wait_ms"],
+        peak_allocated_bytes=r["peak_allocated_bytes"],
+        peak_reserved_bytes=r["peak_reserved_bytes"], rss_bytes=r["rss_bytes"],
+        t=(r["t_begin"] + r["total_ms"] / 1e3) if r["t_begin"] is not None else None,
+        gpu_ms=_gpu_ms(r), collective_ms=r.get("collective_ms"),
+    )
+
+
+def _gpu_ms(r: Mapping[str, Any]) -> float | None:
+    """GPU time of the step's GPU-timed phases (None off CUDA)."""
+    parts: list[float | None] = [r.get(p.gpu_column) for p in phases.gpu_timed()]
+    times = [p for p in parts if p is not None]
+    return float(sum(times)) if len(times) == len(parts) else None
+
+
+def _process_sample(r: Mapping[str, Any]) -> ProcessSample:
+    return ProcessSample(
+        rank=r["rank"], node_rank=r["node_rank"], t=r["t"], cpu_pct=r["cpu_pct"] or 0.0,
+        rss_bytes=r["rss_bytes"] or 0, host_ram_total_bytes=r["host_ram_total_bytes"] or 0,
+        num_cpus=r["num_cpus"] or 1, device_allocated_bytes=r["device_allocated_bytes"],
+        device_reserved_bytes=r["device_reserved_bytes"],
+        device_total_bytes=r["device_total_bytes"],
+    )
+
+
+def _system_sample(r: Mapping[str, Any]) -> SystemSample:
+    gpus = tuple(GpuSample(*g) for g in orjson.loads(r["gpus"] or "[]"))
+    return SystemSample(node_rank=r["node_rank"], host=r["host"], t=r["t"],
+                        cpu_pct=r["cpu_pct"] or 0.0, ram_pct=r["ram_pct"] or 0.0,
+                        ram_total_bytes=r["ram_total_bytes"] or 0, gpus=gpus)
+
+
+# -- the run, described from its records --------------------------------------------------
+
+_NO_START = RunStart(session_id="", command=(), started_at=0.0, traceml_version="",
+                     torch_version="", python_version="", summary_window_rows=0, mode="run")
+
+
+def run_data(records: RunRecords, steps: tuple[StepRow, ...], process: tuple[ProcessSample, ...],
+             system: tuple[SystemSample, ...]) -> RunData:
+    """The run as the diagnosis reads it: these samples (all, or the recent ones a live
+    view keeps) and what ``records`` say about the run."""
+    return RunData(_run_meta(records, steps, process), steps, process, system)
+
+
+def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
+              process: tuple[ProcessSample, ...]) -> RunMeta:
+    start = records.start or _NO_START
+    world_size, missing = _ranks(records)
+    exit_code = records.end.exit_code if records.end is not None else None
+    cuda = any(s.peak_allocated_bytes is not None for s in steps) or any(
+        p.device_total_bytes is not None for p in process)
+    senders = records.senders
+    return RunMeta(
+        session_id=start.session_id, command=list(start.command),
+        started_at=start.started_at,
+        ended_at=records.end.ended_at if records.end is not None else start.started_at,
+        exit_code=exit_code, partial=bool(missing) or exit_code != 0,
+        world_size=world_size, missing_ranks=missing, nodes=_nodes(senders),
+        device="cuda" if cuda else "cpu",
+        versions={"traceml": start.traceml_version, "torch": start.torch_version,
+                  "python": start.python_version},
+        transport={"sent": sum(s.num_sent for s in senders),
+                   "dropped": sum(s.num_dropped for s in senders),
+                   "gaps": sum(s.num_gaps for s in senders),
+                   "rejected": sum(records.rejected.values())},
+        mode=start.mode,
+    )
+
+
+def _ranks(records: RunRecords) -> tuple[int, tuple[int, ...]]:
+    """The world size and the ranks missing from it."""
+    start = records.start or _NO_START
+    ranked = [s for s in records.senders if s.sender.rank is not None]
+    reported = [s.sender.world_size for s in records.senders if s.sender.world_size]
+    world_size = max(reported + [start.expected_world_size, len({s.sender.rank for s in ranked})])
+    # A rank that never said goodbye was lost (killed, or its node died): its data
+    # stops early.  Watch mode has no agent to say goodbye.
+    seen = {s.sender.rank for s in ranked if s.said_bye or start.mode != "run"}
+    return world_size, tuple(r for r in range(world_size) if r not in seen)
+
+
+def _nodes(senders: Sequence[SenderState]) -> tuple[NodeInfo, ...]:
+    hosts: dict[int, str] = {}
+    ranks: dict[int, set[int]] = {}
+    for s in senders:
+        node = s.sender.node_rank
+        if node < 0:
+            continue  # a c10d launcher before it learnt its node rank
+        hosts.setdefault(node, s.sender.host)
+        ranks.setdefault(node, set())
+        if s.sender.rank is not None:
+            ranks[node].add(s.sender.rank)
+    return tuple(NodeInfo(n, hosts[n], tuple(sorted(ranks[n]))) for n in sorted(hosts))
