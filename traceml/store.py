@@ -389,7 +389,9 @@ def _sender_state(r: Mapping[str, Any]) -> SenderState:
 
 def _step_row(r: Mapping[str, Any]) -> StepRow:
     return StepRow(
-        rank=r["rank"], step=r["step"], phase_ms={p.name: r[p.column] for p in phases.PHASES},
+        # A store written before a phase existed has no column for it: it took 0.
+        rank=r["rank"], step=r["step"],
+        phase_ms={p.name: r.get(p.column) or 0.0 for p in phases.PHASES},
         total_ms=r["total_ms"], wait_ms=r["wait_ms"],
         peak_allocated_bytes=r["peak_allocated_bytes"],
         peak_reserved_bytes=r["peak_reserved_bytes"], rss_bytes=r["rss_bytes"],

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RunResult, run_traceml, script
+from traceml import phases
 
 LOOP = script("loop.py")
-PHASES = ("input_ms", "forward_ms", "backward_ms", "optimizer_ms")
+PHASES = tuple(p.column for p in phases.PHASES)  # the stored phase columns
 
 
 def assert_ok(res: RunResult) -> None:

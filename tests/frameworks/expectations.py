@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import RunResult, run_traceml
+from traceml import phases
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-PHASES = ("input_ms", "forward_ms", "backward_ms", "optimizer_ms")
+PHASES = tuple(p.column for p in phases.PHASES)  # the stored phase columns
 EVAL_ROWS = 16
 EVAL_SLEEP_MS = 40.0  # per evaluation row: an evaluation loop takes hundreds of ms
 AFTER_EVAL_SLEEP_MS = 300.0  # work after each evaluation loop (metrics, checkpoint)
