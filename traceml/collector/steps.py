@@ -92,6 +92,11 @@ class StepTracker:
         self._pending_start: float | None = None
         self._pending_s = 0.0
         self._pending_n = 0
+        # Collectives while the next activity must still say what the time is
+        # for (after a fetch, or after a no-grad forward): per phase, and spans.
+        self._pending_comm = [0.0] * len(phases.PHASES)
+        self._pending_comm_n = [0] * len(phases.PHASES)
+        self._pending_spans: list[Any] = []
         self._nograd_start: float | None = None
         self._marks: list[Any] = []
         self._rss: int | None = None
@@ -109,12 +114,11 @@ class StepTracker:
             if code < END:  # a phase begins
                 if len(stack) >= MAX_DEPTH:  # begins without ends: not a rank's log
                     self.resync()
-                if not stack and (code in _STARTS_STEP or (code in _COLLECTIVE
-                                                            and self._pending_n)) and (
+                if code in _STARTS_STEP and not stack and (
                         not self._open or self._complete or self._pending_n
                         or self._nograd_start is not None or self._manual):
-                    # Training activity (a collective only once a fetch waits
-                    # for what it was for).
+                    # Training activity; a collective is not: it belongs to the
+                    # step it runs in, or to an evaluation pass (metrics).
                     self._on_training(t)
                 stack.append([code, t, 0.0])
             elif code <= OPTIMIZER_SKIPPED:  # the innermost phase ends
@@ -135,6 +139,10 @@ class StepTracker:
                         self._end_evaluation()
                     else:
                         self._add_pending(start, own)
+                    continue
+                if phase in _COLLECTIVE and not stack and self._undecided():
+                    self._pending_comm[phase] += own
+                    self._pending_comm_n[phase] += 1
                     continue
                 if self._open:
                     self._acc[phase] += own
@@ -160,7 +168,9 @@ class StepTracker:
             elif code == RSS:
                 self._rss = t
             elif code == SPAN:
-                if self._open:
+                if self._undecided():
+                    self._pending_spans.append(t)
+                elif self._open:
                     self._in_flight.add(t[0], t[1])
             elif code == CLOSE:
                 self.close()
@@ -211,16 +221,31 @@ class StepTracker:
         self._nograd_start = None
         self._drop_pending()
 
+    def _undecided(self) -> bool:
+        """Whether the time now belongs to what comes next: fetches wait to learn
+        what they were for, or a no-grad forward may be an evaluation pass."""
+        return bool(self._pending_n) or self._nograd_start is not None
+
     def _drop_pending(self) -> None:
         self._pending_start = None
         self._pending_s = 0.0
         self._pending_n = 0
+        if self._pending_spans or any(self._pending_comm_n):
+            self._pending_comm = [0.0] * len(phases.PHASES)
+            self._pending_comm_n = [0] * len(phases.PHASES)
+            self._pending_spans = []
 
     def _absorb_pending(self) -> None:
         if self._pending_n:
             self._acc[INPUT] += self._pending_s
             self._counts[INPUT] += self._pending_n
             self._fetch_mode = True
+        for phase, n in enumerate(self._pending_comm_n):
+            if n:
+                self._acc[phase] += self._pending_comm[phase]
+                self._counts[phase] += n
+        for launch, done in self._pending_spans:
+            self._in_flight.add(launch, done)
         self._drop_pending()
 
     def _on_training(self, now: float) -> None:
