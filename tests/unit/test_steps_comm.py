@@ -1,0 +1,132 @@
+"""The step tracker's communication phase and collectives in flight, on
+hand-built event logs with a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.test_steps import Script
+from traceml import phases
+from traceml.collector.steps import InFlight
+from traceml.protocol import BACKWARD, CLOSE, END, FORWARD, INPUT, NOGRAD_FORWARD, OPTIMIZER, SPAN
+
+COMM = phases.code("communication")
+
+
+class CommScript(Script):
+    """A Script that also logs collectives: spans at their completion."""
+
+    def span(self, launch: float, done: float) -> None:
+        self.events.append((SPAN, (launch, done)))
+        if self.replay_each:
+            self.tr.replay(self.events)
+            self.events.clear()
+
+    def ddp_iter(self, exposed: float = 2.0) -> None:
+        """fetch 1, forward 2, backward 3 (compute) + ``exposed`` of DDP's wait at
+        its end, optimizer 1; two buckets in flight during backward."""
+        self.phase(INPUT, 1)
+        self.phase(FORWARD, 2)
+        start = self.t
+        self.log(BACKWARD)
+        self.gap(3)
+        self.log(COMM)  # backward's compute is done; the reducer waits from here
+        self.gap(exposed)
+        self.span(start + 1, start + 2)  # bucket 0, hidden behind compute
+        self.span(start + 2.5, self.t)  # the last bucket, exposed at the end
+        self.log(END)  # the wait ends
+        self.log(END)  # backward ends
+        self.phase(OPTIMIZER, 1)
+
+
+def test_exposed_communication_is_its_own_phase_nested_in_backward() -> None:
+    s = CommScript()
+    for _ in range(3):
+        s.ddp_iter()
+    s.log(CLOSE)
+    first = s.steps[0]
+    assert first.phase_s == (1, 2, 3, 1, 2)  # backward is compute only
+    assert first.counts == (1, 1, 1, 1, 1)
+    assert first.wait_s == pytest.approx(0.0)
+    # In flight: bucket 0 (1 s) and the last bucket (2.5 s), disjoint.
+    assert first.collective_s == pytest.approx(3.5)
+
+
+def test_no_collective_means_in_flight_not_measured() -> None:
+    s = CommScript()
+    for _ in range(2):
+        s.train_iter()
+    s.log(CLOSE)
+    assert all(t.collective_s is None for t in s.steps)
+
+
+def test_a_collective_between_steps_stays_in_the_step_and_begins_none() -> None:
+    s = CommScript()
+    s.ddp_iter()
+    s.phase(COMM, 0.5)  # all_reduce of the loss for logging, after the optimizer step
+    s.span(s.t - 0.5, s.t)
+    s.ddp_iter()
+    s.log(CLOSE)
+    assert len(s.steps) == 2
+    assert s.steps[0].phase_s[COMM] == pytest.approx(2.5)
+    assert s.steps[0].counts[COMM] == 2
+    assert s.steps[0].collective_s == pytest.approx(4.0)
+
+
+def test_a_collective_after_the_fetch_belongs_to_the_iteration_it_starts() -> None:
+    s = CommScript()
+    s.ddp_iter()
+    s.phase(INPUT, 1)
+    s.phase(COMM, 0.5)  # a gather of the batch sizes before the first forward
+    s.span(s.t - 0.5, s.t)
+    s.phase(FORWARD, 2)
+    s.phase(BACKWARD, 3)
+    s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    first, second = s.steps
+    assert first.total_s == pytest.approx(9.0)  # fetch to fetch
+    assert sum(first.phase_s) <= first.total_s
+    assert second.phase_s == (1, 2, 3, 1, 0.5)
+    assert second.collective_s == pytest.approx(0.5)
+
+
+def test_collectives_of_an_evaluation_pass_are_left_out() -> None:
+    s = CommScript()
+    s.ddp_iter()
+    for _ in range(3):  # evaluation: fetch, no-grad forward, gather the metrics
+        s.phase(INPUT, 4)
+        s.log(NOGRAD_FORWARD)
+        s.gap(5)
+        s.phase(COMM, 1)
+        s.span(s.t - 1, s.t)
+    s.ddp_iter()
+    s.log(CLOSE)
+    first = s.steps[0]
+    assert first.phase_s[COMM] == pytest.approx(2.0)  # its own DDP wait only
+    assert first.collective_s == pytest.approx(3.5)
+    assert first.total_s == pytest.approx(9.0)  # ends where the evaluation began
+
+
+@pytest.mark.parametrize(("spans", "total"), [
+    ([], None),
+    ([(0, 1)], 1.0),
+    ([(0, 1), (2, 3)], 2.0),  # disjoint
+    ([(0, 2), (1, 3)], 3.0),  # overlapping
+    ([(1, 2), (0, 3)], 3.0),  # a long one launched first, done last
+    ([(0, 1), (2, 3), (0.5, 4)], 4.0),  # one late span covering two blocks
+])
+def test_in_flight_is_the_union_of_the_spans(spans: list[tuple[float, float]],
+                                             total: float | None) -> None:
+    flight = InFlight()
+    for launch, done in sorted(spans, key=lambda s: s[1]):  # in order of completion
+        flight.add(launch, done)
+    assert flight.total_s() == (None if total is None else pytest.approx(total))
+
+
+def test_many_disjoint_collectives_are_all_counted() -> None:
+    flight = InFlight()
+    for i in range(1000):
+        flight.add(2 * i, 2 * i + 1.0)
+    assert flight.total_s() == pytest.approx(1000.0)
+
+
