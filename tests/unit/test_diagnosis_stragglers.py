@@ -1,0 +1,144 @@
+"""Straggler attribution and COMMUNICATION-BOUND on hand-built 1-, 2- and 8-rank
+windows, with communication timed (DDP on gloo) and without it (SPEC R-COMM-2/3)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tests.rows import step_row
+from traceml.diagnosis.finding import Finding
+from traceml.diagnosis.step_time import RankStepTimes, diagnose_step_time, rank_step_times
+from traceml.diagnosis.window import select_window
+
+BASE = {"input": 2.0, "forward": 20.0, "backward": 40.0, "optimizer": 6.0,
+        "communication": 10.0, "wait": 2.0}  # an 80 ms step
+
+
+def times_of(world: int, parts: Callable[[int], dict[str, float]], timed: bool = True,
+             num_steps: int = 20) -> dict[int, RankStepTimes]:
+    """Every rank runs ``num_steps`` steps of ``BASE`` updated with ``parts(rank)``;
+    ``timed``: collectives were timed end to end (in flight = exposed + 5 ms)."""
+    rows = []
+    for rank in range(world):
+        p = BASE | parts(rank)
+        total = sum(p.values())
+        for s in range(num_steps):
+            row = step_row(rank, s, p["input"], p["forward"], p["backward"], p["optimizer"],
+                           total, p["wait"],
+                           collective_ms=p["communication"] + 5.0 if timed else None)
+            row.phase_ms["communication"] = p["communication"]  # type: ignore[index]
+            rows.append(row)
+    return rank_step_times(select_window(rows, 10_000, world), {})
+
+
+def found(times: dict[int, RankStepTimes]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(f.kind, f.ranks) for f in diagnose_step_time(times) if f.measured]
+
+
+def first(times: dict[int, RankStepTimes]) -> Finding:
+    return diagnose_step_time(times)[0]
+
+
+def slow_backward(slow: int, extra: float) -> Callable[[int], dict[str, float]]:
+    """``slow`` computes ``extra`` ms more in backward; the others wait that long
+    in their DDP all-reduce (timed: communication)."""
+    def parts(rank: int) -> dict[str, float]:
+        if rank == slow:
+            return {"backward": 40.0 + extra}
+        return {"communication": 10.0 + extra}
+    return parts
+
+
+def slow_between_steps(slow: int, extra: float, timed: bool = True
+                       ) -> Callable[[int], dict[str, float]]:
+    """``slow`` does ``extra`` ms of host work between steps; the others wait for
+    it in their next all-reduce: communication when timed, backward when not."""
+    def parts(rank: int) -> dict[str, float]:
+        if rank == slow:
+            return {"wait": 2.0 + extra}
+        if timed:
+            return {"communication": 10.0 + extra}
+        return {"backward": 40.0 + extra, "communication": 0.0}
+    return parts
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_slow_backward_names_the_rank_and_the_phase(world: int) -> None:
+    top = first(times_of(world, slow_backward(1, 15.0)))
+    assert (top.kind, top.ranks) == ("COMPUTE_STRAGGLER", (1,))
+    assert top.why.startswith("r1 backward was 55.0 ms vs 40.0 ms on the other ranks (+15.0 ms")
+    assert top.evidence["excess_ms"] == pytest.approx(15.0)
+    assert "backward" in top.next
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_host_work_between_steps_names_the_slow_rank_not_the_waiting_ones(world: int) -> None:
+    times = times_of(world, slow_between_steps(world - 1, 15.0))
+    kinds = found(times)
+    assert kinds[0] == ("HOST_STRAGGLER", (world - 1,)), kinds
+    assert all(ranks == (world - 1,) for kind, ranks in kinds if "STRAGGLER" in kind)
+    assert "untraced host work" in first(times).why
+
+
+def test_without_communication_timing_the_waiting_rank_is_still_not_blamed() -> None:
+    # r0's backward holds its wait for r1 (not timed): r1's host work explains it.
+    times = times_of(2, slow_between_steps(1, 15.0, timed=False), timed=False)
+    stragglers = [(k, r) for k, r in found(times) if "STRAGGLER" in k]
+    assert stragglers == [("HOST_STRAGGLER", (1,))]
+    assert "COMMUNICATION NOT MEASURED" in [f.label for f in diagnose_step_time(times)]
+
+
+def test_a_backward_excess_with_a_smaller_explanation_is_unclear_not_blamed() -> None:
+    # r0's backward is 15 ms over r1's while r1 does 8 ms more host work (below the
+    # 8.5 ms limit itself), and collectives were not timed: r0 may be waiting.
+    def parts(rank: int) -> dict[str, float]:
+        return {"backward": 55.0, "communication": 0.0} if rank == 0 else {
+            "wait": 10.0, "communication": 0.0}
+    times = times_of(2, parts, timed=False)
+    top = first(times)
+    assert (top.kind, top.severity) == ("STRAGGLER_UNCLEAR", "info")
+    assert "cannot be told" in top.why
+    assert all("STRAGGLER" not in k or k == "STRAGGLER_UNCLEAR" for k, _ in found(times))
+
+
+def test_the_same_excess_with_communication_timed_is_blamed() -> None:
+    def parts(rank: int) -> dict[str, float]:
+        return {"backward": 55.0} if rank == 0 else {"wait": 10.0, "communication": 25.0}
+    assert found(times_of(2, parts))[0] == ("COMPUTE_STRAGGLER", (0,))
+
+
+def test_every_rank_slow_in_the_all_reduce_is_communication_bound() -> None:
+    times = times_of(8, lambda rank: {"communication": 25.0})
+    top = first(times)
+    assert (top.kind, top.severity) == ("COMMUNICATION_BOUND", "crit")
+    assert top.evidence["communication_share_pct"] == pytest.approx(100 * 25 / 95)
+    assert "bucket_cap_mb" in top.next
+    assert not any("STRAGGLER" in k for k, _ in found(times))
+
+
+@pytest.mark.parametrize(("comm_ms", "severity"), [(7.0, None), (8.0, "warn"), (22.0, "crit")])
+def test_communication_bound_thresholds_one_rank(comm_ms: float, severity: str | None) -> None:
+    # total = 70 + comm: 7 of 77 ms is 9.1 %, 8 of 78 ms 10.3 %, 22 of 92 ms 23.9 %.
+    times = times_of(1, lambda rank: {"communication": comm_ms})
+    kinds = [f for f in diagnose_step_time(times) if f.kind == "COMMUNICATION_BOUND"]
+    assert [f.severity for f in kinds] == ([severity] if severity else [])
+
+
+def test_a_straggler_keeps_communication_bound_out() -> None:
+    # Waiting for r3 makes every other rank's communication large: that is r3's to fix.
+    kinds = found(times_of(8, slow_backward(3, 30.0)))
+    assert kinds[0] == ("COMPUTE_STRAGGLER", (3,))
+    assert "COMMUNICATION_BOUND" not in [k for k, _ in kinds]
+
+
+def test_balanced_ranks_with_timed_communication_have_no_straggler() -> None:
+    kinds = found(times_of(8, lambda rank: {"forward": 20.0 + 0.1 * rank}))
+    assert not any("STRAGGLER" in k for k, _ in kinds)
+    assert kinds == [("COMMUNICATION_BOUND", tuple(range(8)))]
+
+
+def test_one_rank_has_no_straggler_and_no_communication_abstention() -> None:
+    findings = diagnose_step_time(times_of(1, lambda rank: {"communication": 0.0}, timed=False))
+    assert [f.kind for f in findings] == ["COMPUTE_BOUND"]
