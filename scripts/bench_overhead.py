@@ -15,6 +15,12 @@ untraced ratio for a short (~1 ms) and a long (~20 ms) step, then times
 ``--dashboard`` runs the collector as ``--mode=dashboard`` does, with a page
 polling the live data once a second, to show the live view costs training
 nothing.
+
+``--ddp`` times communication timing instead: 2 gloo ranks (processes) train
+a DDP model in alternating blocks with the agent's communication timing on and
+off (the rest of the agent on in both); prints its added time per step and per
+gradient bucket, wall and CPU time of the training thread (paired, with the
+run's A/A floor).
 """
 
 from __future__ import annotations
@@ -178,6 +184,71 @@ class DashboardPoller(threading.Thread):
         return self.answered
 
 
+DDP_BUCKETS = 4
+
+
+def ddp_rank(rank: int, port: int, blocks: int) -> None:
+    """One of the 2 ranks of ``--ddp``; rank 0 prints."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from traceml.agent.probe import Probe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    probe = Probe(time.perf_counter, lambda exc: None)
+    inst = Instrumentation(probe)
+    inst.install()
+    torch.manual_seed(0)
+    width = 256
+    net = nn.Sequential(*(nn.Linear(width, width) for _ in range(DDP_BUCKETS)))
+    model = DDP(net, bucket_cap_mb=width * width * 4 / 2**20 * 1.01)  # a layer a bucket
+    timing = probe.on_backward  # what DDP's construction armed
+    x = torch.randn(32, width)
+
+    def block(timed: bool, steps: int = 50) -> tuple[float, float]:
+        probe.on_backward = timing if timed else None
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        for _ in range(steps):
+            model(x).sum().backward()
+        probe.streams = [[] for _ in probe.streams]  # nothing drains the log here
+        probe.appenders = [st.append for st in probe.streams]
+        return (time.perf_counter() - wall) / steps, (time.thread_time() - cpu) / steps
+
+    for timed in (True, False, True, False):
+        block(timed)  # warm-up: buckets rebuilt
+    pairs = [(block(False), block(True)) if i % 2 == 0 else tuple(reversed((
+        block(True), block(False)))) for i in range(blocks)]
+    if rank == 0:
+        _ddp_report(pairs)
+    inst.uninstall()
+    dist.destroy_process_group()
+
+
+def _ddp_report(pairs: list[tuple[tuple[float, float], ...]]) -> None:
+    for i, clock in enumerate(("wall", "cpu")):
+        diffs = sorted(t[i] - p[i] for p, t in pairs)
+        lo, mid, hi = median_interval(diffs)
+        print(f"ddp comm   {clock:>5} paired added {mid * 1e6:7.1f} µs/step "
+              f"({mid * 1e6 / DDP_BUCKETS:.1f} µs/bucket, {DDP_BUCKETS} buckets), 95% interval "
+              f"{lo * 1e6:.1f} to {hi * 1e6:.1f}; untimed "
+              f"{statistics.median(p[i] for p, _ in pairs) * 1e3:.3f} ms/step")
+    plain = [p[1] for p, _ in pairs]
+    aa = sorted(a - b for a, b in zip(plain[0::2], plain[1::2]))
+    print(f"ddp comm     A/A  untimed vs untimed (alternate pairs): "
+          f"{median_interval(aa)[1] * 1e6:6.1f} µs/step apart (cpu), the noise floor")
+
+
+def ddp(blocks: int) -> None:
+    import torch.multiprocessing as mp
+
+    print(f"torch {torch.__version__}, 2 gloo ranks, 1 thread each: communication timing "
+          "on against off, the rest of the agent on")
+    mp.spawn(ddp_rank, args=(free_port(), blocks), nprocs=2, join=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=40,
@@ -187,7 +258,12 @@ def main() -> None:
                         help="cpu, or cuda to time the agent's CUDA path (events, memory peaks)")
     parser.add_argument("--dashboard", action="store_true",
                         help="collector with the live dashboard, polled once a second")
+    parser.add_argument("--ddp", action="store_true",
+                        help="the cost of communication timing on 2-rank gloo DDP")
     args = parser.parse_args()
+    if args.ddp:
+        ddp(args.blocks)
+        return
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         collector = CollectorProcess(CollectorConfig(

@@ -64,7 +64,9 @@ def test_balanced_run_has_no_straggler_and_times_its_all_reduce(tmp_path: Any) -
     res = _ddp(tmp_path, "balanced")
     assert _stragglers(res.summary) == []
     stats = res.summary["step_time"]["stats"]
-    assert stats["collective_ms"] is not None and stats["collective_ms"]["median"] > 0
+    assert stats["communication_ms"]["median"] > 0
+    # torch's own C++ all-reduce stays: its buckets are not timed one by one.
+    assert stats["collective_ms"] is None
     # DDP's own averaging, unchanged by the timing hook.
     assert res.evidence()[0]["grad"] == pytest.approx(res.evidence()[0]["sum_of_local_grads"] / 2)
 
@@ -72,8 +74,11 @@ def test_balanced_run_has_no_straggler_and_times_its_all_reduce(tmp_path: Any) -
 def test_the_scripts_own_comm_hook_still_decides_the_gradients(tmp_path: Any) -> None:
     res = _ddp(tmp_path, "hook")
     for rank in (0, 1):  # the hook sums instead of averaging
-        assert res.evidence()[rank]["grad"] == pytest.approx(res.evidence()[rank]["sum_of_local_grads"])
-    assert res.summary["step_time"]["stats"]["communication_ms"]["median"] > 0
+        evidence = res.evidence()[rank]
+        assert evidence["grad"] == pytest.approx(evidence["sum_of_local_grads"])
+    stats = res.summary["step_time"]["stats"]
+    assert stats["communication_ms"]["median"] > 0
+    assert stats["collective_ms"]["median"] > 0  # the script's hook: each bucket a span
 
 
 def test_fsdp_steps_are_counted_with_communication_measured(tmp_path: Any) -> None:

@@ -11,16 +11,18 @@ Two numbers per step (SPEC R-COMM-1):
   span; the collector takes their union per step, so the part that backward
   compute hid is ``in flight - exposed``.
 
-DDP: a timing communication hook, registered on the first forward of each
-DDP module, or wrapped around the hook the script registers (which still runs,
-and whose result is used).  The hook stamps each bucket's launch, chains a
-completion stamp onto its future (the reducer waits on that chained future, so
-every stamp is logged before backward returns), and, on the last bucket,
-queues an autograd callback that runs when backward's compute is done, before
-DDP's own finalisation: that opens the exposed phase, and a callback it queues
-in turn (run after DDP's) closes it.  torch's built-in C++ hooks cannot be
-wrapped; a script that asks for one gets the Python hook that computes the
-same thing.
+DDP keeps torch's own C++ all-reduce: a Python communication hook costs
+10-25 µs per gradient bucket on the training thread, more than the rest of the
+agent per step.  Instead, once the process has a DDP model, each backward puts
+a prehook on its graph's root; as the engine starts it queues an autograd
+final callback, which runs when backward's compute is done and before DDP's
+reducer (which queues its own when its last bucket is ready) waits for the
+all-reduces: that opens the exposed phase, and a callback queued from it,
+run after DDP's, closes it.  One prehook and two callbacks per backward,
+nothing per bucket.  A hook the script registers (Python already) is wrapped
+to log each bucket's span too; it still runs, and its result is used.
+DDP's own buckets are not spans, so a DDP step's in-flight time is null
+unless the script registered a hook.
 
 Python collectives (``torch.distributed.all_reduce`` and the others in
 ``COLLECTIVES``), as the script or FSDP calls them, are wrapped at module
@@ -82,10 +84,10 @@ class CommTiming:
             return
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        self._opens = self._exposed_callbacks()
         targets: list[tuple[Any, str, Callable[[Any], Any]]] = [
                    (DDP, "__init__", self._wrap_ddp_init),
                    (DDP, "register_comm_hook", self._wrap_register),
-                   (DDP, "_register_builtin_comm_hook", self._wrap_builtin),
                    (dist.Work, "wait", self._wrap_wait)]
         c10d = dist.distributed_c10d
         for name in COLLECTIVES:
@@ -102,72 +104,31 @@ class CommTiming:
         for owner, name, original in reversed(self._originals):
             setattr(owner, name, original)
         self._originals = []
+        self.probe.on_backward = None
 
     # -- DDP -------------------------------------------------------------------
 
     def _wrap_ddp_init(self, orig: Any) -> Any:
-        timing = self
+        probe, mark = self.probe, self.mark_exposed
 
         @functools.wraps(orig)
         def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:
             orig(ddp, *args, **kwargs)
-            try:
-                timing._defer_default(ddp)
-            except Exception as exc:
-                timing.warn(f"DDP communication not timed: {exc!r}")
+            # From now on each backward marks where its compute ends (DDP waits
+            # from there): one prehook per backward, nothing per bucket.
+            probe.on_backward = mark
         return __init__
 
-    def _defer_default(self, ddp: Any) -> None:
-        """The first forward registers the default hook unless the script
-        registered one by then; the instance attribute then goes, and forward
-        costs nothing more."""
-        first = ddp._pre_forward
+    def mark_exposed(self, tensors: Any) -> None:
+        """Backward begins (training thread): a prehook on the graph's root queues,
+        once the engine runs, the callbacks that time DDP's wait at its end."""
+        root = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
+        node = getattr(root, "grad_fn", None)
+        if node is not None:
+            node.register_prehook(self._queue_exposed)
 
-        def _pre_forward(*args: Any, **kwargs: Any) -> Any:
-            del ddp._pre_forward
-            self._register_default(ddp)
-            return first(*args, **kwargs)
-        ddp._pre_forward = _pre_forward
-
-    def _register_default(self, ddp: Any) -> None:
-        if getattr(ddp, "_traceml_hooked", False) or getattr(ddp, "_comm_hooks", None):
-            return
-        try:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            ddp.register_comm_hook(ddp.process_group, default_hooks.allreduce_hook)
-        except Exception as exc:  # this DDP keeps torch's own C++ hook, untimed
-            self.warn(f"DDP communication not timed: {exc!r}")
-
-    def _wrap_register(self, orig: Any) -> Any:
-        timing = self
-
-        @functools.wraps(orig)
-        def register_comm_hook(ddp: Any, state: object, hook: Callable[..., Any]) -> None:
-            orig(ddp, state, timing.timed_hook(hook))
-            ddp._traceml_hooked = True
-        return register_comm_hook
-
-    def _wrap_builtin(self, orig: Any) -> Any:
-        @functools.wraps(orig)
-        def _register_builtin_comm_hook(ddp: Any, comm_hook_type: Any) -> None:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            python_hook = {"ALLREDUCE": default_hooks.allreduce_hook,
-                           "FP16_COMPRESS": default_hooks.fp16_compress_hook}.get(
-                               getattr(comm_hook_type, "name", ""))
-            if python_hook is None:
-                orig(ddp, comm_hook_type)
-                ddp._traceml_hooked = True  # torch's own C++ hook: untimed
-                return
-            ddp.register_comm_hook(ddp.process_group, python_hook)
-        return _register_builtin_comm_hook
-
-    def timed_hook(self, hook: Callable[..., Any]) -> Callable[..., Any]:
-        """``hook`` with its buckets' launches and completions logged, and the
-        end of backward's compute marked on the last bucket."""
-        probe, clock, spans = self.probe, self.probe.clock, self.probe.spans.append
-        engine = torch.autograd.Variable._execution_engine
+    def _exposed_callbacks(self) -> Callable[[], None]:
+        probe, clock, engine = self.probe, self.probe.clock, _engine()
         begins, ends = probe.appenders[COMM], probe.appenders[END]
 
         def closes() -> None:  # after DDP's reducer finalised backward
@@ -176,6 +137,25 @@ class CommTiming:
         def opens() -> None:  # backward's compute is done: DDP waits from here
             begins(clock())
             engine.queue_callback(closes)
+        return opens
+
+    def _queue_exposed(self, grad_outputs: Any) -> None:
+        # Queued as the engine starts: before DDP queues its finalisation (when
+        # its last bucket is ready), so this one runs first.
+        _engine().queue_callback(self._opens)
+
+    def _wrap_register(self, orig: Any) -> Any:
+        timing = self
+
+        @functools.wraps(orig)
+        def register_comm_hook(ddp: Any, state: object, hook: Callable[..., Any]) -> None:
+            orig(ddp, state, timing.timed_hook(hook))
+        return register_comm_hook
+
+    def timed_hook(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        """The script's own ``hook`` (Python, so it pays a Python call per bucket
+        already) with each bucket's launch and completion logged as a span."""
+        probe, clock, spans = self.probe, self.probe.clock, self.probe.spans.append
 
         @functools.wraps(hook)
         def timed(state: object, bucket: Any) -> Any:
@@ -187,8 +167,6 @@ class CommTiming:
                 future = hook(state, bucket)
             finally:
                 probe.in_comm = False
-            if bucket.is_last():
-                engine.queue_callback(opens)
             if bucket.buffer().is_cuda:
                 return future
 
@@ -248,6 +226,11 @@ class CommTiming:
                 if launch is not None:
                     spans((launch, start if complete else now))
         return wait
+
+
+def _engine() -> Any:
+    """torch's autograd engine, which runs the final callbacks of a backward."""
+    return torch.autograd.Variable._execution_engine
 
 
 def _on_cuda(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -195,6 +195,8 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
             probe.mute += 1
             timer = probe.cuda_timer
             begins(clock())
+            if probe.on_backward is not None:
+                probe.guarded(probe.on_backward, args[0] if args else kwargs.get("tensors"))
             if timer is not None:
                 probe.guarded(timer.start, BACKWARD)
             try:

@@ -50,6 +50,9 @@ class Probe:
         self.thread_id = threading.main_thread().ident
         # CudaPhaseTimer once this rank uses CUDA; None on CPU (one check per phase).
         self.cuda_timer: Any = None
+        # Called with the tensors of each timed backward as it begins, once the
+        # process has a DDP model (`traceml.agent.comm`); None before.
+        self.on_backward: Callable[[Any], None] | None = None
         # Called on the training thread when an iteration's optimizer steps end
         # (CUDA peaks and spans); None on CPU.
         self.on_optimizer_end: Callable[[], None] | None = None

@@ -209,8 +209,9 @@ def stragglers(times: Mapping[int, RankStepTimes]) -> list[Finding]:
 
 
 def comm_measured(times: Mapping[int, RankStepTimes]) -> bool:
-    """Whether collectives were timed (their in-flight time is known) on every rank."""
-    return bool(times) and all(t.collective_ms is not None for t in times.values())
+    """Whether every rank's collectives were timed: time spent waiting in them is
+    then its communication, never its compute."""
+    return bool(times) and all(t.mean("communication") > 0 for t in times.values())
 
 
 def diagnose_step_time(
