@@ -11,6 +11,9 @@
 #   3. NVML system samples for the job's GPUs (utilisation, memory, temperature,
 #      power), honouring CUDA_VISIBLE_DEVICES.
 #   4. A deliberately input-bound CUDA run is diagnosed INPUT-BOUND.
+#   5. NCCL: 1-rank DDP on the GPU (NCCL refuses two ranks on one GPU): steps
+#      counted, DDP's exposed wait timed as communication, in flight null (a
+#      CUDA future completes when its kernels are queued), no synchronize.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-/tmp/traceml-gpu-check}}"
@@ -42,6 +45,27 @@ for x, y in DataLoader(Data(sleep_s), batch_size=64, pin_memory=True):
     opt.step()
 PY
 
+cat > "$OUT/nccl_train.py" <<'PY'
+import torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("nccl")
+torch.cuda.set_device(0)
+model = nn.parallel.DistributedDataParallel(
+    nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10)).cuda(),
+    device_ids=[0], bucket_cap_mb=4)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+for _ in range(40):
+    x = torch.randn(64, 1024, device="cuda")
+    opt.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    opt.step()
+    t = torch.ones(1, device="cuda")
+    dist.all_reduce(t)
+dist.destroy_process_group()
+PY
+
+"$PY" -m traceml run --logs-dir "$OUT/logs" --session-id nccl --sample-interval 0.5 \
+    "$OUT/nccl_train.py" > "$OUT/nccl.txt" 2>&1
 "$PY" -m traceml run --logs-dir "$OUT/logs" --session-id healthy --sample-interval 0.5 \
     "$OUT/cuda_train.py" 0 > "$OUT/healthy.txt" 2>&1
 "$PY" -m traceml run --logs-dir "$OUT/logs" --session-id input --sample-interval 0.5 \
@@ -80,5 +104,14 @@ summary = json.load(open(f"{logs}/healthy/final_summary.json"))
 check("summary device is cuda", summary["meta"]["device"] == "cuda")
 label = json.load(open(f"{logs}/input/final_summary.json"))["step_time"]["diagnosis"]["label"]
 check("input-bound CUDA run diagnosed INPUT-BOUND", label == "INPUT-BOUND", label)
+nccl = sqlite3.connect(f"{logs}/nccl/telemetry.sqlite")
+steps = nccl.execute("SELECT num_communication, communication_ms, collective_ms, "
+                     "backward_ms FROM steps").fetchall()
+check("NCCL DDP steps counted", len(steps) >= 39, f"{len(steps)} steps")
+check("NCCL: DDP's wait and the all_reduce timed as communication",
+      all(s[0] >= 2 for s in steps[1:]),
+      f"median communication {sorted(s[1] for s in steps)[len(steps)//2]:.3f} ms, "
+      f"backward {sorted(s[3] for s in steps)[len(steps)//2]:.3f} ms" if steps else "none")
+check("NCCL: in flight not measured on CUDA (null)", all(s[2] is None for s in steps))
 sys.exit(1 if failed else 0)
 PY

@@ -214,15 +214,20 @@ def test_events_after_a_mark_the_gpu_has_not_passed_wait_for_it(
     assert all(s["gpu_forward_ms"] == 1.0 and s["peak_reserved_bytes"] == 200 for s in steps)
 
 
-def test_a_failing_gpu_timer_drops_gpu_times_not_steps(
-        runtime: AgentRuntime, capsys: pytest.CaptureFixture[str]) -> None:
+def _train_with_failing_gpu_timer(runtime: AgentRuntime) -> list[dict[str, Any]]:
+    """Three steps whose GPU timer raises; the steps the collector makes of them."""
     timer = StandInTimer()
     timer.error = RuntimeError("CUDA error: an illegal memory access")
     log_device_marks(runtime, timer)
     install(runtime)
     train(3)
     runtime.probe.log(CLOSE)
-    steps = Collector().steps(runtime._bye())
+    return Collector().steps(runtime._bye())
+
+
+def test_a_failing_gpu_timer_drops_gpu_times_not_steps(
+        runtime: AgentRuntime, capsys: pytest.CaptureFixture[str]) -> None:
+    steps = _train_with_failing_gpu_timer(runtime)
     assert len(steps) == 3
     assert all(s["gpu_forward_ms"] is None and s["peak_allocated_bytes"] == 100 for s in steps)
     assert capsys.readouterr().err.count("GPU phase times disabled") == 1
@@ -230,13 +235,7 @@ def test_a_failing_gpu_timer_drops_gpu_times_not_steps(
 
 def test_each_distinct_agent_failure_warns_once(
         runtime: AgentRuntime, capsys: pytest.CaptureFixture[str]) -> None:
-    timer = StandInTimer()
-    timer.error = RuntimeError("CUDA error: an illegal memory access")
-    log_device_marks(runtime, timer)
-    install(runtime)
-    train(3)
-    runtime.probe.log(CLOSE)
-    Collector().steps(runtime._bye())  # the GPU times fail: their warning
+    _train_with_failing_gpu_timer(runtime)  # the GPU times fail: their warning
     runtime._fail(RuntimeError("first"))  # then the step instrumentation, twice
     runtime._fail(RuntimeError("again"))
     err = capsys.readouterr().err

@@ -51,16 +51,23 @@ def test_agent_imports_point_one_way() -> None:
 # What a training rank must never pay for (ruff's banned imports in traceml/agent/ruff.toml
 # keep the sources clean; this checks what actually gets loaded, transitive imports included).
 AGENT_NEVER_LOADS = ("rich", "tabulate", "traceml.report", "traceml.diagnosis",
-                     "traceml.collector", "traceml.live", "traceml.compare", "traceml.launcher")
+                     "traceml.collector", "traceml.live", "traceml.compare", "traceml.launcher",
+                     "traceml.store")
 
 
-def test_importing_the_agent_loads_no_analysis_or_rendering_code() -> None:
-    code = ("import json, pkgutil, sys, traceml.agent\n"
-            "for m in pkgutil.walk_packages(traceml.agent.__path__, 'traceml.agent.'):\n"
+def _loaded_by_importing(package: str) -> set[str]:
+    """Every module in sys.modules after a fresh interpreter imports every module
+    of ``package``."""
+    code = (f"import json, pkgutil, sys, {package}\n"
+            f"for m in pkgutil.walk_packages({package}.__path__, '{package}.'):\n"
             "    __import__(m.name)\n"
             "print(json.dumps(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    loaded = set(json.loads(out.stdout))
+    return set(json.loads(out.stdout))
+
+
+def test_importing_the_agent_loads_no_analysis_or_rendering_code() -> None:
+    loaded = _loaded_by_importing("traceml.agent")
     assert {"traceml.agent.activate", "traceml.agent.patches", "traceml.agent.runtime",
             "torch", "zmq"} <= loaded
     assert sorted(m for m in loaded for banned in AGENT_NEVER_LOADS
@@ -70,12 +77,7 @@ def test_importing_the_agent_loads_no_analysis_or_rendering_code() -> None:
 def test_importing_the_report_loads_no_live_view() -> None:
     # The live views draw the report's page model (traceml.report.page), never the reverse;
     # ruff's ban in traceml/report/ruff.toml sees direct imports, this sees transitive ones.
-    code = ("import json, pkgutil, sys, traceml.report\n"
-            "for m in pkgutil.walk_packages(traceml.report.__path__, 'traceml.report.'):\n"
-            "    __import__(m.name)\n"
-            "print(json.dumps(sorted(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    loaded = set(json.loads(out.stdout))
+    loaded = _loaded_by_importing("traceml.report")
     assert {"traceml.report.html", "traceml.report.page.render", "traceml.report.page.snapshot"} <= loaded
     assert sorted(m for m in loaded if m == "traceml.live" or m.startswith("traceml.live.")) == []
 
