@@ -11,9 +11,10 @@
 #   3. NVML system samples for the job's GPUs (utilisation, memory, temperature,
 #      power), honouring CUDA_VISIBLE_DEVICES.
 #   4. A deliberately input-bound CUDA run is diagnosed INPUT-BOUND.
-#   5. NCCL: 1-rank DDP on the GPU (NCCL refuses two ranks on one GPU): steps
-#      counted, DDP's exposed wait timed as communication, in flight null (a
-#      CUDA future completes when its kernels are queued), no synchronize.
+#   5. NCCL: 1-rank DDP on the GPU (NCCL refuses two ranks on one GPU) trains
+#      under traceml with steps counted, and communication says "not measured"
+#      rather than a host time that is not the GPU's (NCCL makes streams wait,
+#      not the host): no communication phase, in flight null.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-/tmp/traceml-gpu-check}}"
@@ -108,10 +109,9 @@ nccl = sqlite3.connect(f"{logs}/nccl/telemetry.sqlite")
 steps = nccl.execute("SELECT num_communication, communication_ms, collective_ms, "
                      "backward_ms FROM steps").fetchall()
 check("NCCL DDP steps counted", len(steps) >= 39, f"{len(steps)} steps")
-check("NCCL: DDP's wait and the all_reduce timed as communication",
-      all(s[0] >= 2 for s in steps[1:]),
-      f"median communication {sorted(s[1] for s in steps)[len(steps)//2]:.3f} ms, "
-      f"backward {sorted(s[3] for s in steps)[len(steps)//2]:.3f} ms" if steps else "none")
+check("NCCL: no host time passed off as communication",
+      all(s[0] == 0 and s[1] == 0 for s in steps),
+      f"median backward {sorted(s[3] for s in steps)[len(steps)//2]:.3f} ms" if steps else "none")
 check("NCCL: in flight not measured on CUDA (null)", all(s[2] is None for s in steps))
 sys.exit(1 if failed else 0)
 PY

@@ -34,7 +34,7 @@ def _torch_surface() -> dict[str, Any] | None:
         "collectives": {name: getattr(dist, name, None) for name in COLLECTIVES},
         "c10d": {name: getattr(dist.distributed_c10d, name, None) for name in COLLECTIVES},
         "work_wait": dist.Work.__dict__["wait"],
-        "ddp": {name: DDP.__dict__[name] for name in ("__init__", "register_comm_hook")},
+        "ddp": {name: DDP.__dict__[name] for name in ("_ddp_init_helper", "register_comm_hook")},
         "module_call": torch.nn.Module.__dict__["__call__"],
         "backward": torch.Tensor.__dict__["backward"],
         "autograd_backward": torch.autograd.backward,

@@ -27,6 +27,8 @@ class Phase:
     compute: bool = False  # part of ``compute`` (forward+backward+optimizer)
     collective: bool = False  # time blocked on collectives (communication)
     gpu_timed: bool = False  # CUDA events time it too (``gpu_<name>_ms``)
+    pending: bool = False  # its time waits to learn what it was for (a fetch: training
+    # or evaluation?), so it never begins a step itself
 
     @property
     def column(self) -> str:
@@ -45,7 +47,7 @@ class Phase:
 
 
 PHASES: tuple[Phase, ...] = (
-    Phase("input", "Input", "#4e79a7"),
+    Phase("input", "Input", "#4e79a7", pending=True),
     Phase("forward", "Forward", "#59a14f", compute=True, gpu_timed=True),
     Phase("backward", "Backward", "#f28e2b", compute=True, gpu_timed=True),
     Phase("optimizer", "Optimizer", "#b07aa1", compute=True, gpu_timed=True),
@@ -83,7 +85,7 @@ def compute_names() -> tuple[str, ...]:
 def starts_step(phase: Phase) -> bool:
     """Whether this phase beginning marks training activity, which may begin a
     step (input waits for what follows; a collective belongs to the step it is in)."""
-    return phase.name != "input" and not phase.collective
+    return not phase.pending and not phase.collective
 
 
 def gpu_timed() -> tuple[Phase, ...]:

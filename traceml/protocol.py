@@ -23,7 +23,7 @@ import orjson
 from traceml import phases
 from traceml.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: event codes follow traceml.phases (communication), spans
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
 KIND_EVENTS = "events"

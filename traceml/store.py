@@ -45,7 +45,7 @@ from traceml.protocol import (
 )
 
 STORE_FILENAME = "telemetry.sqlite"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a column per phase of traceml.phases (communication), collective_ms
 JOIN_ERROR_PREFIX = "join_error/"
 
 

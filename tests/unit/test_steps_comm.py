@@ -123,6 +123,25 @@ def test_in_flight_is_the_union_of_the_spans(spans: list[tuple[float, float]],
     assert flight.total_s() == (None if total is None else pytest.approx(total))
 
 
+def test_a_span_arriving_late_never_shrinks_the_union() -> None:
+    flight = InFlight()
+    flight.add(0, 10)
+    flight.add(2, 5)  # completed earlier, logged after (another thread's clock read)
+    assert flight.total_s() == pytest.approx(10.0)
+
+
+def test_a_collective_launched_in_the_step_before_counts_from_this_steps_begin() -> None:
+    s = CommScript()
+    s.ddp_iter()
+    begin = s.t
+    s.ddp_iter()  # its backward also waits for an async all_reduce launched 5 s earlier
+    s.span(begin - 5.0, begin + 1.0)
+    s.ddp_iter()
+    s.log(CLOSE)
+    second = s.steps[1]
+    assert second.collective_s is not None and second.collective_s <= second.total_s
+
+
 def test_many_disjoint_collectives_are_all_counted() -> None:
     flight = InFlight()
     for i in range(1000):

@@ -26,17 +26,22 @@ unless the script registered a hook.
 
 Python collectives (``torch.distributed.all_reduce`` and the others in
 ``COLLECTIVES``), as the script or FSDP calls them, are wrapped at module
-level; ``Work.wait`` is wrapped for the asynchronous ones.
+level (one wrapper under both of its names, passed straight through while
+torch.compile traces); ``Work.wait`` is wrapped for the asynchronous ones, and
+DDP's ``_sync_buffers`` (its C++ broadcast of BatchNorm statistics before each
+forward) is timed too.
 
-On gloo every time is the host clock.  A CUDA collective's future completes
-when its kernels are queued, not done, so in flight is not measured there
-(no spans: the step's in-flight time is null, never a wrong number); the
-exposed phase still is, being host time.
+On gloo every time is the host clock.  On CUDA nothing is timed: a NCCL
+collective returns once its kernels are queued and DDP's reducer makes streams
+wait, not the host, so host time would read as free communication; the report
+says communication was not measured instead.  (CUDA events on the collective's
+stream are the way to time it there; not built yet.)
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from threading import get_ident
 from typing import Any
@@ -56,49 +61,51 @@ COLLECTIVES = (
 )
 """The torch.distributed functions timed (those this torch has)."""
 
-MAX_PENDING_WORKS = 1024
-"""Asynchronous collectives remembered until their ``wait()``; a script that
-never waits for its works cannot grow this past the bound."""
-
 COMM = phases.code("communication")
 
 
-def _takes_part(probe: Probe) -> bool:
-    """Whether a collective call here is the training's: on the training thread,
-    or on an autograd thread while the training thread waits in backward."""
-    return not probe.off and not probe.in_comm and (
-        get_ident() == probe.thread_id or probe.in_backward)
-
-
 class CommTiming:
-    """The DDP hook, the collective wrappers and ``Work.wait``, installed together."""
+    """DDP's wait, the collective wrappers and ``Work.wait``, installed together."""
 
-    def __init__(self, probe: Probe, warn: Callable[[str], None]) -> None:
+    def __init__(self, probe: Probe, is_compiling: Callable[[], bool]) -> None:
         self.probe = probe
-        self.warn = warn
-        self._works: dict[int, float] = {}  # id(work) -> launch time
+        self.is_compiling = is_compiling
+        # An asynchronous collective's launch, until its wait(); gone with the work.
+        self._works: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
         self._originals: list[tuple[Any, str, Any]] = []
+        self._handle: Any = None  # the prehook on the running backward's root
+        self._opens = self._exposed_callbacks()
 
     def install(self) -> None:
         if not dist.is_available():
             return
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        self._opens = self._exposed_callbacks()
-        targets: list[tuple[Any, str, Callable[[Any], Any]]] = [
-                   (DDP, "__init__", self._wrap_ddp_init),
-                   (DDP, "register_comm_hook", self._wrap_register),
-                   (dist.Work, "wait", self._wrap_wait)]
+        # Inside DDP's __init__, not around it: warnings DDP gives its caller
+        # still point at the script's line.
+        self._patch(DDP, "_ddp_init_helper", self._wrap_ddp_init)
+        self._patch(DDP, "register_comm_hook", self._wrap_register)
+        self._patch(DDP, "_sync_buffers", self._wrap_sync_buffers)
+        self._patch(dist.Work, "wait", self._wrap_wait)
         c10d = dist.distributed_c10d
         for name in COLLECTIVES:
-            for owner in (dist, c10d):
-                if name in vars(owner):
-                    targets.append((owner, name, self._wrap_collective))
-        for owner, name, wrap in targets:
-            if name in vars(owner):
-                original = vars(owner)[name]
-                self._originals.append((owner, name, original))
-                setattr(owner, name, wrap(original))
+            # One wrapper under both names, so torch.compile's remapping of a
+            # collective to its traceable form still finds the original.
+            original = vars(c10d).get(name)
+            if original is not None:
+                wrapped = self._patch(c10d, name, self._wrap_collective)
+                if vars(dist).get(name) is original:
+                    self._originals.append((dist, name, original))
+                    setattr(dist, name, wrapped)
+
+    def _patch(self, owner: Any, name: str, wrap: Callable[[Any], Any]) -> Any:
+        original = vars(owner).get(name)
+        if original is None:
+            return None
+        self._originals.append((owner, name, original))
+        wrapped = wrap(original)
+        setattr(owner, name, wrapped)
+        return wrapped
 
     def uninstall(self) -> None:
         for owner, name, original in reversed(self._originals):
@@ -106,18 +113,32 @@ class CommTiming:
         self._originals = []
         self.probe.on_backward = None
 
+    def _takes_part(self, args: tuple[Any, ...] = (), kwargs: Any = None) -> bool:
+        """Whether a collective call here is the training's and can be timed: on
+        the training thread, or on an autograd thread running the backward the
+        training thread waits in; host tensors (a CUDA collective returns when
+        its kernels are queued: its time is the GPU's, not measured here)."""
+        probe = self.probe
+        if probe.off or probe.in_comm or self.is_compiling():
+            return False
+        if get_ident() != probe.thread_id and not (probe.in_backward and _in_graph_task()):
+            return False
+        return not _on_cuda(args, kwargs or {})
+
     # -- DDP -------------------------------------------------------------------
 
     def _wrap_ddp_init(self, orig: Any) -> Any:
         probe, mark = self.probe, self.mark_exposed
 
         @functools.wraps(orig)
-        def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:
+        def _ddp_init_helper(ddp: Any, *args: Any, **kwargs: Any) -> None:
             orig(ddp, *args, **kwargs)
             # From now on each backward marks where its compute ends (DDP waits
-            # from there): one prehook per backward, nothing per bucket.
-            probe.on_backward = mark
-        return __init__
+            # from there): one prehook per backward, nothing per bucket.  On
+            # CUDA DDP's reducer makes streams wait, not the host: not measured.
+            if getattr(ddp, "device_type", "cpu") == "cpu":
+                probe.on_backward = mark
+        return _ddp_init_helper
 
     def mark_exposed(self, tensors: Any) -> None:
         """Backward begins (training thread): a prehook on the graph's root queues,
@@ -125,7 +146,17 @@ class CommTiming:
         root = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
         node = getattr(root, "grad_fn", None)
         if node is not None:
-            node.register_prehook(self._queue_exposed)
+            self._handle = node.register_prehook(self._queue_exposed)
+
+    def _queue_exposed(self, grad_outputs: Any) -> None:
+        # Queued as the engine starts: before DDP queues its finalisation (when
+        # its last bucket is ready), so this one runs first.  The hook goes at
+        # once: a graph kept for another backward gets a fresh one then.
+        try:
+            self._handle.remove()
+            _engine().queue_callback(self._opens)
+        except Exception as exc:
+            self.probe.on_error(exc)
 
     def _exposed_callbacks(self) -> Callable[[], None]:
         probe, clock, engine = self.probe, self.probe.clock, _engine()
@@ -135,14 +166,24 @@ class CommTiming:
             ends(clock())
 
         def opens() -> None:  # backward's compute is done: DDP waits from here
-            begins(clock())
-            engine.queue_callback(closes)
+            try:
+                begins(clock())
+                engine.queue_callback(closes)
+            except Exception as exc:
+                probe.on_error(exc)
         return opens
 
-    def _queue_exposed(self, grad_outputs: Any) -> None:
-        # Queued as the engine starts: before DDP queues its finalisation (when
-        # its last bucket is ready), so this one runs first.
-        _engine().queue_callback(self._opens)
+    def _wrap_sync_buffers(self, orig: Any) -> Any:
+        """DDP's broadcast of its buffers (BatchNorm statistics) in forward: a
+        blocking collective the wrappers below do not see (it is C++)."""
+        timing = self
+
+        @functools.wraps(orig)
+        def _sync_buffers(ddp: Any) -> Any:
+            if getattr(ddp, "device_type", "cpu") != "cpu" or not timing._takes_part():
+                return orig(ddp)
+            return timing._timed(orig, (ddp,), {})
+        return _sync_buffers
 
     def _wrap_register(self, orig: Any) -> Any:
         timing = self
@@ -178,59 +219,72 @@ class CommTiming:
 
     # -- collectives the script (or FSDP) calls ----------------------------------
 
+    def _timed(self, call: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+        """``call`` as exposed communication; its span too when it is synchronous,
+        its launch kept for its wait() when it returns a work."""
+        probe = self.probe
+        probe.in_comm = True
+        launch = probe.clock()
+        probe.appenders[COMM](launch)
+        try:
+            work = call(*args, **kwargs)
+        finally:
+            now = probe.clock()
+            probe.appenders[END](now)
+            probe.in_comm = False
+        if work is None or not isinstance(work, dist.Work):  # synchronous: done now
+            probe.spans.append((launch, now))
+        else:
+            self._works[work] = launch
+        return work
+
     def _wrap_collective(self, orig: Any) -> Any:
-        probe, works, clock = self.probe, self._works, self.probe.clock
-        begins, ends, spans = probe.appenders[COMM], probe.appenders[END], probe.spans.append
+        timing = self
 
         @functools.wraps(orig)
         def collective(*args: Any, **kwargs: Any) -> Any:
-            if not _takes_part(probe):
+            if not timing._takes_part(args, kwargs):
                 return orig(*args, **kwargs)
-            probe.in_comm = True
-            launch = clock()
-            begins(launch)
-            try:
-                work = orig(*args, **kwargs)
-            finally:
-                now = clock()
-                ends(now)
-                probe.in_comm = False
-            if work is None:  # synchronous: done when it returns
-                if not _on_cuda(args, kwargs):
-                    spans((launch, now))
-            elif len(works) < MAX_PENDING_WORKS and not _on_cuda(args, kwargs):
-                works[id(work)] = launch
-            return work
+            return timing._timed(orig, args, kwargs)
         return collective
 
     def _wrap_wait(self, orig: Any) -> Any:
-        probe, works, clock = self.probe, self._works, self.probe.clock
-        begins, ends, spans = probe.appenders[COMM], probe.appenders[END], probe.spans.append
+        timing, probe, works = self, self.probe, self._works
 
         @functools.wraps(orig)
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-            if not _takes_part(probe):
+            # Only the works of collectives timed at their launch (host tensors).
+            launch = works.pop(work, None)
+            if launch is None or not timing._takes_part():
                 return orig(work, *args, **kwargs)
-            launch = works.pop(id(work), None)
+            start = complete = None
             probe.in_comm = True
-            start = clock()
-            begins(start)
-            # Complete before it was waited for: it ended by then at the latest.
-            complete = launch is not None and work.is_completed()
             try:
+                start = probe.clock()
+                probe.appenders[COMM](start)
+                # Complete before it was waited for: it ended by then at the latest.
+                complete = work.is_completed()
                 return orig(work, *args, **kwargs)
             finally:
-                now = clock()
-                ends(now)
+                now = probe.clock()
+                if start is not None:
+                    probe.appenders[END](now)
                 probe.in_comm = False
-                if launch is not None:
-                    spans((launch, start if complete else now))
+                if start is not None:
+                    probe.spans.append((launch, start if complete else now))
         return wait
 
 
 def _engine() -> Any:
     """torch's autograd engine, which runs the final callbacks of a backward."""
     return torch.autograd.Variable._execution_engine
+
+
+def _in_graph_task() -> bool:
+    """Whether this thread runs a backward for the autograd engine now."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
 
 
 def _on_cuda(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

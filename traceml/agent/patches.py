@@ -28,7 +28,6 @@ Instrumented (SPEC R-AG-2):
 
 from __future__ import annotations
 
-import functools
 import importlib
 import sys
 from collections.abc import Callable
@@ -40,7 +39,6 @@ from torch.utils.data import dataloader as _dataloader
 
 from traceml.agent.comm import CommTiming
 from traceml.agent.probe import Probe
-from traceml.errors import WarnOnce
 from traceml.protocol import (
     BACKWARD,
     END,
@@ -195,8 +193,12 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
             probe.mute += 1
             timer = probe.cuda_timer
             begins(clock())
-            if probe.on_backward is not None:
-                probe.guarded(probe.on_backward, args[0] if args else kwargs.get("tensors"))
+            on_backward = probe.on_backward
+            if on_backward is not None:
+                try:
+                    on_backward(args[0] if args else kwargs.get("tensors"))
+                except Exception as exc:
+                    probe.on_error(exc)
             if timer is not None:
                 probe.guarded(timer.start, BACKWARD)
             try:
@@ -322,8 +324,7 @@ def _scaler_classes() -> list[type]:
 class Instrumentation:
     """All patches of one rank, installed and removed together."""
 
-    def __init__(self, probe: Probe, warn: Callable[[str], None] | None = None) -> None:
-        """``warn`` reports a part that could not be instrumented (once)."""
+    def __init__(self, probe: Probe) -> None:
         self.probe = probe
         self.patches: list[Patch] = [
             Patch(_dataloader._BaseDataLoaderIter, "__next__", _wrap_next(probe)),
@@ -332,7 +333,7 @@ class Instrumentation:
         ]
         self.patches += [Patch(cls, "step", _wrap_scaler_step(probe)) for cls in _scaler_classes()]
         self.hooks = OptimizerHooks(probe)
-        self.comm = CommTiming(probe, warn or functools.partial(WarnOnce().to_stderr, "comm"))
+        self.comm = CommTiming(probe, _compiling_check())
         self.installed = False
 
     def install(self) -> None:

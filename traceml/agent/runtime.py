@@ -119,8 +119,7 @@ class AgentRuntime:
         if self.env.mode == "run":
             from traceml.agent.patches import Instrumentation
 
-            self.instrumentation = Instrumentation(
-                self.probe, functools.partial(self._warnings.to_stderr, "communication"))
+            self.instrumentation = Instrumentation(self.probe)
             self.instrumentation.install()
         self.sender.start()
         _ACTIVE = self

@@ -170,8 +170,8 @@ class StepTracker:
             elif code == SPAN:
                 if self._undecided():
                     self._pending_spans.append(t)
-                elif self._open:
-                    self._in_flight.add(t[0], t[1])
+                elif self._open:  # a collective launched before the step counts from its begin
+                    self._in_flight.add(max(t[0], self._begin), t[1])
             elif code == CLOSE:
                 self.close()
 
@@ -245,7 +245,7 @@ class StepTracker:
                 self._acc[phase] += self._pending_comm[phase]
                 self._counts[phase] += n
         for launch, done in self._pending_spans:
-            self._in_flight.add(launch, done)
+            self._in_flight.add(max(launch, self._begin), done)
         self._drop_pending()
 
     def _on_training(self, now: float) -> None:
@@ -307,10 +307,11 @@ class InFlight:
 
     def add(self, launch: float, done: float) -> None:
         blocks = self._blocks
-        start = launch
-        while blocks and blocks[-1][1] >= launch:
-            start = min(start, blocks.pop()[0])
-        blocks.append([start, done])
+        start, end = launch, done
+        while blocks and blocks[-1][1] >= launch:  # a late span may end before them
+            popped = blocks.pop()
+            start, end = min(start, popped[0]), max(end, popped[1])
+        blocks.append([start, end])
         self._any = True
         if len(blocks) > MAX_DEPTH:
             first = blocks.pop(0)

@@ -21,6 +21,8 @@ Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
 
 RUNDATA_FORMAT = "traceml.rundata/1"
 
+_COMPUTE = phases.compute_names()
+
 
 @dataclass(frozen=True)
 class StepRow:
@@ -46,7 +48,7 @@ class StepRow:
         if name == "wait":
             return self.wait_ms
         if name == "compute":
-            return sum(self.phase_ms.get(n, 0.0) for n in phases.compute_names())
+            return sum(self.phase_ms.get(n, 0.0) for n in _COMPUTE)
         return self.phase_ms.get(name, 0.0)
 
 

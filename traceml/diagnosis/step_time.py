@@ -1,24 +1,12 @@
-"""Step Time rules: input-bound, wait-heavy, compute-bound, stragglers (offline analysis).
+"""Step Time rules: input-bound, wait-heavy, communication-bound, compute-bound,
+stragglers (offline analysis).
 
 Runs in the offline-analysis process. Works on per-rank phase distributions of
-the step window. Shares are the median over ranks of phase mean / step mean.
-
-Stragglers are found from the phase that differs, not from totals: under DDP
-fast ranks wait for a slow one inside backward's all-reduce, so step totals
-(and fast ranks' backward) equalise. A rank's excess is its phase mean minus
-the median of the *other* ranks (with 2 ranks: the other rank), as a share of
-the median step time. Compute excess is the larger of
-
-* forward+backward+optimizer excess, and
-* forward+optimizer excess: these phases hold no DDP collective, so a rank that
-  is slow there stands out even when compute totals are equal,
-
-each less the largest input excess of another rank: a synchronised rank waits
-for a slow loader inside its collectives (DDP: backward; FSDP: forward too),
-which must not read as its own slow compute.
-
-A rank slow inside backward under DDP cannot be told apart from its peers by
-phase times alone (they all wait for it); that needs GPU or collective timing.
+the step window (the parts of `traceml.phases`). Shares are the median over
+ranks of part mean / step mean; COMMUNICATION-BOUND reads the smallest share
+instead, since a slow rank makes every other rank wait in its collectives.
+Stragglers are found from each rank's own work, never from time it waited in a
+collective for another rank (`traceml.diagnosis.stragglers`).
 """
 
 from __future__ import annotations
@@ -99,6 +87,12 @@ def median_share_pct(times: Mapping[int, RankStepTimes], phase: str) -> float | 
     return statistics.median(shares) if shares else None
 
 
+def least_share_pct(times: Mapping[int, RankStepTimes], phase: str) -> float | None:
+    """The smallest share over ranks of the phase's step time."""
+    shares = [s for t in times.values() if (s := t.share_pct(phase)) is not None]
+    return min(shares) if shares else None
+
+
 def median_mean_ms(times: Mapping[int, RankStepTimes], phase: str) -> float:
     """Median over ranks of the phase mean."""
     return statistics.median(t.mean(phase) for t in times.values())
@@ -137,8 +131,10 @@ def _share_rule(
     levels: tuple[float, float],
     why: str,
     next_step: str,
+    least: bool = False,
 ) -> list[Finding]:
-    share = median_share_pct(times, phase)
+    """A share rule on the median rank (``least``: on the rank with the smallest share)."""
+    share = least_share_pct(times, phase) if least else median_share_pct(times, phase)
     severity = grade(share, *levels) if share is not None else None
     if share is None or severity is None:
         return []
@@ -159,10 +155,11 @@ def compute_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
     share = median_share_pct(times, "compute")
     if share is None or share < thresholds.COMPUTE_SHARE_PCT:
         return []
+    compute = phases.describe(tuple(p for p in phases.PHASES if p.compute))
     why = (
-        f"Forward, backward and optimizer took {share:.1f}% of step time "
+        f"{compute.capitalize()} took {share:.1f}% of step time "
         f"({median_mean_ms(times, 'compute'):.1f} of {median_mean_ms(times, 'total'):.1f} ms, "
-        "median rank); input and wait are small."
+        "median rank); the rest is small."
     )
     next_step = (
         "Expected for a healthy run. To go faster: bf16 autocast, torch.compile, fused "
@@ -174,30 +171,32 @@ def compute_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
 
 def balanced(times: Mapping[int, RankStepTimes]) -> Finding:
     """BALANCED: no Step Time rule fired."""
-    shares = {p: median_share_pct(times, p) or 0.0 for p in ("input", "compute", "wait")}
-    why = (
-        f"No phase dominates and no rank straggles: input {shares['input']:.1f}%, "
-        f"compute {shares['compute']:.1f}%, wait {shares['wait']:.1f}% of step time."
-    )
+    shares = {p: median_share_pct(times, p) or 0.0 for p in SHARES}
+    parts = ", ".join(f"{p} {share:.1f}%" for p, share in shares.items())
+    why = f"No phase dominates and no rank straggles: {parts} of step time."
     next_step = "Nothing stands out; use torch.profiler for operator-level detail."
     evidence = {f"{p}_share_pct": v for p, v in shares.items()}
     return Finding("BALANCED", "BALANCED", "info", why, next_step, (), evidence)
 
 
 def communication_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
-    """COMMUNICATION-BOUND: exposed communication share >= 10 % (crit >= 20 %).
+    """COMMUNICATION-BOUND: exposed communication share >= 10 % (crit >= 20 %) on
+    every rank, the one that waits least included.
 
-    The caller uses it only when no rank straggles: a slow rank makes the others
-    wait in their collectives, and that is the straggler's to fix."""
+    A slow rank makes the others wait in their collectives while it waits little
+    itself: that is its to fix (a straggler, named or just below the limit), so
+    the rule reads the smallest share, and the caller uses it only when no rank
+    straggles."""
     return _share_rule(
         times, "communication", "COMMUNICATION_BOUND", "COMMUNICATION-BOUND",
         (thresholds.COMM_SHARE_WARN_PCT, thresholds.COMM_SHARE_CRIT_PCT),
-        "Collectives blocked the training thread for {share:.1f}% of step time "
-        "({ms:.1f} of {step:.1f} ms, median rank), on every rank alike.",
+        "Collectives blocked the training thread for at least {share:.1f}% of step time "
+        "on every rank ({ms:.1f} of {step:.1f} ms, median rank).",
         "Overlap communication with compute (DDP bucket_cap_mb, gradient_as_bucket_view=True, "
         "static_graph=True), communicate less often (no_sync() with gradient accumulation, "
         "a larger batch) or less (a bf16/fp16 or PowerSGD DDP comm hook, fewer and larger "
         "collectives), and check the interconnect (NCCL_DEBUG=INFO, nccl-tests).",
+        least=True,
     )
 
 
