@@ -72,3 +72,24 @@ def test_analysis_code_imports_no_torch_zmq_or_rich() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_advice_fits_a_cpu_only_run_and_a_saturated_host() -> None:
+    from tests.unit.test_diagnosis_step_time import times_of, uniform
+    from traceml.diagnosis.step_time import diagnose_step_time
+
+    times = times_of(1, uniform((30.0, 20.0, 40.0, 10.0, 0.0)))  # 30 % input
+    on_cpu = diagnose_step_time(times, device="cpu")[0]
+    on_gpu = diagnose_step_time(times, device="cuda")[0]
+    assert on_cpu.kind == on_gpu.kind == "INPUT_BOUND"
+    assert "GPU" not in on_cpu.next and on_gpu.next.startswith("Feed the GPU faster")
+    straggling = times_of(2, lambda r: (5.0, 20.0 + 30.0 * r, 40.0, 10.0, 0.0))
+    compute = diagnose_step_time(straggling, device="cpu")[0]
+    assert compute.kind == "COMPUTE_STRAGGLER" and "GPU" not in compute.next
+    # On a host whose CPUs are saturated, more DataLoader workers is the wrong advice.
+    from traceml.report.build import SATURATED_INPUT_NEXT, fit_advice
+
+    step_time = Section("step_time", (on_cpu,), SCOPE, {}, ())
+    busy = section("system", "CPU PRESSURE", "warn")
+    assert fit_advice(step_time, busy).diagnosis.next == SATURATED_INPUT_NEXT
+    assert fit_advice(step_time, section("system", "NORMAL")).diagnosis.next == on_cpu.next

@@ -98,15 +98,24 @@ def median_mean_ms(times: Mapping[int, RankStepTimes], phase: str) -> float:
     return statistics.median(t.mean(phase) for t in times.values())
 
 
-def input_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
+INPUT_NEXT = {
+    "cuda": ("Feed the GPU faster: raise DataLoader num_workers, set pin_memory=True and "
+             "persistent_workers=True, or move preprocessing out of the training loop."),
+    "cpu": ("Make batches faster: raise DataLoader num_workers if the host has idle cores, "
+            "set persistent_workers=True, cache or pre-process the data once, or move "
+            "preprocessing out of the training loop."),
+}
+"""INPUT-BOUND's advice by device: a CPU-only run has no GPU to feed."""
+
+
+def input_bound(times: Mapping[int, RankStepTimes], device: str = "cpu") -> list[Finding]:
     """INPUT-BOUND: input share >= 10 % (crit >= 20 %)."""
     return _share_rule(
         times, "input", "INPUT_BOUND", "INPUT-BOUND",
         (thresholds.INPUT_SHARE_WARN_PCT, thresholds.INPUT_SHARE_CRIT_PCT),
         "Input (data loading) took {share:.1f}% of step time ({ms:.1f} of {step:.1f} ms, "
         "median rank).",
-        "Feed the GPU faster: raise DataLoader num_workers, set pin_memory=True and "
-        "persistent_workers=True, or move preprocessing out of the training loop.",
+        INPUT_NEXT.get(device, INPUT_NEXT["cpu"]),
     )
 
 
@@ -148,7 +157,16 @@ def _share_rule(
     ]
 
 
-def compute_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
+COMPUTE_NEXT = {
+    "cuda": ("Expected for a healthy run. To go faster: bf16 autocast, torch.compile, fused "
+             "optimizers, or a larger batch; torch.profiler shows the heaviest operators."),
+    "cpu": ("Expected for a healthy run. To go faster on CPU: torch.compile, bf16 autocast "
+            "where the CPU supports it, more intra-op threads per rank (torch.set_num_threads) "
+            "or fewer ranks per host; torch.profiler shows the heaviest operators."),
+}
+
+
+def compute_bound(times: Mapping[int, RankStepTimes], device: str = "cpu") -> list[Finding]:
     """COMPUTE-BOUND (info): forward+backward+optimizer share >= 85 %.
 
     The caller uses it only when no other Step Time rule fired."""
@@ -161,10 +179,7 @@ def compute_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
         f"({median_mean_ms(times, 'compute'):.1f} of {median_mean_ms(times, 'total'):.1f} ms, "
         "median rank); the rest is small."
     )
-    next_step = (
-        "Expected for a healthy run. To go faster: bf16 autocast, torch.compile, fused "
-        "optimizers, or a larger batch; torch.profiler shows the heaviest operators."
-    )
+    next_step = COMPUTE_NEXT.get(device, COMPUTE_NEXT["cpu"])
     return [Finding("COMPUTE_BOUND", "COMPUTE-BOUND", "info", why, next_step, (),
                     {"compute_share_pct": share})]
 
@@ -200,11 +215,11 @@ def communication_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
     )
 
 
-def stragglers(times: Mapping[int, RankStepTimes]) -> list[Finding]:
+def stragglers(times: Mapping[int, RankStepTimes], device: str = "cpu") -> list[Finding]:
     """INPUT / COMPUTE / HOST-WORK STRAGGLER and STRAGGLER, from each rank's own work
     (`traceml.diagnosis.stragglers`)."""
     step_ms = median_mean_ms(times, "total") if len(times) >= 2 else 0.0
-    return attribution.stragglers(times, step_ms, comm_measured(times))
+    return attribution.stragglers(times, step_ms, comm_measured(times), device)
 
 
 def comm_measured(times: Mapping[int, RankStepTimes]) -> bool:
@@ -216,15 +231,16 @@ def comm_measured(times: Mapping[int, RankStepTimes]) -> bool:
 def diagnose_step_time(
     times: Mapping[int, RankStepTimes],
     unmeasured_why: str = "No step was completed by every rank after warm-up.",
+    device: str = "cpu",
 ) -> tuple[Finding, ...]:
     """The Step Time findings, diagnosis first: stragglers, input-bound and wait-heavy
     (most severe first); else COMPUTE-BOUND; else BALANCED."""
     if not times:
         return (not_measured("STEP TIME", unmeasured_why),)
     measured = comm_measured(times)
-    found = stragglers(times)
+    found = stragglers(times, device)
     named = any(f.kind != "STRAGGLER_UNCLEAR" for f in found)
-    found += input_bound(times) + wait_heavy(times)
+    found += input_bound(times, device) + wait_heavy(times)
     if not named:
         found += communication_bound(times)
     if len(times) >= 2 and not measured:
@@ -233,5 +249,5 @@ def diagnose_step_time(
             "backend traceml cannot time, or none ran), so a rank waiting for another may "
             "read as its own compute."))
     if not any(f.measured for f in found):
-        found += compute_bound(times)
+        found += compute_bound(times, device)
     return order_findings(found, balanced(times))

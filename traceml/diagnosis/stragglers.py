@@ -112,7 +112,7 @@ def _kind(part: str) -> tuple[str, str]:
 
 
 def stragglers(times: Mapping[int, RankTimes], step_ms: float,
-               comm_measured: bool) -> list[Finding]:
+               comm_measured: bool, device: str = "cpu") -> list[Finding]:
     """INPUT / COMPUTE / HOST-WORK STRAGGLER, STRAGGLER (own work together), or
     UNCLEAR STRAGGLER: with >= 2 ranks, from each rank's own work."""
     if len(times) < 2 or step_ms <= 0:
@@ -126,7 +126,7 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
     by_kind: dict[tuple[str, str], list[Excess]] = {}
     for excess in standing:
         by_kind.setdefault(_kind(excess.part), []).append(excess)
-    found = [_straggler(kind, group, step_ms) for kind, group in by_kind.items()]
+    found = [_straggler(kind, group, step_ms, device) for kind, group in by_kind.items()]
     if not found and explained:
         found.append(_unclear(explained, step_ms))
     return found
@@ -152,7 +152,8 @@ def _combined(every: Mapping[tuple[int, str], Excess], ranks: list[int], limit_m
     return out
 
 
-def _straggler(kind: tuple[str, str], found: list[Excess], step_ms: float) -> Finding:
+def _straggler(kind: tuple[str, str], found: list[Excess], step_ms: float,
+               device: str) -> Finding:
     worst = found[0]
     excess_pct = 100.0 * worst.excess_ms / step_ms
     severity = grade(excess_pct, thresholds.STRAGGLER_WARN_PCT, thresholds.STRAGGLER_CRIT_PCT)
@@ -166,7 +167,7 @@ def _straggler(kind: tuple[str, str], found: list[Excess], step_ms: float) -> Fi
                 "reference_ms": worst.reference_ms, "excess_ms": worst.excess_ms,
                 "step_ms": step_ms, "excess_pct": excess_pct}
     return Finding(kind[0], kind[1], severity or "warn", why,
-                   _next(kind[0], worst), ranks, evidence)
+                   _next(kind[0], worst, device), ranks, evidence)
 
 
 def _part_text(part: str) -> str:
@@ -175,7 +176,7 @@ def _part_text(part: str) -> str:
     return part
 
 
-def _next(kind: str, worst: Excess) -> str:
+def _next(kind: str, worst: Excess, device: str) -> str:
     rank = f"r{worst.rank}"
     if kind == "INPUT_STRAGGLER":
         return (f"Check {rank}'s data path: its shard size, DataLoader num_workers, and storage "
@@ -184,10 +185,14 @@ def _next(kind: str, worst: Excess) -> str:
         return (f"Look at what {rank} does between its steps that the others do not: "
                 "rank-only logging, checkpointing or evaluation, host syncs (.item(), "
                 ".cpu()), file I/O; py-spy dump or torch.profiler on that rank shows it.")
-    if kind == "COMPUTE_STRAGGLER":
+    if kind == "COMPUTE_STRAGGLER" and device == "cuda":
         return (f"Check {rank}'s {worst.part}: its GPU and node (clocks, temperature, other "
                 "processes) and its batch shapes; uneven sequence lengths or rank-only work "
                 "slow one rank.")
+    if kind == "COMPUTE_STRAGGLER":
+        return (f"Check {rank}'s {worst.part}: other processes or threads on its cores "
+                "(OMP_NUM_THREADS, taskset), its node's load, and its batch shapes; uneven "
+                "sequence lengths or rank-only work slow one rank.")
     return f"Profile {rank} with torch.profiler: several parts of its own work run slower."
 
 

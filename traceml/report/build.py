@@ -6,6 +6,7 @@ Runs in the offline-analysis process (end of run, `traceml report`,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
@@ -39,7 +40,24 @@ def build_report(run: RunData, summary_window_rows: int) -> Report:
         "process": process_section(run, window),
         "system": system_section(run, window),
     }
+    sections["step_time"] = fit_advice(sections["step_time"], sections["system"])
     return Report(SCHEMA_VERSION, run.meta, choose_primary(sections), **sections)
+
+
+SATURATED_INPUT_NEXT = (
+    "The host's CPUs are already saturated (see System), so more DataLoader workers will "
+    "not help: pre-process or cache the data once, use a cheaper decode or format, or run "
+    "fewer ranks or workers per host.")
+
+
+def fit_advice(step_time: Section, system: Section) -> Section:
+    """Step Time's advice, fitted to what else was found: on a host whose CPUs are
+    saturated, INPUT-BOUND's "raise num_workers" would make it worse."""
+    if not any(f.kind == "CPU_PRESSURE" for f in system.findings):
+        return step_time
+    findings = tuple(dataclasses.replace(f, next=SATURATED_INPUT_NEXT)
+                     if f.kind == "INPUT_BOUND" else f for f in step_time.findings)
+    return dataclasses.replace(step_time, findings=findings)
 
 
 def choose_primary(sections: Mapping[str, Section]) -> Primary:
@@ -83,7 +101,7 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
         rows, lambda t: t.collective_ms.mean if t.collective_ms is not None else None)
     for phase in SHARES:
         stats[f"{phase}_share_pct"] = _rank_stat(rows, _phase_share(phase))
-    findings = diagnose_step_time(times, _unmeasured_steps_why(run))
+    findings = diagnose_step_time(times, _unmeasured_steps_why(run), run.meta.device)
     return Section("step_time", findings, window.scope(node_of, _num_nodes(run)), stats,
                    tuple(rows))
 
