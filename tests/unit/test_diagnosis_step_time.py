@@ -46,26 +46,30 @@ def kinds(findings: list[Finding] | tuple[Finding, ...]) -> list[str]:
 
 @pytest.mark.parametrize(
     ("input_ms", "severity"),
-    [(9.9, None), (10.0, "warn"), (19.9, "warn"), (20.0, "crit"), (45.0, "crit")],
+    # 9-11 % sits within the borderline margin of the 10 % threshold: info, either side.
+    [(8.9, None), (9.0, "info"), (10.9, "info"), (11.0, "warn"), (19.9, "warn"), (20.0, "crit"),
+     (45.0, "crit")],
 )
 def test_input_bound_thresholds_one_rank(input_ms: float, severity: str | None) -> None:
     times = times_of(1, uniform((input_ms, 30.0, 50.0, 20.0 - input_ms, 0.0)))
     found = input_bound(times)
     assert [f.severity for f in found] == ([severity] if severity else [])
     if severity:
-        assert found[0].label == "INPUT-BOUND"
+        assert found[0].label == ("BORDERLINE INPUT-BOUND" if severity == "info"
+                                  else "INPUT-BOUND")
         assert found[0].ranks == (0,)
         assert found[0].evidence["input_share_pct"] == pytest.approx(input_ms)
         assert f"{input_ms:.1f}%" in found[0].why
 
 
-@pytest.mark.parametrize(("wait_ms", "severity"), [(9.0, None), (10.0, "warn"), (20.0, "crit")])
+@pytest.mark.parametrize(("wait_ms", "severity"),
+                         [(8.9, None), (10.0, "info"), (11.0, "warn"), (20.0, "crit")])
 def test_wait_heavy_thresholds_eight_ranks(wait_ms: float, severity: str | None) -> None:
     times = times_of(8, uniform((2.0, 30.0, 50.0, 18.0 - wait_ms, wait_ms)))
     found = wait_heavy(times)
     assert [f.severity for f in found] == ([severity] if severity else [])
     if severity:
-        assert found[0].label == "WAIT-HEAVY"
+        assert found[0].label.endswith("WAIT-HEAVY")
         assert found[0].ranks == tuple(range(8))
 
 
@@ -84,10 +88,10 @@ def test_compute_bound_is_dropped_when_another_rule_fires() -> None:
 
 
 def test_balanced_when_no_phase_dominates_eight_ranks() -> None:
-    findings = diagnose_step_time(times_of(8, uniform((8.0, 30.0, 45.0, 8.0, 9.0))))
+    findings = diagnose_step_time(times_of(8, uniform((8.0, 30.0, 46.0, 8.0, 8.0))))
     assert kinds(findings) == ["BALANCED"]
     assert "input 8.0%" in findings[0].why
-    assert "wait 9.0%" in findings[0].why
+    assert "wait 8.0%" in findings[0].why
 
 
 def ddp_input_straggler(slow: int, excess_ms: float) -> Callable[[int], Phases]:
@@ -101,7 +105,8 @@ def ddp_input_straggler(slow: int, excess_ms: float) -> Callable[[int], Phases]:
 
 
 @pytest.mark.parametrize(
-    ("excess_ms", "severity"), [(9.9, None), (10.0, "warn"), (19.9, "warn"), (20.0, "crit")]
+    ("excess_ms", "severity"),
+    [(8.9, None), (9.0, "info"), (11.0, "warn"), (19.9, "warn"), (20.0, "crit")]
 )
 def test_input_straggler_two_ranks_with_equal_totals(excess_ms: float, severity: str | None
                                                      ) -> None:

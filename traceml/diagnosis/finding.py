@@ -7,6 +7,7 @@ signal was not measured returns a ``NOT_MEASURED`` finding instead of guessing.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -55,6 +56,27 @@ def grade(value: float, warn: float, crit: float | None = None) -> Severity | No
     if value >= warn:
         return "warn"
     return None
+
+
+def borderline(value: float, warn: float) -> bool:
+    """Whether ``value`` sits within ``BORDERLINE_MARGIN`` of its warn threshold."""
+    from traceml.diagnosis.thresholds import BORDERLINE_MARGIN
+
+    return (1.0 - BORDERLINE_MARGIN) * warn <= value < (1.0 + BORDERLINE_MARGIN) * warn
+
+
+def as_borderline(finding: Finding, warn: float, unit: str = "%") -> Finding:
+    """``finding`` said as borderline: info, labelled so, the threshold in its why."""
+    why = (f"{finding.why[:-1]}; that is within {100 * _margin():.0f}% of the "
+           f"{warn:.0f}{unit} threshold: borderline, so another run may land on either side.")
+    return dataclasses.replace(finding, label=f"BORDERLINE {finding.label}", severity="info",
+                               why=why, evidence={**finding.evidence, "borderline": 1.0})
+
+
+def _margin() -> float:
+    from traceml.diagnosis.thresholds import BORDERLINE_MARGIN
+
+    return BORDERLINE_MARGIN
 
 
 def order_findings(found: Sequence[Finding], default: Finding) -> tuple[Finding, ...]:

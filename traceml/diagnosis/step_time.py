@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from traceml import phases
 from traceml.diagnosis import stragglers as attribution
 from traceml.diagnosis import thresholds
-from traceml.diagnosis.finding import Finding, grade, not_measured, order_findings
+from traceml.diagnosis.finding import (
+    Finding,
+    as_borderline,
+    borderline,
+    grade,
+    not_measured,
+    order_findings,
+)
 from traceml.diagnosis.stats import Distribution, distribution
 from traceml.diagnosis.window import StepWindow
 
@@ -144,17 +151,20 @@ def _share_rule(
 ) -> list[Finding]:
     """A share rule on the median rank (``least``: on the rank with the smallest share)."""
     share = least_share_pct(times, phase) if least else median_share_pct(times, phase)
-    severity = grade(share, *levels) if share is not None else None
-    if share is None or severity is None:
+    if share is None:
         return []
-    ranks = [r for r, t in times.items() if (s := t.share_pct(phase)) is not None and s >= levels[0]]
+    near = borderline(share, levels[0])
+    severity = grade(share, *levels)
+    if severity is None and not near:
+        return []
+    low = levels[0] * (1.0 - thresholds.BORDERLINE_MARGIN) if near else levels[0]
+    ranks = [r for r, t in times.items() if (s := t.share_pct(phase)) is not None and s >= low]
     ranks.sort(key=lambda r: -(times[r].share_pct(phase) or 0.0))
     ms, step = median_mean_ms(times, phase), median_mean_ms(times, "total")
     evidence = {f"{phase}_share_pct": share, f"{phase}_ms": ms, "step_ms": step}
-    return [
-        Finding(kind, label, severity, why.format(share=share, ms=ms, step=step), next_step,
-                tuple(ranks), evidence)
-    ]
+    found = Finding(kind, label, severity or "warn", why.format(share=share, ms=ms, step=step),
+                    next_step, tuple(ranks), evidence)
+    return [as_borderline(found, levels[0]) if near else found]
 
 
 COMPUTE_NEXT = {

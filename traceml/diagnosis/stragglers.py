@@ -35,7 +35,7 @@ from typing import Protocol
 
 from traceml import phases
 from traceml.diagnosis import thresholds
-from traceml.diagnosis.finding import Finding, format_ranks, grade
+from traceml.diagnosis.finding import Finding, as_borderline, borderline, format_ranks, grade
 from traceml.diagnosis.stats import medians_of_others
 
 OWN_PARTS = (*(p.name for p in phases.PHASES if not p.collective), phases.WAIT.name)
@@ -117,7 +117,9 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
     UNCLEAR STRAGGLER: with >= 2 ranks, from each rank's own work."""
     if len(times) < 2 or step_ms <= 0:
         return []
-    limit_ms = thresholds.STRAGGLER_WARN_PCT * step_ms / 100.0
+    # Candidates from just below the limit: those near it are said as borderline.
+    limit_ms = ((1.0 - thresholds.BORDERLINE_MARGIN) * thresholds.STRAGGLER_WARN_PCT
+                * step_ms / 100.0)
     every = excesses(times)
     standing, explained = attribute(every, limit_ms, comm_measured)
     seen = {e.rank for e in standing + explained}
@@ -157,6 +159,7 @@ def _straggler(kind: tuple[str, str], found: list[Excess], step_ms: float,
     worst = found[0]
     excess_pct = 100.0 * worst.excess_ms / step_ms
     severity = grade(excess_pct, thresholds.STRAGGLER_WARN_PCT, thresholds.STRAGGLER_CRIT_PCT)
+    near = borderline(excess_pct, thresholds.STRAGGLER_WARN_PCT)
     ranks = tuple(dict.fromkeys(e.rank for e in found))
     why = (f"r{worst.rank} {_part_text(worst.part)} was {worst.value_ms:.1f} ms vs "
            f"{worst.reference_ms:.1f} ms on the other ranks (+{worst.excess_ms:.1f} ms, "
@@ -166,8 +169,11 @@ def _straggler(kind: tuple[str, str], found: list[Excess], step_ms: float,
     evidence = {"rank": worst.rank, "value_ms": worst.value_ms,
                 "reference_ms": worst.reference_ms, "excess_ms": worst.excess_ms,
                 "step_ms": step_ms, "excess_pct": excess_pct}
-    return Finding(kind[0], kind[1], severity or "warn", why,
-                   _next(kind[0], worst, device), ranks, evidence)
+    finding = Finding(kind[0], kind[1], severity or "warn", why,
+                      _next(kind[0], worst, device), ranks, evidence)
+    if near:
+        return as_borderline(finding, thresholds.STRAGGLER_WARN_PCT, "% of the step")
+    return finding
 
 
 def _part_text(part: str) -> str:

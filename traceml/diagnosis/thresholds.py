@@ -34,6 +34,11 @@ reference is the other rank."""
 
 STRAGGLER_CRIT_PCT = 20.0  # SPEC §7
 
+BORDERLINE_MARGIN = 0.10
+"""traceml (issue 21): a share or excess within this fraction of its warn threshold
+(9-11 % against 10 %) is BORDERLINE (info): run-to-run noise would flip a yes/no
+there, so both sides of the threshold say the same thing."""
+
 STRAGGLER_EXPLAINS_FRACTION = 0.5
 """traceml (SPEC R-COMM-2): another rank's excess explains a candidate's (which
 may be waiting for it) when it is at least this fraction of the candidate's."""
