@@ -36,6 +36,7 @@ def _torch_surface() -> dict[str, Any] | None:
         "work_wait": dist.Work.__dict__["wait"],
         "ddp": {name: DDP.__dict__[name] for name in ("_ddp_init_helper", "register_comm_hook")},
         "module_call": torch.nn.Module.__dict__["__call__"],
+        "compile": torch.__dict__.get("compile"),
         "backward": torch.Tensor.__dict__["backward"],
         "autograd_backward": torch.autograd.backward,
         "next": dataloader._BaseDataLoaderIter.__dict__["__next__"],

@@ -28,6 +28,7 @@ Instrumented (SPEC R-AG-2):
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from collections.abc import Callable
@@ -321,6 +322,29 @@ def _scaler_classes() -> list[type]:
     return classes
 
 
+def _wrap_compile(module_call: Patch) -> Callable[[Any], Any]:
+    """``torch.compile``, which afterwards tells dynamo to run the ``Module.__call__``
+    wrapper as it is and compile what it calls: otherwise a compiled module's
+    frame is the wrapper's, and dynamo's messages (recompiles, graph breaks) name
+    traceml/agent/patches.py instead of the model's forward.  Dynamo is imported
+    by torch.compile itself; traceml never imports it."""
+    def make(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def compile(*args: Any, **kwargs: Any) -> Any:
+            compiled = orig(*args, **kwargs)
+            try:
+                wrapper: Any = torch.nn.Module.__dict__.get("__call__")
+                skip_code = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+                if (skip_code is not None and wrapper is not None
+                        and wrapper is not module_call.original):
+                    skip_code(wrapper.__code__)
+            except Exception:  # only dynamo's messages are at stake: never the compile
+                pass
+            return compiled
+        return compile
+    return make
+
+
 class Instrumentation:
     """All patches of one rank, installed and removed together."""
 
@@ -332,6 +356,8 @@ class Instrumentation:
             Patch(torch.autograd, "backward", _wrap_backward(probe)),
         ]
         self.patches += [Patch(cls, "step", _wrap_scaler_step(probe)) for cls in _scaler_classes()]
+        if "compile" in vars(torch):
+            self.patches.append(Patch(torch, "compile", _wrap_compile(self.patches[1])))
         self.hooks = OptimizerHooks(probe)
         self.comm = CommTiming(probe, _compiling_check())
         self.installed = False
