@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.rows import step_row
-from traceml.diagnosis.samples import ProcessSample, StepRow
+from traceml.diagnosis.samples import ProcessSample, StepRow, SystemSample
 from traceml.diagnosis.window import in_span, select_window, warmup_steps
 
 
@@ -69,8 +69,8 @@ def test_time_span_is_none_when_steps_have_no_times() -> None:
     assert select_window([row(0, s) for s in range(20)], 10_000, 1).time_span() is None
 
 
-def sample(t: float) -> ProcessSample:
-    return ProcessSample(0, 0, t, 100.0, 1, 2, 4)
+def sample(t: float, rank: int = 0) -> ProcessSample:
+    return ProcessSample(rank, 0, t, 100.0, 1, 2, 4)
 
 
 def test_in_span_keeps_samples_inside_or_all_when_none_fall_inside() -> None:
@@ -78,3 +78,21 @@ def test_in_span_keeps_samples_inside_or_all_when_none_fall_inside() -> None:
     assert [s.t for s in in_span(samples, (2.5, 5.0))] == [3.0, 4.0, 5.0]
     assert len(in_span(samples, (100.0, 200.0))) == 10
     assert len(in_span(samples, None)) == 10
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_in_span_keeps_a_rank_with_no_sample_inside_by_its_own_samples(world_size: int) -> None:
+    # r0 sampled inside the span; every other rank only before and after it.
+    samples = [sample(1.0, 0), sample(3.0, 0)] + [
+        sample(t, r) for r in range(1, world_size) for t in (0.5, 4.0)]
+    kept = in_span(samples, (2.0, 3.5))
+    assert {s.rank for s in kept} == set(range(world_size))
+    assert [s.t for s in kept if s.rank == 0] == [3.0]
+    assert all([s.t for s in kept if s.rank == r] == [0.5, 4.0] for r in range(1, world_size))
+
+
+def test_in_span_keeps_a_node_with_no_system_sample_inside() -> None:
+    samples = [SystemSample(node, f"h{node}", t, 10.0, 20.0, 8) for node, t in
+               ((0, 1.0), (0, 3.0), (1, 0.5), (1, 4.0))]
+    kept = in_span(samples, (2.0, 3.5))
+    assert [(s.node_rank, s.t) for s in kept] == [(0, 3.0), (1, 0.5), (1, 4.0)]

@@ -7,9 +7,12 @@ import sys
 
 import pytest
 
+from tests.rows import step_row
 from traceml.diagnosis.finding import Finding, Severity, not_measured
-from traceml.diagnosis.window import Scope
-from traceml.report.build import choose_primary
+from traceml.diagnosis.process import RankProcess
+from traceml.diagnosis.samples import NodeInfo, ProcessSample, RunData, RunMeta
+from traceml.diagnosis.window import Scope, select_window
+from traceml.report.build import choose_primary, process_section
 from traceml.report.model import SECTION_NAMES, Section
 
 SCOPE = Scope(window_rows=10, ranks=(0,), missing_ranks=(), nodes=(0,), num_nodes=1)
@@ -93,3 +96,33 @@ def test_advice_fits_a_cpu_only_run_and_a_saturated_host() -> None:
     busy = section("system", "CPU PRESSURE", "warn")
     assert fit_advice(step_time, busy).diagnosis.next == SATURATED_INPUT_NEXT
     assert fit_advice(step_time, section("system", "NORMAL")).diagnosis.next == on_cpu.next
+
+
+def short_run(sampled_ranks: tuple[int, ...], world_size: int) -> RunData:
+    """20 steps of 10 ms per rank from t=1000.0; r0 also sampled inside the steps,
+    the other sampled ranks only at their start and exit."""
+    meta = RunMeta(session_id="s", command=["train.py"], started_at=999.0, ended_at=1001.0,
+                   exit_code=0, partial=False, world_size=world_size, missing_ranks=(),
+                   nodes=(NodeInfo(0, "h", tuple(range(world_size))),), device="cpu",
+                   versions={}, transport={})
+    steps = tuple(step_row(r, s, 1.0, 2.0, 3.0, 4.0, 10.0, 0.0, t=1000.0 + 0.01 * (s + 1))
+                  for r in range(world_size) for s in range(20))
+    times = {0: (999.5, 1000.1, 1000.5)}
+    process = tuple(ProcessSample(r, 0, t, 50.0, 1 << 30, 1 << 34, 8)
+                    for r in sampled_ranks for t in times.get(r, (999.5, 1000.5)))
+    return RunData(meta, steps, process, ())
+
+
+def test_process_scope_lists_every_sampled_rank_of_a_short_run() -> None:
+    run = short_run((0, 1), 2)
+    section = process_section(run, select_window(run.steps, 10_000, 2))
+    assert (section.scope.ranks, section.scope.missing_ranks) == ((0, 1), ())
+    assert section.scope.num_samples == 3  # r0's sample inside the steps, r1's two
+    assert [(p.rank, p.num_samples) for p in section.ranks
+            if isinstance(p, RankProcess)] == [(0, 1), (1, 2)]
+
+
+def test_process_scope_says_missing_only_of_ranks_with_no_sample() -> None:
+    run = short_run((0, 2), 3)
+    section = process_section(run, select_window(run.steps, 10_000, 3))
+    assert (section.scope.ranks, section.scope.missing_ranks) == ((0, 2), (1,))

@@ -1,6 +1,8 @@
 """Process telemetry of one rank: CPU %, RSS, device memory (agent side).
 
-Runs on the sender thread every sample interval, never on the training path.
+Runs on the sender thread every sample interval, never on the training path:
+a first sample at the sender's first tick and a last one in its final flush
+at exit, so every rank that ran has samples however short its run.
 Standard library and torch only (no psutil in the agent): CPU time from
 ``time.process_time``, RSS from /proc/self/statm, device memory from torch's
 caching allocator counters (no synchronisation).
@@ -8,9 +10,11 @@ caching allocator counters (no synchronisation).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from traceml import protocol
@@ -63,19 +67,26 @@ def device_memory() -> tuple[int | None, int | None, int | None]:
 
 
 class ProcessSampler:
-    """Produces one process sample per call, at most every ``interval_s``."""
+    """Produces a process sample at the first call, then at most every
+    ``interval_s``, and at the next call after `sample_at_next_call`."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = interval_s
+        self.clock = clock
         self.rss = RssReader()
         self.ram_total = host_ram_total_bytes()
         self.num_cpus = usable_cpus()
-        self._last_wall = time.monotonic()
+        self._last_wall = clock()
         self._last_cpu = time.process_time()
-        self._due = self._last_wall + interval_s
+        self._due = self._last_wall  # the first sample's CPU is over the time since now
+
+    def sample_at_next_call(self) -> None:
+        """Take a sample at the next call, due or not (the exit sample)."""
+        self._due = -math.inf
 
     def sample(self) -> list[tuple[Any, ...]]:
-        now = time.monotonic()
+        now = self.clock()
         if now < self._due:
             return []
         self._due = now + self.interval_s

@@ -132,6 +132,7 @@ class AgentRuntime:
         if _ACTIVE is not self:
             return
         self.probe.log(CLOSE)  # the sender's last flush closes the last step
+        self.process_sampler.sample_at_next_call()  # and takes the exit sample
         self._uninstall()
         self.sender.stop()
         _ACTIVE = None

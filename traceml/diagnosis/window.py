@@ -4,8 +4,9 @@ Runs in the offline-analysis process. The step window is the last
 ``summary_window_rows`` steps that every rank present completed (aligned on
 the step index), after leaving out warm-up. Ranks that sent no steps at all
 (crashed before their first step, or their node never reported) are not
-waited for: they are listed as missing. Sample sections use the samples taken
-while the step window ran when steps carry end times, else all samples.
+waited for: they are listed as missing. Sample sections use each rank's (each
+node's) samples taken while the step window ran when steps carry end times,
+else all its samples; so a rank with samples is never missing from them.
 """
 
 from __future__ import annotations
@@ -102,8 +103,15 @@ _Sample = TypeVar("_Sample", ProcessSample, SystemSample)
 
 
 def in_span(samples: Sequence[_Sample], span: tuple[float, float] | None) -> tuple[_Sample, ...]:
-    """Samples taken within ``span``; all of them when there is no span or none falls in it."""
+    """Each source's samples taken within ``span``; all of its samples when there is
+    no span or none of its samples falls in it (a short window between two samples)."""
     if span is None:
         return tuple(samples)
-    inside = tuple(s for s in samples if span[0] <= s.t <= span[1])
-    return inside or tuple(samples)
+    start, end = span
+    seen_inside = {_source(s) for s in samples if start <= s.t <= end}
+    return tuple(s for s in samples if start <= s.t <= end or _source(s) not in seen_inside)
+
+
+def _source(sample: ProcessSample | SystemSample) -> int:
+    """Who took the sample: a rank (process samples) or a node (system samples)."""
+    return sample.rank if isinstance(sample, ProcessSample) else sample.node_rank
