@@ -15,7 +15,7 @@ from tests.rows import step_row
 from traceml.compare.build import compare_runs
 from traceml.compare.model import Comparison
 from traceml.compare.summary import decode_summary
-from traceml.compare.verdict import decide, exceeds, noise_ms, step_signal
+from traceml.compare.verdict import decide, exceeds, leading_phase, noise_ms, step_signal
 from traceml.diagnosis.samples import (
     NodeInfo,
     ProcessSample,
@@ -122,6 +122,21 @@ def test_ten_percent_faster_with_tight_spread_is_improvement() -> None:
     assert result.verdict.label == "IMPROVEMENT"
     assert "Step time fell 9.1%" in result.verdict.why
     assert "input time (-10.0 ms)" in result.verdict.why
+
+
+def test_fixed_straggler_names_its_input_not_the_peers_communication() -> None:
+    # 2 ranks, medians over ranks: r1's input fell 10 ms and r0, which waited for it in
+    # the all-reduce, 10.6 ms of communication; the cause is the input.
+    a = {"input_ms": 5.3, "communication_ms": 6.0, "forward_ms": 20.0}
+    b = {"input_ms": 0.2, "communication_ms": 0.7, "forward_ms": 20.1}
+    assert leading_phase(a, b, -10.0) == ("input", pytest.approx(-5.1))
+
+
+def test_faster_network_names_communication() -> None:
+    a = {"input_ms": 0.3, "communication_ms": 8.0, "forward_ms": 20.0}
+    b = {"input_ms": 0.2, "communication_ms": 2.0, "forward_ms": 19.0}
+    assert leading_phase(a, b, -7.0) == ("communication", pytest.approx(-6.0))
+    assert leading_phase(a, b, +1.0) == (None, None)
 
 
 def test_change_below_the_relative_threshold_is_no_change() -> None:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from traceml import phases
 from traceml.compare.model import Direction, MemoryChange, TimeChange, Verdict, VerdictLabel
 from traceml.compare.summary import SectionData
+from traceml.diagnosis import thresholds
 from traceml.diagnosis.finding import format_bytes
 from traceml.diagnosis.stats import Distribution
 
@@ -78,6 +79,9 @@ CREEP_KINDS = {"MEMORY_CREEP": "device memory creep", "RSS_CREEP": "host RSS cre
 
 ATTRIBUTION_PHASES = tuple(p.name for p in phases.stacked())
 """Phases the why line can name as the main part of a step-time change."""
+
+COLLECTIVE_PHASES = frozenset(p.name for p in phases.PHASES if p.collective)
+"""Of those, the time blocked on collectives: waiting for other ranks."""
 
 
 @dataclass(frozen=True)
@@ -156,16 +160,26 @@ def _time_unknown_why(a: SectionData | None, b: SectionData | None) -> str | Non
 
 def leading_phase(a_stats: Mapping[str, float | None], b_stats: Mapping[str, float | None],
                   delta_ms: float) -> tuple[str | None, float | None]:
-    """The phase whose mean moved most in the direction of ``delta_ms``, and by how much."""
-    best: tuple[str | None, float | None] = (None, None)
+    """The phase whose mean moved most in the direction of ``delta_ms``, and by how much.
+
+    A collective phase is named only when no phase of the ranks' own work moved by
+    at least ``STRAGGLER_EXPLAINS_FRACTION`` of it: time waiting in a collective
+    mirrors other ranks' own work (a slow rank's input is its peers' communication),
+    so fixing a straggler moves both, and the cause is the own-work phase."""
+    moves = {}
     for phase in ATTRIBUTION_PHASES:
         a_ms, b_ms = a_stats.get(f"{phase}_ms"), b_stats.get(f"{phase}_ms")
-        if a_ms is None or b_ms is None:
-            continue
-        moved = b_ms - a_ms
-        if moved * delta_ms > 0 and (best[1] is None or abs(moved) > abs(best[1])):
-            best = (phase, moved)
-    return best
+        if a_ms is not None and b_ms is not None and (b_ms - a_ms) * delta_ms > 0:
+            moves[phase] = b_ms - a_ms
+    if not moves:
+        return None, None
+    best = max(moves, key=lambda p: abs(moves[p]))
+    own = [p for p in moves if p not in COLLECTIVE_PHASES]
+    if best in COLLECTIVE_PHASES and own:
+        own_best = max(own, key=lambda p: abs(moves[p]))
+        if abs(moves[own_best]) >= thresholds.STRAGGLER_EXPLAINS_FRACTION * abs(moves[best]):
+            best = own_best
+    return best, moves[best]
 
 
 def _time_why(change: TimeChange) -> str:

@@ -1,0 +1,77 @@
+"""Does scripts/demo.sh show the same result every time?  Runs it N times in a row.
+
+Each run (set-up skipped, sessions in a temporary folder) must give: the slowed
+run's Step Time diagnosis INPUT STRAGGLER naming r1, the fixed run's no straggler,
+and ``traceml compare`` IMPROVEMENT with input as the phase that moved most.
+Prints one line per run and exits 1 when any run differs.  About 20 s per run
+on 2 cores.
+
+    python scripts/check_demo.py [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_demo(logs: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """One demo: the slowed run's and the fixed run's summaries, and the comparison."""
+    env = dict(os.environ, SKIP_SETUP="1", DEMO_LOGS_DIR=str(logs), PYTHON=sys.executable)
+    done = subprocess.run([str(ROOT / "scripts" / "demo.sh")], capture_output=True, text=True,
+                          env=env, timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"demo.sh exited {done.returncode}:\n{done.stderr[-3000:]}")
+
+    def read(name: str) -> dict[str, Any]:
+        return json.loads((logs / name).read_text())  # type: ignore[no-any-return]
+    return (read("demo-slow/final_summary.json"), read("demo-fixed/final_summary.json"),
+            read("demo-compare.json"))
+
+
+def verdicts(slow: dict[str, Any], fixed: dict[str, Any], comparison: dict[str, Any]) -> str:
+    """``INPUT STRAGGLER r1 (+10.2 ms, 29.3%) | COMPUTE-BOUND | IMPROVEMENT, input``"""
+    found = slow["step_time"]["diagnosis"]
+    ranks = ",".join(f"r{r}" for r in found["ranks"])
+    evidence = found["evidence"]
+    excess = (f" (+{evidence['excess_ms']:.1f} ms, {evidence['excess_pct']:.1f}%)"
+              if "excess_ms" in evidence else "")
+    time = comparison["step_time"]
+    return (f"{found['label']} {ranks}{excess} | {fixed['step_time']['diagnosis']['label']} | "
+            f"{comparison['verdict']}, {time['phase']} {time['phase_delta_ms']:+.1f} ms")
+
+
+def expected(slow: dict[str, Any], fixed: dict[str, Any], comparison: dict[str, Any]) -> bool:
+    found = slow["step_time"]["diagnosis"]
+    fixed_labels = {f["label"] for f in fixed["step_time"]["findings"]}
+    return (found["label"] == "INPUT STRAGGLER" and found["ranks"] == [1]
+            and not any("STRAGGLER" in label for label in fixed_labels)
+            and comparison["verdict"] == "IMPROVEMENT"
+            and comparison["step_time"]["phase"] == "input")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    misses = 0
+    for n in range(1, args.runs + 1):
+        with tempfile.TemporaryDirectory(prefix="traceml-demo-") as tmp:
+            result = run_demo(Path(tmp))
+        ok = expected(*result)
+        misses += not ok
+        print(f"run {n}: {verdicts(*result)}{'' if ok else '  <- MISS'}", flush=True)
+    print(f"{args.runs - misses}/{args.runs} as expected")
+    sys.exit(1 if misses else 0)
+
+
+if __name__ == "__main__":
+    main()
