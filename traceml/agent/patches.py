@@ -363,6 +363,8 @@ class Instrumentation:
         self.installed = False
 
     def install(self) -> None:
+        # Cached by id: modules of an earlier install may be gone, their ids reused.
+        _HOLDS_PARAMETERS.clear()
         done: list[Patch] = []
         try:
             for patch in self.patches:
