@@ -13,9 +13,10 @@ from tests.conftest import run_traceml, script
 DELAY_MS = 15.0
 
 
-def _ddp(tmp_path: Any, case: str) -> Any:
+def _ddp(tmp_path: Any, case: str, slow_rank: int = 1) -> Any:
     res = run_traceml(tmp_path, "run", "--nproc-per-node=2", script("ddp_cases.py"),
-                      "--case", case, "--delay-ms", str(DELAY_MS), "--steps", "30")
+                      "--case", case, "--delay-ms", str(DELAY_MS), "--steps", "30",
+                      "--slow-rank", str(slow_rank))
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.summary is not None and set(res.evidence()) == {0, 1}
     return res
@@ -41,12 +42,14 @@ def test_rank_slow_inside_backward_is_named_with_backward(tmp_path: Any) -> None
     assert summary["step_time"]["diagnosis"]["kind"] == "COMPUTE_STRAGGLER"
 
 
-def test_rank_slow_between_steps_is_named_never_the_waiting_rank(tmp_path: Any) -> None:
-    summary = _ddp(tmp_path, "between").summary
+@pytest.mark.parametrize("slow", [1, 0])
+def test_rank_slow_between_steps_is_named_never_the_waiting_rank(tmp_path: Any,
+                                                                 slow: int) -> None:
+    summary = _ddp(tmp_path, "between", slow_rank=slow).summary
     found = _stragglers(summary)
-    assert [(f["kind"], f["ranks"]) for f in found] == [("HOST_STRAGGLER", [1])], found
+    assert [(f["kind"], f["ranks"]) for f in found] == [("HOST_STRAGGLER", [slow])], found
     assert "untraced host work" in found[0]["why"] and _excess_ok(found[0])
-    assert all(0 not in f["ranks"] for f in found)
+    assert all(1 - slow not in f["ranks"] for f in found)
 
 
 def test_slow_all_reduce_on_every_rank_is_communication_bound(tmp_path: Any) -> None:
