@@ -118,3 +118,14 @@ def test_init_and_summary_in_plain_python(tmp_path: Path) -> None:
     assert summary is not None
     assert summary["step_time"]["diagnosis"]["label"] == "INPUT-BOUND"
     assert len(read_store(tmp_path / "logs" / "plain" / "telemetry.sqlite")[0]) == 30
+
+
+def test_a_run_that_dies_in_set_up_is_headlined_as_ended_before_the_first_step(
+        tmp_path: Path) -> None:
+    res = run_traceml(tmp_path, "run", "--nproc-per-node=2", script("loop.py"), "--fail", "setup")
+    assert res.returncode == 1  # the training's own exit status
+    assert res.summary is not None
+    primary = res.summary["primary"]
+    assert (primary["label"], primary["severity"]) == ("ENDED BEFORE THE FIRST STEP", "crit")
+    assert "exit 1" in primary["why"]
+    assert "Verdict: ENDED BEFORE THE FIRST STEP [crit] (Step Time)" in res.stdout

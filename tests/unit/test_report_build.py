@@ -126,3 +126,24 @@ def test_process_scope_says_missing_only_of_ranks_with_no_sample() -> None:
     run = short_run((0, 2), 3)
     section = process_section(run, select_window(run.steps, 10_000, 3))
     assert (section.scope.ranks, section.scope.missing_ranks) == ((0, 2), (1,))
+
+
+@pytest.mark.parametrize(("exit_code", "label", "severity"), [
+    (1, "ENDED BEFORE THE FIRST STEP", "crit"),  # the set-up raised
+    (0, "ENDED BEFORE THE FIRST STEP", "info"),  # nothing that looks like training ran
+    (None, "STEP TIME NOT MEASURED", "info"),  # still running: nothing ended yet
+])
+def test_a_run_without_a_single_step_is_headlined_by_its_ending(
+        exit_code: int | None, label: str, severity: str) -> None:
+    import dataclasses
+
+    from tests.live.conftest import fixed_run
+    from traceml.report.build import build_report
+
+    run = fixed_run()
+    run = dataclasses.replace(run, steps=(), meta=dataclasses.replace(run.meta,
+                                                                      exit_code=exit_code))
+    diagnosis = build_report(run, 10000).step_time.diagnosis
+    assert (diagnosis.label, diagnosis.severity) == (label, severity)
+    if exit_code is not None:  # the ending is the run's headline
+        assert build_report(run, 10000).primary.finding == diagnosis

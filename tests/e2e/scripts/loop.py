@@ -57,7 +57,7 @@ def parse():
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--mp-context", default=None)
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--fail", choices=["none", "raise", "exit3"], default="none")
+    p.add_argument("--fail", choices=["none", "raise", "exit3", "setup"], default="none")
     p.add_argument("--input-sleep-ms", type=float, default=0.0)
     p.add_argument("--closure-sleep-ms", type=float, default=0.0)
     p.add_argument("--trace-step", action="store_true")
@@ -96,6 +96,8 @@ def main():
     iterations = 0
     batches = iter(loader) if not a.no_loader else None
     fixed = next(iter(loader))
+    if a.fail == "setup":  # a mistake in the script's set-up: no step ever runs
+        raise RuntimeError("set-up failure on purpose")
     for it in range(a.steps):
         ctx = traceml.trace_step(model) if a.trace_step else None
         if ctx is not None:
@@ -129,7 +131,7 @@ def main():
         if ctx is not None:
             ctx.__exit__(None, None, None)
         iterations += 1
-        if a.fail != "none" and it == a.steps // 2:
+        if a.fail in ("raise", "exit3") and it == a.steps // 2:
             write_evidence(rank, iterations, user_forwards, a)
             if a.fail == "raise":
                 raise RuntimeError("user failure on purpose")
