@@ -72,11 +72,6 @@ def code(name: str) -> int:
     raise KeyError(f"no phase {name!r}")
 
 
-def names() -> tuple[str, ...]:
-    """The phase names in step order."""
-    return tuple(p.name for p in PHASES)
-
-
 def compute_names() -> tuple[str, ...]:
     """The phases that make up ``compute``."""
     return tuple(p.name for p in PHASES if p.compute)

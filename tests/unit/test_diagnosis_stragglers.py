@@ -25,7 +25,7 @@ def times_of(world: int, parts: Callable[[int], dict[str, float]], timed: bool =
     for rank in range(world):
         p = BASE | parts(rank)
         total = sum(p.values())
-        phase_ms = {name: p[name] for name in phases.names()}
+        phase_ms = {phase.name: p[phase.name] for phase in phases.PHASES}
         rows += [StepRow(rank, s, phase_ms, total, p["wait"],
                          collective_ms=p["communication"] + 5.0 if timed else None)
                  for s in range(num_steps)]

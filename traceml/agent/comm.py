@@ -136,7 +136,7 @@ class CommTiming:
             # From now on each backward marks where its compute ends (DDP waits
             # from there): one prehook per backward, nothing per bucket.  On
             # CUDA DDP's reducer makes streams wait, not the host: not measured.
-            if getattr(ddp, "device_type", "cpu") == "cpu":
+            if _on_host(ddp):
                 probe.on_backward = mark
         return _ddp_init_helper
 
@@ -180,7 +180,7 @@ class CommTiming:
 
         @functools.wraps(orig)
         def _sync_buffers(ddp: Any) -> Any:
-            if getattr(ddp, "device_type", "cpu") != "cpu" or not timing._takes_part():
+            if not _on_host(ddp) or not timing._takes_part():
                 return orig(ddp)
             return timing._timed(orig, (ddp,), {})
         return _sync_buffers
@@ -279,6 +279,11 @@ class CommTiming:
 def _engine() -> Any:
     """torch's autograd engine, which runs the final callbacks of a backward."""
     return torch.autograd.Variable._execution_engine
+
+
+def _on_host(ddp: Any) -> bool:
+    """Whether a DDP model's parameters live on the CPU (gloo): its waits are host time."""
+    return getattr(ddp, "device_type", "cpu") == "cpu"
 
 
 def _in_graph_task() -> bool:

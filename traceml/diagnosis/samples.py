@@ -131,24 +131,7 @@ class RunData:
     system: tuple[SystemSample, ...]
 
 
-@dataclass(frozen=True)
-class _StepColumns:
-    """A StepRow as run data stores it: one ``<phase>_ms`` column per phase."""
-
-    rank: int
-    step: int
-    total_ms: float
-    wait_ms: float
-    peak_allocated_bytes: int | None = None
-    peak_reserved_bytes: int | None = None
-    rss_bytes: int | None = None
-    gpu_ms: float | None = None
-    t: float | None = None
-    collective_ms: float | None = None
-    phase_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-
-_Row = TypeVar("_Row", _StepColumns, ProcessSample, GpuSample)
+_Row = TypeVar("_Row", StepRow, ProcessSample, GpuSample)
 
 
 def to_jsonable(run: RunData) -> dict[str, Json]:
@@ -174,26 +157,23 @@ def from_jsonable(obj: object) -> RunData:
         raise ValueError(f"run data format is {top.get('format')!r}, expected {RUNDATA_FORMAT!r}")
     return RunData(
         meta=_decode_meta(_as_dict(top.get("meta"), "meta")),
-        steps=tuple(_decode_step(row) for row in _decode_rows(_StepColumns, top.get("steps"))),
+        steps=_decode_rows(StepRow, top.get("steps")),
         process=_decode_rows(ProcessSample, top.get("process")),
         system=tuple(_decode_system(s) for s in _as_list(top.get("system"), "system")),
     )
 
 
 def _encode_steps(rows: Sequence[StepRow]) -> dict[str, Json]:
-    names = [f.name for f in dataclasses.fields(_StepColumns) if f.name != "phase_ms"]
-    columns = [p.column for p in phases.PHASES]
+    """StepRow's fields, with ``phase_ms`` as one ``<phase>_ms`` column per phase."""
+    rest = [f.name for f in dataclasses.fields(StepRow) if f.name not in _STEP_KEYS]
     return {
-        "fields": ["rank", "step", *columns, *names[2:]],
+        "fields": ["rank", "step", *(p.column for p in phases.PHASES), *rest],
         "rows": [[row.rank, row.step, *(row.ms(p.name) for p in phases.PHASES),
-                  *(getattr(row, name) for name in names[2:])] for row in rows],
+                  *(getattr(row, name) for name in rest)] for row in rows],
     }
 
 
-def _decode_step(cols: _StepColumns) -> StepRow:
-    return StepRow(cols.rank, cols.step, cols.phase_ms, cols.total_ms, cols.wait_ms,
-                   cols.peak_allocated_bytes, cols.peak_reserved_bytes, cols.rss_bytes,
-                   cols.gpu_ms, cols.t, cols.collective_ms)
+_STEP_KEYS = ("rank", "step", "phase_ms")
 
 
 def _encode_rows(cls: type[_Row], rows: Sequence[_Row]) -> dict[str, Json]:
@@ -208,7 +188,7 @@ def _decode_rows(cls: type[_Row], obj: object) -> tuple[_Row, ...]:
     table = _as_dict(obj, cls.__name__)
     names = [_as_str(n, "field name") for n in _as_list(table.get("fields"), "fields")]
     known = {f.name for f in dataclasses.fields(cls)}
-    columns = {p.column: p.name for p in phases.PHASES} if cls is _StepColumns else {}
+    columns = {p.column: p.name for p in phases.PHASES} if cls is StepRow else {}
     unknown = set(names) - known - set(columns)
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
@@ -218,7 +198,7 @@ def _decode_rows(cls: type[_Row], obj: object) -> tuple[_Row, ...]:
         if len(values) != len(names):
             raise ValueError(f"{cls.__name__}: row has {len(values)} values, expected {len(names)}")
         kwargs: dict[str, Any] = dict(zip(names, values))
-        if columns:
+        if cls is StepRow:  # a phase a row lacks (written before it existed) took 0
             kwargs["phase_ms"] = {columns[n]: kwargs.pop(n) for n in names if n in columns}
         out.append(cls(**kwargs))
     return tuple(out)
