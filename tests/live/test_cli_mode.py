@@ -68,7 +68,9 @@ def test_live_view_in_tmux_then_the_summary(tmp_path: Path, tmux: Tmux) -> None:
                f"--logs-dir {shlex.quote(str(logs))} --session-id cli --mode cli "
                f"--nproc-per-node 2 {shlex.quote(str(LIVE_SCRIPTS / 'gated.py'))} "
                "--slow-rank 1 --slow-ms 8; echo TRACEML_EXIT=$?")
-    tmux.start(command)
+    # Tall enough that the output panel fits beside a long diagnosis on every frame
+    # (the view fits the terminal; 80x24 is tested in test_terminal.py).
+    tmux.start(command, height=32)
     screen = wait_for(lambda: _view_with_both_ranks(tmux.screen()), 90, "the live view",
                       describe=tmux.screen)
     artifact("cli-view-tmux.txt").write_text(screen)
