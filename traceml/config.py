@@ -57,6 +57,7 @@ class RunConfig:
     aggregator_bind_host: str | None
     summary_window_rows: int
     sample_interval_s: float
+    stall_timeout_s: float | None  # None: automatic; 0: off
     dashboard_port: int
     html: bool
     no_trace: bool

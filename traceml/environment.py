@@ -31,6 +31,9 @@ Variables:
 ``TRACEML_SESSION_DIR``
     The session folder on node 0 (``logs/<session>``), where ``traceml.summary()``
     reads the store when it can.
+``TRACEML_STALL_TIMEOUT``
+    Seconds without progress before a rank reports a stall; ``auto`` (the
+    default) adapts to the step time, ``0`` turns stall reports off.
 ``TRACEML_SECURE``
     ``1`` when the collector listens beyond 127.0.0.1 and every sender must
     speak ZeroMQ CURVE with keys derived from the session secret.
@@ -76,6 +79,7 @@ class AgentEnv:
     session_dir: str | None = None
     secure: bool = False
     secret: str | None = None
+    stall_timeout_s: float | None = None  # None: automatic; 0: off
 
     def to_env(self) -> dict[str, str]:
         env = {
@@ -86,6 +90,8 @@ class AgentEnv:
             "TRACEML_NODE_RANK": str(self.node_rank),
             "TRACEML_SAMPLE_INTERVAL": repr(self.sample_interval_s),
             "TRACEML_FLUSH_INTERVAL": repr(self.flush_interval_s),
+            "TRACEML_STALL_TIMEOUT": ("auto" if self.stall_timeout_s is None
+                                      else repr(self.stall_timeout_s)),
         }
         if self.arm_dir is not None:
             env["TRACEML_ARM_DIR"] = self.arm_dir
@@ -115,7 +121,12 @@ class AgentEnv:
             session_dir=environ.get("TRACEML_SESSION_DIR"),
             secure=environ.get("TRACEML_SECURE") == "1",
             secret=environ.get("TRACEML_SECRET"),
+            stall_timeout_s=_stall_timeout(environ.get("TRACEML_STALL_TIMEOUT", "auto")),
         )
+
+
+def _stall_timeout(value: str) -> float | None:
+    return None if value == "auto" else float(value)
 
 
 def user_secret(environ: Mapping[str, str]) -> str | None:

@@ -14,13 +14,14 @@ Each payload kind is decoded here into a typed record.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union
 
 import orjson
 
-from traceml import phases
+from traceml import phases, stacks
 from traceml.errors import ProtocolError
 
 PROTOCOL_VERSION = 2  # 2: event codes follow traceml.phases (communication), spans
@@ -32,8 +33,9 @@ KIND_SYSTEM = "system"
 KIND_HELLO = "hello"
 KIND_BYE = "bye"
 KIND_CONTROL = "control"
+KIND_INCIDENT = "incident"
 KINDS = frozenset({KIND_EVENTS, KIND_PROCESS, KIND_SYSTEM, KIND_HELLO, KIND_BYE,
-                   KIND_CONTROL})
+                   KIND_CONTROL, KIND_INCIDENT})
 
 # A rank's step events (KIND_EVENTS), by code: the rank logs one list of
 # perf_counter times per code; the collector merges them into one timeline
@@ -257,6 +259,75 @@ def iter_rows(payload: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
         if not isinstance(row, list) or len(row) != len(fields):
             raise ProtocolError("row does not match fields")
     return [str(f) for f in fields], rows
+
+
+# -- stalls and crashes (KIND_INCIDENT) ----------------------------------------------------
+
+STALL, RESUMED, EXCEPTION, EXIT = "stall", "resumed", "exception", "exit"
+INCIDENTS = frozenset({STALL, RESUMED, EXCEPTION, EXIT})
+MAX_DETAIL_KEYS = 16
+MAX_DETAIL_TEXT = 1000
+
+
+@dataclass(frozen=True)
+class IncidentReport:
+    """A stall or a crash of one rank, as its agent or its node's launcher reports it.
+
+    ``what``: ``stall`` (no progress since ``began_at``; ``stack`` is where the
+    training thread stands), ``resumed`` (that stall ended at ``at``: steps go
+    on), ``exception`` (an exception reached the top of the training thread;
+    ``stack`` is its traceback) or ``exit`` (the launcher saw the rank die:
+    ``detail`` has its exit code or signal).  ``rank`` and ``pid`` name the rank
+    when the launcher reports for it; None when a rank reports itself."""
+
+    what: str
+    began_at: float  # unix seconds
+    at: float
+    stack: tuple[stacks.Frame, ...] = ()
+    stack_source: str | None = None  # "python" | "faulthandler"
+    rank: int | None = None
+    pid: int | None = None
+    detail: Mapping[str, str | int | float | None] = field(default_factory=dict)
+
+
+def incident_payload(report: IncidentReport) -> dict[str, Any]:
+    return {"what": report.what, "began_at": report.began_at, "at": report.at,
+            "stack": stacks.to_json(report.stack), "stack_source": report.stack_source,
+            "rank": report.rank, "pid": report.pid, "detail": dict(report.detail)}
+
+
+def _detail_value(value: Any) -> bool:
+    if isinstance(value, str):
+        return len(value) <= MAX_DETAIL_TEXT
+    return value is None or _finite(value)
+
+
+def _finite(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value)
+
+
+def check_incident(payload: dict[str, Any]) -> IncidentReport:
+    """An incident payload, checked; ProtocolError for anything else."""
+    what = payload.get("what")
+    began: Any = payload.get("began_at")
+    at: Any = payload.get("at")
+    rank, pid, source = payload.get("rank"), payload.get("pid"), payload.get("stack_source")
+    detail = payload.get("detail", {})
+    if what not in INCIDENTS or not _finite(began) or not _finite(at):
+        raise ProtocolError("incident without what/began_at/at")
+    if not all(v is None or type(v) is int for v in (rank, pid)):
+        raise ProtocolError("incident rank/pid are not integers")
+    if source not in (None, "python", "faulthandler"):
+        raise ProtocolError("unknown stack source")
+    if (not isinstance(detail, dict) or len(detail) > MAX_DETAIL_KEYS
+            or not all(isinstance(k, str) and len(k) <= 64 and _detail_value(v)
+                       for k, v in detail.items())):
+        raise ProtocolError("malformed incident detail")
+    try:
+        stack = stacks.from_json(payload.get("stack", []))
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+    return IncidentReport(what, float(began), float(at), stack, source, rank, pid, detail)
 
 
 # -- the launcher's control messages (KIND_CONTROL) --------------------------------------

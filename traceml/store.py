@@ -23,9 +23,10 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 
-from traceml import phases
+from traceml import phases, stacks
 from traceml.diagnosis.samples import (
     GpuSample,
+    Incident,
     NodeInfo,
     ProcessSample,
     RunData,
@@ -45,7 +46,7 @@ from traceml.protocol import (
 )
 
 STORE_FILENAME = "telemetry.sqlite"
-SCHEMA_VERSION = 2  # 2: a column per phase of traceml.phases (communication), collective_ms
+SCHEMA_VERSION = 3  # 2: a column per phase (communication), collective_ms; 3: incidents
 JOIN_ERROR_PREFIX = "join_error/"
 
 
@@ -171,7 +172,16 @@ _DDL = [
     "device_reserved_bytes INTEGER, device_total_bytes INTEGER)",
     "CREATE TABLE IF NOT EXISTS system (node_rank INTEGER NOT NULL, host TEXT NOT NULL, "
     "t REAL NOT NULL, cpu_pct REAL, ram_pct REAL, ram_total_bytes INTEGER, gpus TEXT)",
+    "CREATE TABLE IF NOT EXISTS incidents (what TEXT NOT NULL, rank INTEGER NOT NULL, "
+    "node_rank INTEGER NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL, "
+    "began_at REAL NOT NULL, detected_at REAL NOT NULL, cleared_at REAL, step INTEGER, "
+    "phase TEXT, open_phases TEXT NOT NULL, stack TEXT NOT NULL, stack_source TEXT, "
+    "detail TEXT NOT NULL)",
 ]
+
+_INCIDENT_COLUMNS = ("what", "rank", "node_rank", "host", "pid", "began_at", "detected_at",
+                     "cleared_at", "step", "phase", "open_phases", "stack", "stack_source",
+                     "detail")
 
 
 def _insert(table: str, columns: Sequence[str], verb: str = "INSERT") -> str:
@@ -184,6 +194,7 @@ _PROCESS_SQL = _insert("process", ("rank", "restart", "node_rank", *PROCESS_FIEL
 _SYSTEM_SQL = _insert("system", ("node_rank", "host", *SYSTEM_FIELDS))
 _SENDER_SQL = _insert("senders", _SENDER_COLUMNS, "INSERT OR REPLACE")
 _REJECTED_SQL = _insert("rejected", ("reason", "count"), "INSERT OR REPLACE")
+_INCIDENT_SQL = _insert("incidents", _INCIDENT_COLUMNS)
 _META_SQL = ("INSERT INTO meta (key, value) VALUES (?, ?) "
              "ON CONFLICT(key) DO UPDATE SET value = excluded.value")
 
@@ -257,6 +268,20 @@ class StoreWriter:
             batch.append((sender.node_rank, sender.host, *values))
         self._executemany(_SYSTEM_SQL, batch)
 
+    def add_incident(self, i: Incident) -> int:
+        """A stall or crash; returns its row id (a stall's end is set later)."""
+        with _sqlite_errors():
+            cursor = self.db.execute(_INCIDENT_SQL, (
+                i.what, i.rank, i.node_rank, i.host, i.pid, i.began_at, i.detected_at,
+                i.cleared_at, i.step, i.phase, orjson.dumps(list(i.open_phases)).decode(),
+                orjson.dumps(stacks.to_json(i.stack)).decode(), i.stack_source,
+                orjson.dumps(dict(i.detail)).decode()))
+        return int(cursor.lastrowid or 0)
+
+    def clear_stall(self, row_id: int, cleared_at: float) -> None:
+        """The stall stored as ``row_id`` ended: the rank's steps resumed."""
+        self._execute("UPDATE incidents SET cleared_at = ? WHERE rowid = ?", (cleared_at, row_id))
+
     def save_sender(self, s: SenderState) -> None:
         p = s.sender
         self._execute(_SENDER_SQL, (
@@ -329,7 +354,18 @@ class StoreReader:
         # A c10d launcher samples before it learns its node rank (-1): not a node yet.
         system = tuple(_system_sample(r) for r in self._rows(
             "SELECT * FROM system WHERE node_rank >= 0 ORDER BY t"))
-        return run_data(records, steps, process, system)
+        return run_data(records, steps, process, system, self.incidents())
+
+    def incidents(self) -> tuple[Incident, ...]:
+        """Every stall and crash, in the order they were reported (none in a store
+        written before they were kept)."""
+        if not self._rows("SELECT name FROM sqlite_master WHERE name = 'incidents'"):
+            return ()
+        try:
+            return tuple(_incident(r) for r in self._rows(
+                "SELECT * FROM incidents ORDER BY rowid"))
+        except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
+            raise StoreError(f"malformed incident: {exc}") from None
 
     def num_steps(self) -> int:
         return int(self._rows("SELECT COUNT(*) AS n FROM steps")[0]["n"])
@@ -417,6 +453,19 @@ def _process_sample(r: Mapping[str, Any]) -> ProcessSample:
     )
 
 
+def _incident(r: Mapping[str, Any]) -> Incident:
+    detail = orjson.loads(r["detail"])
+    if not isinstance(detail, dict):
+        raise TypeError("incident detail is not an object")
+    return Incident(
+        what=r["what"], rank=r["rank"], node_rank=r["node_rank"], host=r["host"], pid=r["pid"],
+        began_at=r["began_at"], detected_at=r["detected_at"], cleared_at=r["cleared_at"],
+        step=r["step"], phase=r["phase"],
+        open_phases=tuple(str(p) for p in orjson.loads(r["open_phases"])),
+        stack=stacks.from_json(orjson.loads(r["stack"])), stack_source=r["stack_source"],
+        detail=detail)
+
+
 def _system_sample(r: Mapping[str, Any]) -> SystemSample:
     gpus = tuple(GpuSample(*g) for g in orjson.loads(r["gpus"] or "[]"))
     return SystemSample(node_rank=r["node_rank"], host=r["host"], t=r["t"],
@@ -431,10 +480,10 @@ _NO_START = RunStart(session_id="", command=(), started_at=0.0, traceml_version=
 
 
 def run_data(records: RunRecords, steps: tuple[StepRow, ...], process: tuple[ProcessSample, ...],
-             system: tuple[SystemSample, ...]) -> RunData:
+             system: tuple[SystemSample, ...], incidents: tuple[Incident, ...] = ()) -> RunData:
     """The run as the diagnosis reads it: these samples (all, or the recent ones a live
     view keeps) and what ``records`` say about the run."""
-    return RunData(_run_meta(records, steps, process), steps, process, system)
+    return RunData(_run_meta(records, steps, process), steps, process, system, incidents)
 
 
 def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],

@@ -93,8 +93,11 @@ def test_the_wait_at_the_end_of_backward_is_communication_not_backward(probe: Pr
     steps = _steps(probe)
     assert len(steps) == 2
     for step in steps:
-        assert step.phase_s[COMM] >= 0.05
-        assert step.phase_s[phases.code("backward")] < 0.04
+        # The bucket is late by 50 ms from its hook, inside backward: what backward
+        # computed after the hook is all that may shorten the wait.
+        backward = step.phase_s[phases.code("backward")]
+        assert step.phase_s[COMM] >= 0.05 - backward
+        assert backward < 0.04 and step.phase_s[COMM] > backward
         assert step.collective_s is not None and step.collective_s >= step.phase_s[COMM] * 0.9
 
 

@@ -36,7 +36,7 @@ def _imports(path: Path) -> set[str]:
 
 def test_agent_imports_point_one_way() -> None:
     allowed_traceml = ("traceml.agent", "traceml.protocol", "traceml.environment",
-                       "traceml.errors", "traceml.config", "traceml.sender",
+                       "traceml.errors", "traceml.config", "traceml.sender", "traceml.stacks",
                        "traceml.security", "traceml.version", "traceml.phases")
     allowed_third = ("torch", "zmq", "orjson")
     for path in (PKG / "agent").rglob("*.py"):
@@ -98,7 +98,8 @@ TRACEML_OPTIONS = {
     "--mode", "--logs-dir", "--logs_dir", "--session-id", "--session_id", "--aggregator-host",
     "--aggregator_host", "--aggregator-port", "--aggregator_port", "--aggregator-bind-host",
     "--aggregator_bind_host", "--summary-window-rows", "--summary_window_rows",
-    "--sample-interval", "--sample_interval", "--dashboard-port", "--dashboard_port", "--html",
+    "--sample-interval", "--sample_interval", "--stall-timeout", "--stall_timeout",
+    "--dashboard-port", "--dashboard_port", "--html",
     "--no-trace", "--no_trace",
 }
 

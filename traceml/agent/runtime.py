@@ -20,14 +20,17 @@ import time
 from typing import Any
 
 from traceml import phases, protocol
+from traceml.agent import watchdog
 from traceml.agent.cuda_timing import CudaPhaseTimer, allocator_bytes
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
+from traceml.agent.watchdog import FaultFiles, Heartbeat, StallWatch
 from traceml.environment import AgentEnv, TorchRank
 from traceml.errors import WarnOnce
 from traceml.protocol import CLOSE, MANUAL_ENTER, MANUAL_EXIT, NUM_EVENT_CODES, Sender
 from traceml.security import session_keys
 from traceml.sender import BatchSender
+from traceml.stacks import StackFiles
 
 _ACTIVE: AgentRuntime | None = None
 RSS_TICK_S = 0.1  # the sender thread drains the log, stamped with RSS, this often
@@ -78,6 +81,10 @@ class AgentRuntime:
         self._rss = RssReader()
         self._warnings = WarnOnce()  # one warning per failing part
         self.process_sampler = ProcessSampler(env.sample_interval_s)
+        self.stall = StallWatch(env.stall_timeout_s, self.probe.thread_id, self._wall_offset)
+        self._incidents: list[protocol.IncidentReport] = []  # sent with the last flush
+        self._heartbeat: Heartbeat | None = None
+        self._faults: FaultFiles | None = None
         self.sender = BatchSender(
             env.endpoint, env.session_id, identity,
             min(RSS_TICK_S, env.flush_interval_s, env.sample_interval_s),
@@ -121,6 +128,7 @@ class AgentRuntime:
 
             self.instrumentation = Instrumentation(self.probe)
             self.instrumentation.install()
+            self._watch_health()
         self.sender.start()
         _ACTIVE = self
         atexit.register(self.shutdown)
@@ -137,6 +145,27 @@ class AgentRuntime:
         self.sender.stop()
         _ACTIVE = None
 
+    def _watch_health(self) -> None:
+        """Stall and crash reports (`traceml.agent.watchdog`); without a session
+        folder (a rank's ``traceml.init()``) no launcher takes stacks."""
+        watchdog.install_excepthook(self._on_exception)
+        if self.env.session_dir is None or self.identity.rank is None:
+            return
+        files = StackFiles.of(self.env.session_dir, self.identity.rank, self.identity.pid)
+        try:
+            self._faults = FaultFiles(files, on_signal=self.stall.enabled)
+            if self.stall.enabled:
+                self._heartbeat = Heartbeat(files, self.identity.rank, self.identity.pid,
+                                            self.probe.thread_id)
+        except (OSError, ValueError, RuntimeError) as exc:
+            self._warnings.to_stderr("stacks", f"stacks of stalls and crashes not taken: {exc!r}")
+
+    def _on_exception(self, kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        """An exception ends the training thread: reported with the last flush."""
+        if _ACTIVE is self:
+            self._incidents.append(watchdog.exception_report(
+                kind, exc, tb, time.time(), self._cuda))
+
     def _after_fork_in_child(self) -> None:
         # A forked child (DataLoader worker, ...) is not a rank: go inert.
         global _ACTIVE
@@ -144,6 +173,8 @@ class AgentRuntime:
             _ACTIVE = None
             self.probe.off = True
             self._uninstall()
+            if self._faults is not None:
+                self._faults.remove()
 
     def _uninstall(self) -> None:
         if self.instrumentation is not None:
@@ -155,6 +186,8 @@ class AgentRuntime:
     def _sender_exited(self) -> None:
         """Nothing drains the log any more: stop logging, so it cannot grow."""
         self.probe.off = True
+        if self._heartbeat is not None:
+            self._heartbeat.remove()
 
     def _fail(self, exc: BaseException) -> None:
         """An agent error on the training thread (a CUDA timer call): every
@@ -180,6 +213,7 @@ class AgentRuntime:
             resolve = functools.partial(self._device_mark, give_up=give_up)
         times, marks = probe.take(horizon, resolve)
         self._outbox_spans += probe.take_spans()
+        incidents = self._watch_progress(times)
         if any(times) or marks:
             # Read after these events, so it goes with the steps they finish:
             # stamped as the first of them.
@@ -192,9 +226,9 @@ class AgentRuntime:
         now = time.monotonic()
         # Every take with events brings an RSS reading: none, nothing to send.
         if not self._outbox_rss or (now < self._next_send and not self._final
-                                    and not self._send_now
+                                    and not self._send_now and not incidents
                                     and self._num_queued < protocol.MAX_EVENTS_PER_MESSAGE):
-            return []
+            return incidents
         self._send_now = False
         self._next_send = now + self.env.flush_interval_s
         payload = protocol.events_payload(self.num_batches, self._wall_offset, self._outbox,
@@ -204,7 +238,20 @@ class AgentRuntime:
         self._outbox = [[] for _ in range(NUM_EVENT_CODES)]
         self._outbox_marks, self._outbox_rss, self._outbox_spans = [], [], []
         self._num_queued = 0
-        return [(protocol.KIND_EVENTS, payload)]
+        return [(protocol.KIND_EVENTS, payload), *incidents]
+
+    def _watch_progress(self, times: list[list[float]]) -> list[tuple[str, dict[str, Any]]]:
+        """Sender thread: stall reports, and the heartbeat the launcher watches."""
+        stall = self.stall
+        now = self.probe.clock()
+        reports = stall.observe(times, now, self._final)
+        if self._heartbeat is not None:
+            try:
+                self._heartbeat.beat(now, None if stall.last is None else stall.threshold_s())
+            except OSError as exc:
+                self._heartbeat = None
+                self._warnings.to_stderr("heartbeat", f"heartbeat file not written: {exc!r}")
+        return [(protocol.KIND_INCIDENT, protocol.incident_payload(r)) for r in reports]
 
     def _device_mark(self, value: tuple[Any, Any], give_up: bool = False) -> list[Any] | None:
         """A logged mark as `protocol.DEVICE_MARK_FIELDS`; None while the GPU
@@ -227,7 +274,9 @@ class AgentRuntime:
 
     def _bye(self) -> list[tuple[str, dict[str, Any]]]:
         self._final = True
-        return self._drain_events() + [
+        crashes = [(protocol.KIND_INCIDENT, protocol.incident_payload(r))
+                   for r in self._incidents]
+        return self._drain_events() + crashes + [
             (protocol.KIND_BYE, {"num_batches": self.num_batches, "t": time.time()})]
 
     def flush_events(self, timeout_s: float = 2.0) -> int | None:

@@ -21,10 +21,11 @@ from typing import Any, Protocol
 import orjson
 import zmq
 
-from traceml import protocol
+from traceml import phases, protocol, stacks
 from traceml.collector.steps import RankSteps
+from traceml.diagnosis.samples import Incident
 from traceml.errors import ProtocolError
-from traceml.protocol import Envelope, RunEnd, RunStart
+from traceml.protocol import Envelope, IncidentReport, RunEnd, RunStart, Sender
 from traceml.security import secure_server, session_keys
 from traceml.store import JoinError, SenderState, StoreError, StoreWriter
 
@@ -81,6 +82,7 @@ class Collector:
         self.senders: dict[str, SenderState] = {}
         self.rank_steps: dict[str, RankSteps] = {}  # sender id -> its step tracker
         self.rejected: dict[str, int] = {}
+        self.open_stalls: dict[tuple[int, int], int] = {}  # (rank, pid) -> its stall's row
         self.ended = False
         self.num_steps = 0
 
@@ -137,10 +139,52 @@ class Collector:
         elif env.kind == protocol.KIND_SYSTEM:
             fields, rows = protocol.iter_rows(env.payload)
             self.store.add_system(env.sender, fields, rows)
+        elif env.kind == protocol.KIND_INCIDENT:
+            self._incident(env.sender, protocol.check_incident(env.payload))
         elif env.kind == protocol.KIND_BYE:
             state.said_bye = True
             self.rank_steps.pop(state.sender.sender_id, None)  # its last events came before
         self.store.save_sender(state)
+
+    def _incident(self, sender: Sender, report: IncidentReport) -> None:
+        """A stall or crash, placed at the rank's step and phase: from its step
+        tracker (a rank's own stall report comes after all its events) or, for a
+        stack taken from outside or an exception's traceback, from the stack."""
+        rank = sender.rank if sender.role == "rank" else report.rank
+        pid = sender.pid if sender.role == "rank" else report.pid
+        if rank is None or pid is None:
+            raise ProtocolError("incident without its rank")
+        who = sender if sender.role == "rank" else self._rank_sender(rank, pid) or sender
+        key = (rank, pid)
+        if report.what == protocol.RESUMED:
+            row = self.open_stalls.pop(key, None)
+            if row is not None:
+                self.store.clear_stall(row, report.at)
+                return
+        elif report.what == protocol.STALL and key in self.open_stalls:
+            return  # already reported (by the rank, or from outside)
+        steps = self.rank_steps.get(who.sender_id)
+        step, codes = steps.tracker.position() if steps is not None else (None, ())
+        open_phases = tuple(phases.PHASES[c].name for c in codes if c < len(phases.PHASES))
+        phase = open_phases[-1] if open_phases else None
+        if report.stack and (phase is None or not (report.what == protocol.STALL
+                                                   and who is sender)):
+            phase = stacks.phase_of(report.stack) or phase
+        what = protocol.STALL if report.what == protocol.RESUMED else report.what
+        row = self.store.add_incident(Incident(
+            what=what, rank=rank, node_rank=who.node_rank, host=who.host, pid=pid,
+            began_at=report.began_at, detected_at=time.time(),
+            cleared_at=report.at if report.what == protocol.RESUMED else None,
+            step=step, phase=phase, open_phases=open_phases, stack=report.stack,
+            stack_source=report.stack_source, detail=report.detail))
+        if report.what == protocol.STALL:
+            self.open_stalls[key] = row
+
+    def _rank_sender(self, rank: int, pid: int) -> Sender | None:
+        for state in self.senders.values():
+            if state.sender.role == "rank" and state.sender.rank == rank and state.sender.pid == pid:
+                return state.sender
+        return None
 
     def _control(self, payload: dict[str, Any]) -> None:
         record = protocol.check_control(payload)

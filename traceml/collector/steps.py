@@ -175,6 +175,12 @@ class StepTracker:
             elif code == CLOSE:
                 self.close()
 
+    def position(self) -> tuple[int, tuple[int, ...]]:
+        """Where the rank stands now: the step in progress (0-based; once a step has
+        completed, the next one) and the phases open, outermost first."""
+        step = self._next_step + (1 if self._open and self._complete else 0)
+        return step, tuple(entry[0] for entry in self._stack)
+
     # -- internals ----------------------------------------------------------
 
     def _manual_enter(self, now: float) -> None:

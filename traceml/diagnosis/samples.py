@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
 from traceml import phases
+from traceml.stacks import Frame
 
 Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
 """A JSON value as the standard library's ``json`` module reads and writes it."""
@@ -122,6 +123,26 @@ class RunMeta:
 
 
 @dataclass(frozen=True)
+class Incident:
+    """A stall or a crash of one rank, as the collector stored it."""
+
+    what: str  # "stall" | "exception" | "exit" (`traceml.protocol.INCIDENTS`)
+    rank: int
+    node_rank: int
+    host: str
+    pid: int
+    began_at: float  # unix seconds: the stall's last progress, the crash's moment
+    detected_at: float
+    cleared_at: float | None = None  # a stall's end, once steps resumed
+    step: int | None = None  # the rank's step in progress (0-based), None: unknown
+    phase: str | None = None  # the innermost open phase; None: outside every phase
+    open_phases: tuple[str, ...] = ()  # outermost first
+    stack: tuple[Frame, ...] = ()  # outermost first
+    stack_source: str | None = None  # "python" | "faulthandler"
+    detail: Mapping[str, str | int | float | None] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RunData:
     """Everything the diagnosis needs about one run."""
 
@@ -129,6 +150,7 @@ class RunData:
     steps: tuple[StepRow, ...]
     process: tuple[ProcessSample, ...]
     system: tuple[SystemSample, ...]
+    incidents: tuple[Incident, ...] = ()
 
 
 _Row = TypeVar("_Row", StepRow, ProcessSample, GpuSample)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import secrets
 import sys
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ from traceml.errors import UsageError
 OWN_DESTS = (
     "mode", "logs_dir", "session_id", "aggregator_host", "aggregator_port",
     "aggregator_bind_host", "summary_window_rows", "sample_interval", "dashboard_port",
-    "html", "no_trace",
+    "html", "no_trace", "stall_timeout",
 )
 WORKER_LOG_DIR = "workers"  # in the session folder, without torch's --log-dir
 
@@ -50,6 +51,16 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _stall_timeout(text: str) -> float | None:
+    """``auto`` (None) or seconds, finite and >= 0 (0: off)."""
+    if text == "auto":
+        return None
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be auto, 0 (off) or seconds > 0, got {text}")
     return value
 
 
@@ -86,6 +97,11 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sample-interval", "--sample_interval", dest="sample_interval",
                        type=_positive_float, default=1.0,
                        help="Seconds between telemetry samples (default 1.0).")
+    group.add_argument("--stall-timeout", "--stall_timeout", dest="stall_timeout",
+                       type=_stall_timeout, default=None, metavar="SEC",
+                       help="Seconds without progress before a rank is reported stalled, with "
+                            "its stack (default auto: 20 x the median step, at least 30 s; "
+                            "0 turns it off).")
     group.add_argument("--dashboard-port", "--dashboard_port", dest="dashboard_port",
                        type=_port, default=8765, help="Port of --mode=dashboard (default 8765).")
     group.add_argument("--html", action="store_true",
@@ -134,6 +150,7 @@ def parse(command: str, argv: Sequence[str]) -> RunConfig:
         aggregator_bind_host=ns.aggregator_bind_host,
         summary_window_rows=ns.summary_window_rows,
         sample_interval_s=ns.sample_interval,
+        stall_timeout_s=ns.stall_timeout,
         dashboard_port=ns.dashboard_port,
         html=ns.html,
         no_trace=ns.no_trace,

@@ -112,6 +112,7 @@ def agent_env_for(cfg: RunConfig, endpoint: str, session_dir: Path, topo: Topolo
         mode="run" if cfg.command == "run" else "watch", node_rank=cfg.node_rank,
         sample_interval_s=cfg.sample_interval_s, arm_dir=arm_dir,
         session_dir=str(session_dir.resolve()), secure=topo.secure, secret=secret,
+        stall_timeout_s=cfg.stall_timeout_s,
     )
 
 

@@ -10,7 +10,8 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
-from traceml.diagnosis.finding import Finding, severity_rank
+from traceml.diagnosis.ending import diagnose_ending
+from traceml.diagnosis.finding import severity_rank
 from traceml.diagnosis.process import diagnose_process, rank_process
 from traceml.diagnosis.samples import RunData
 from traceml.diagnosis.stats import Located, MetricStat, Worst, metric_stat
@@ -41,7 +42,10 @@ def build_report(run: RunData, summary_window_rows: int) -> Report:
         "system": system_section(run, window),
     }
     sections["step_time"] = fit_advice(sections["step_time"], sections["system"])
-    return Report(SCHEMA_VERSION, run.meta, choose_primary(sections), **sections)
+    ending = diagnose_ending(run)
+    primary = (Primary("ending", ending.headline) if ending.headline is not None
+               else choose_primary(sections))
+    return Report(SCHEMA_VERSION, run.meta, primary, **sections, ending=ending)
 
 
 SATURATED_INPUT_NEXT = (
@@ -102,28 +106,8 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
     for phase in SHARES:
         stats[f"{phase}_share_pct"] = _rank_stat(rows, _phase_share(phase))
     findings = diagnose_step_time(times, _unmeasured_steps_why(run), run.meta.device)
-    if ended_before_first_step(run):
-        findings = (_ended_before_first_step(run.meta.exit_code), *findings)
     return Section("step_time", findings, window.scope(node_of, _num_nodes(run)), stats,
                    tuple(rows))
-
-
-def ended_before_first_step(run: RunData) -> bool:
-    """A traced run that ended without any rank completing a training step."""
-    return run.meta.mode == "run" and run.meta.exit_code is not None and not run.steps
-
-
-def _ended_before_first_step(exit_code: int | None) -> Finding:
-    """The run's headline when nothing trained: not "NORMAL" for the hosts it idled on."""
-    failed = exit_code not in (0, None)
-    why = (f"The run ended (exit {exit_code}) before any rank completed a training step, so "
-           "nothing was trained and the sections below only cover the start-up.")
-    next_step = ("Read the workers' error output above (the first traceback is the cause), "
-                 "fix the set-up and run again." if failed else
-                 "If this script trains, no optimizer step or backward was seen: see 'How "
-                 "steps are found' in traceml's README, or mark steps with traceml.trace_step.")
-    return Finding("ENDED_BEFORE_FIRST_STEP", "ENDED BEFORE THE FIRST STEP",
-                   "crit" if failed else "info", why, next_step, (), {"exit_code": exit_code})
 
 
 def _phase_mean(phase: str) -> Callable[[RankStepTimes], float]:

@@ -19,8 +19,9 @@ import math
 from collections.abc import Mapping
 from datetime import datetime, timezone
 
+from traceml.diagnosis.ending import Ending, waiting
 from traceml.diagnosis.finding import Finding
-from traceml.diagnosis.samples import Json, RunMeta
+from traceml.diagnosis.samples import Incident, Json, RunMeta
 from traceml.diagnosis.stats import MetricStat
 from traceml.diagnosis.step_time import RankStepTimes
 from traceml.report.model import Primary, RankRow, Report, Section
@@ -38,7 +39,37 @@ def report_to_json(report: Report) -> dict[str, Json]:
     }
     for section in report.sections:
         out[section.name] = section_to_json(section)
+    out["ending"] = ending_to_json(report.ending)
     return out
+
+
+def ending_to_json(ending: Ending) -> dict[str, Json]:
+    """The ``ending`` object: how the run ended, its findings and every stall and crash."""
+    headline = ending.headline
+    return {
+        "state": ending.state,
+        "headline": finding_to_json(headline) if headline is not None else None,
+        "findings": [finding_to_json(f) for f in ending.findings],
+        "culprits": list(ending.culprits),
+        "incidents": [incident_to_json(i) for i in ending.incidents],
+    }
+
+
+def incident_to_json(i: Incident) -> dict[str, Json]:
+    """One stall or crash, times as ISO strings, the stack outermost first."""
+    return {
+        "what": i.what, "rank": i.rank, "node_rank": i.node_rank, "host": i.host, "pid": i.pid,
+        "began_at": iso_utc(i.began_at), "detected_at": iso_utc(i.detected_at),
+        "cleared_at": iso_utc(i.cleared_at) if i.cleared_at is not None else None,
+        "duration_s": (round(i.cleared_at - i.began_at, 3) if i.cleared_at is not None
+                       else None),
+        "step": i.step, "phase": i.phase, "open_phases": list(i.open_phases),
+        "waiting_in_collective": waiting(i) if i.what == "stall" else False,
+        "stack": [{"file": f.file, "line": f.line, "function": f.function, "user": f.user}
+                  for f in i.stack],
+        "stack_source": i.stack_source,
+        "detail": dict(i.detail),
+    }
 
 
 def meta_to_json(meta: RunMeta, duration_s: float) -> dict[str, Json]:

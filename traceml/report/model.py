@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Union
 
+from traceml.diagnosis.ending import Ending
 from traceml.diagnosis.finding import Finding
 from traceml.diagnosis.process import RankProcess
 from traceml.diagnosis.samples import RunMeta
@@ -20,7 +21,7 @@ from traceml.diagnosis.step_time import RankStepTimes
 from traceml.diagnosis.system import NodeSystem
 from traceml.diagnosis.window import Scope
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 """Version of final_summary.json; bump the major part on incompatible changes."""
 
 RankRow = Union[RankStepTimes, RankMemory, RankProcess, NodeSystem]
@@ -32,6 +33,7 @@ SECTION_TITLES: Mapping[str, str] = {
     "step_memory": "Step Memory",
     "process": "Process",
     "system": "System",
+    "ending": "Ending",  # not a section: how the run ended (`Report.ending`), told first
 }
 
 
@@ -61,7 +63,8 @@ class Section:
 
 @dataclass(frozen=True)
 class Primary:
-    """The finding the verdict line shows, and the section it comes from."""
+    """The finding the verdict line shows, and the section it comes from
+    (``"ending"`` when it is how the run ended: stalled, crashed)."""
 
     section: str
     finding: Finding
@@ -78,6 +81,7 @@ class Report:
     step_memory: Section
     process: Section
     system: Section
+    ending: Ending
 
     @property
     def duration_s(self) -> float:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from traceml import phases
+from traceml.diagnosis.ending import STATES as ENDING_STATES
 from traceml.report.model import SCHEMA_VERSION
 
 Schema = Mapping[str, Any]
@@ -190,6 +191,35 @@ def _section(name: str) -> dict[str, Any]:
     })
 
 
+_INCIDENT = _obj({
+    "what": {"type": "string", "enum": ["stall", "exception", "exit"]},
+    "rank": _INT,
+    "node_rank": _INT,
+    "host": _STR,
+    "pid": _INT,
+    "began_at": _STR,
+    "detected_at": _STR,
+    "cleared_at": {"type": ["string", "null"]},
+    "duration_s": _NUM_OR_NULL,
+    "step": _INT_OR_NULL,
+    "phase": {"type": ["string", "null"]},
+    "open_phases": {"type": "array", "items": _STR},
+    "waiting_in_collective": {"type": "boolean"},
+    "stack": {"type": "array", "items": _obj({"file": _STR, "line": _INT, "function": _STR,
+                                               "user": {"type": "boolean"}})},
+    "stack_source": {"type": ["string", "null"], "enum": ["python", "faulthandler", None]},
+    "detail": {"type": "object",
+               "additionalProperties": {"type": ["string", "number", "null"]}},
+})
+
+_ENDING = _obj({
+    "state": {"type": "string", "enum": list(ENDING_STATES)},
+    "headline": _obj(_FINDING_PROPS, nullable=True),
+    "findings": {"type": "array", "items": {"$ref": "#/$defs/finding"}},
+    "culprits": _INTS,
+    "incidents": {"type": "array", "items": _INCIDENT},
+})
+
 SUMMARY_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": f"traceml final_summary.json {SCHEMA_VERSION}",
@@ -197,10 +227,11 @@ SUMMARY_SCHEMA: dict[str, Any] = {
         "schema_version": _STR,
         "meta": _META,
         "primary": _obj({
-            "section": {"type": "string", "enum": list(SECTION_STATS)},
+            "section": {"type": "string", "enum": [*SECTION_STATS, "ending"]},
             **_FINDING_PROPS,
         }),
         **{name: _section(name) for name in SECTION_STATS},
+        "ending": _ENDING,
     }),
     "$defs": {
         "finding": _obj(_FINDING_PROPS),

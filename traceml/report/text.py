@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from traceml import phases
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
 from traceml.diagnosis.stats import MetricStat
-from traceml.report.model import Report, Section
+from traceml.report.model import SECTION_TITLES, Report, Section
 
 CARD_ORDER = ("system", "process", "step_time", "step_memory")
 
@@ -59,7 +59,7 @@ def _boxed(items: Sequence[str], text: int, width: int) -> list[str]:
 def _overview(report: Report) -> list[str]:
     meta, primary = report.meta, report.primary.finding
     verdict = f"Verdict: {primary.label}{_severity(primary)}"
-    where = [report.section(report.primary.section).title]
+    where = [SECTION_TITLES[report.primary.section]]
     if primary.ranks:
         where.append(format_ranks(primary.ranks))
     lines = [f"{verdict} ({', '.join(where)})"]

@@ -1,0 +1,376 @@
+"""How the run ended, said first: stalled, crashed, or before the first step (rules).
+
+Runs in the offline-analysis process and in the live views.  Reads the stalls
+and crashes the collector stored (`Incident`), the run's exit status and the
+system samples:
+
+* **STALLED** (crit): a rank made no progress past the stall threshold and the
+  run was stopped (or, live, is still stuck).  The culprit is the stalled rank
+  that is *not* inside a collective: the others wait for it in theirs.  When
+  every stalled rank is inside a collective, no stack can name one culprit:
+  the first rank to stop is named, and the finding says why it may not be the
+  cause (a collective called by some ranks only, or in another order).
+* **CRASHED** (crit): a rank died of an exception (type, message, the user's
+  frame), of a signal (its faulthandler stack; for SIGKILL the host's memory
+  at that moment, since the kernel's out-of-memory killer sends it), or of
+  CUDA's out-of-memory error (allocated, reserved and capacity then).
+  **FAILED** (crit): it exited non-zero without either.  The first to fail is
+  the culprit; those that failed after it are named as following it.
+* **ENDED BEFORE THE FIRST STEP**: nothing trained, and nothing above says why.
+* **STALL CLEARED** (warn): a stall that ended because steps resumed, with
+  its duration; **NO PROGRESS BEFORE EXIT** (info): no progress since the last
+  event until a clean exit (a final checkpoint, say), which is not a hang.
+
+A stall that began before the first crash is the cause of the run's end (a
+collective timeout raising on the waiting ranks follows a stall): STALLED
+wins then.  Ctrl-C's KeyboardInterrupt and the launcher's SIGTERM to the other
+ranks are how a run is stopped, not crashes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from traceml import phases, stacks
+from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
+from traceml.diagnosis.samples import Incident, RunData
+
+STOPPING_EXCEPTIONS = frozenset({"KeyboardInterrupt", "SystemExit"})
+STOPPING_SIGNALS = frozenset({"SIGINT", "SIGTERM", "SIGHUP"})
+OOM_KILLER_RAM_PCT = 90.0
+"""Host memory (%) at a SIGKILL above which the kernel's OOM killer is the likely sender."""
+RAM_LOOKBACK_S = 15.0
+"""How far before a SIGKILL the host memory samples are read."""
+
+STATES = ("running", "completed", "interrupted", "stalled", "crashed", "failed", "no_steps")
+_HEADLINED = frozenset({"stalled", "crashed", "failed", "no_steps"})
+_COLLECTIVE = frozenset(p.name for p in phases.PHASES if p.collective)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How the run ended: its state, the findings that say so (the headline first
+    when the state has one) and the incidents behind them."""
+
+    state: str  # one of STATES
+    findings: tuple[Finding, ...]
+    incidents: tuple[Incident, ...]
+    culprits: tuple[int, ...] = ()  # ranks named as the cause
+
+    @property
+    def headline(self) -> Finding | None:
+        """The finding the run's verdict shows before every section's."""
+        return self.findings[0] if self.state in _HEADLINED and self.findings else None
+
+
+def diagnose_ending(run: RunData) -> Ending:
+    """The run's ending from its incidents and exit status."""
+    meta = run.meta
+    running = meta.exit_code is None
+    stalls = [i for i in run.incidents if i.what == "stall"]
+    active = _latest_per_rank(s for s in stalls if s.cleared_at is None)
+    crashes = _crashes(run.incidents)
+    end = meta.ended_at if not running else max(
+        (i.detected_at for i in run.incidents), default=meta.started_at)
+    findings: list[Finding] = []
+    culprits: tuple[int, ...] = ()
+    first_crash = min((c.began_at for c in crashes), default=float("inf"))
+    if active and (running or meta.exit_code != 0) and min(s.began_at for s in active) <= first_crash:
+        state = "stalled"
+        finding = stalled_finding(active, run, end, crashes)
+        findings.append(finding)
+        culprits = finding.ranks
+    elif crashes:
+        finding = crash_finding(crashes, run)
+        state = "failed" if finding.kind == "FAILED" else "crashed"
+        findings.append(finding)
+        culprits = finding.ranks
+    elif not running and meta.mode == "run" and not run.steps:
+        state = "no_steps"
+        findings.append(ended_before_first_step(meta.exit_code))
+    elif not running and meta.exit_code is not None and meta.exit_code > 128:
+        state = "interrupted"
+    else:
+        state = "running" if running else "completed"
+    cleared = [s for s in stalls if s.cleared_at is not None]
+    if cleared:
+        findings.append(cleared_finding(cleared, stalls, run))
+    if active and state not in ("stalled", "running"):
+        quiet = [s for s in active if s.rank not in culprits]
+        if quiet and state == "completed":
+            findings.append(idle_finding(quiet, end))
+    return Ending(state, tuple(findings), tuple(run.incidents), culprits)
+
+
+def _latest_per_rank(incidents: Iterable[Incident]) -> list[Incident]:
+    latest: dict[int, Incident] = {}
+    for i in incidents:
+        if i.rank not in latest or i.began_at >= latest[i.rank].began_at:
+            latest[i.rank] = i
+    return [latest[r] for r in sorted(latest)]
+
+
+# -- stalls ---------------------------------------------------------------------------------
+
+
+def waiting(stall: Incident) -> bool:
+    """Whether a stalled rank stands inside a collective: it waits for the others."""
+    return stall.phase in _COLLECTIVE or stacks.phase_of(stall.stack) in _COLLECTIVE
+
+
+def where_phase(i: Incident) -> str:
+    """``in forward``, ``outside every phase``, ``in communication (backward's gradient
+    all-reduce)``."""
+    if i.phase is None:
+        return "outside every phase"
+    if i.phase in _COLLECTIVE and "backward" in i.open_phases:
+        return f"in {i.phase} (backward's gradient all-reduce)"
+    return f"in {i.phase}"
+
+
+def _at_step(i: Incident, run: RunData) -> str:
+    if i.step is None:
+        return ""
+    if not any(row.rank == i.rank for row in run.steps) and i.step == 0:
+        return " before its first step"
+    return f" at step {i.step}"
+
+
+def _where(i: Incident) -> str:
+    if not i.stack:
+        return "its stack could not be taken"
+    return stacks.where(i.stack)
+
+
+def _rank(i: Incident, run: RunData) -> str:
+    many_nodes = len({n.node_rank for n in run.meta.nodes}) > 1
+    return f"r{i.rank} (n{i.node_rank})" if many_nodes else f"r{i.rank}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+
+
+def stall_roles(stalled: Sequence[Incident]) -> tuple[list[Incident], list[Incident]]:
+    """The stalled ranks not inside a collective (the culprits) and those waiting in one."""
+    culprits = [s for s in stalled if not waiting(s)]
+    return culprits, [s for s in stalled if waiting(s)]
+
+
+def stalled_finding(stalled: Sequence[Incident], run: RunData, end: float,
+                    crashes: Sequence[Incident] = ()) -> Finding:
+    """STALLED: who stopped, where, and who waits for whom."""
+    culprits, waiters = stall_roles(stalled)
+    named = culprits or [min(stalled, key=lambda s: s.began_at)]
+    lead = named[0]
+    stopped = ", ".join(
+        f"{_rank(s, run)}{_at_step(s, run)} {where_phase(s)} ({_where(s)})" for s in named)
+    long = _seconds(max(0.0, end - min(s.began_at for s in named)))
+    why = f"{stopped} made no progress for {long}"
+    if culprits and waiters:
+        why += "; " + ", ".join(f"{_rank(s, run)} waited for it {where_phase(s)} ({_where(s)})"
+                                for s in waiters)
+    elif not culprits:
+        why = (f"Every stalled rank is inside a collective, so no stack names one culprit: "
+               f"{why}, the first to stop; "
+               + ", ".join(f"{_rank(s, run)} {where_phase(s)} ({_where(s)})"
+                           for s in waiters if s is not lead))
+    stalled_ranks = {s.rank for s in stalled}
+    others = [r for r in range(run.meta.world_size) if r not in stalled_ranks]
+    if others:
+        why += f"; {format_ranks(others)} reported no stall"
+    if crashes:
+        why += "; then " + "; ".join(_crash_clause(c, run) for c in crashes)
+    why += "."
+    if not culprits:
+        next_step = ("Make every rank call the same collectives in the same order: look for a "
+                     "collective under a rank-only branch (if rank == 0), ranks with a "
+                     f"different number of batches, or a rank that left the loop early; "
+                     f"{_rank(lead, run)} stopped first at {_where(lead)}.")
+    elif lead.phase == "input":
+        next_step = (f"{_rank(lead, run)} is stuck fetching its batch: a DataLoader worker "
+                     "hangs or died, or its storage stopped answering; DataLoader(timeout=...) "
+                     "turns such a hang into an error that names it.")
+    else:
+        next_step = (f"Look at what {_rank(lead, run)} runs at {_where(lead)}: a rank-only "
+                     "code path, a lock, blocking I/O or an endless loop; every other rank "
+                     "waits for it in its next collective.")
+    return Finding("STALLED", "STALLED", "crit", why, next_step,
+                   tuple(s.rank for s in named),
+                   {"stalled_s": max(0.0, end - lead.began_at),
+                    "step": float(lead.step) if lead.step is not None else None},
+                   tuple(sorted({s.node_rank for s in named})))
+
+
+def cleared_finding(cleared: Sequence[Incident], stalls: Sequence[Incident],
+                    run: RunData) -> Finding:
+    """STALL CLEARED: the longest stall that ended with steps resuming."""
+    longest = max(cleared, key=lambda s: (s.cleared_at or s.began_at) - s.began_at)
+    duration = (longest.cleared_at or longest.began_at) - longest.began_at
+    alongside = [s for s in stalls if s is not longest and s.began_at < (
+        longest.cleared_at or longest.began_at) and (s.cleared_at or float("inf")) > longest.began_at]
+    culprits, waiters = stall_roles([longest, *alongside])
+    lead = culprits[0] if culprits else longest
+    why = (f"{_rank(lead, run)} made no progress for {_seconds(duration)}{_at_step(lead, run)} "
+           f"{where_phase(lead)} ({_where(lead)}); then its steps resumed")
+    if waiters and lead not in waiters:
+        why += "; " + ", ".join(f"{_rank(s, run)} waited {where_phase(s)}" for s in waiters)
+    more = len([s for s in cleared if s is not longest and s not in alongside])
+    if more:
+        why += f"; {more} more stall{'s' if more > 1 else ''} cleared"
+    return Finding("STALL_CLEARED", "STALL CLEARED", "warn", why + ".",
+                   f"Look at what {_rank(lead, run)} runs at {_where(lead)}: that pause cost "
+                   "every rank its duration.", (lead.rank,), {"stalled_s": duration})
+
+
+def idle_finding(quiet: Sequence[Incident], end: float) -> Finding:
+    """NO PROGRESS BEFORE EXIT: idle after the last event, then a clean exit."""
+    lead = max(quiet, key=lambda s: end - s.began_at)
+    return Finding("NO_PROGRESS_BEFORE_EXIT", "NO PROGRESS BEFORE EXIT", "info",
+                   f"r{lead.rank} made no step progress for {_seconds(end - lead.began_at)} "
+                   f"before the run exited normally, {where_phase(lead)} ({_where(lead)}); "
+                   "work outside the training loop (saving, evaluation without a model call) "
+                   "looks like this.", "", tuple(s.rank for s in quiet))
+
+
+# -- crashes --------------------------------------------------------------------------------
+
+
+def _crashes(incidents: Sequence[Incident]) -> list[Incident]:
+    """One incident per rank that died, the exception and the launcher's exit record
+    merged (the exception's stack, step and phase; the exit's status), by time."""
+    by_rank: dict[int, Incident] = {}
+    exits: dict[int, Incident] = {}
+    for i in incidents:
+        if i.what == "exception" and str(i.detail.get("type")) not in STOPPING_EXCEPTIONS:
+            by_rank.setdefault(i.rank, i)
+        elif i.what == "exit" and _is_crash_exit(i):
+            exits.setdefault(i.rank, i)
+    for rank, exit_record in exits.items():
+        if rank in by_rank:
+            exc = by_rank[rank]
+            by_rank[rank] = dataclasses.replace(exc, detail={**exit_record.detail, **exc.detail})
+        else:
+            by_rank[rank] = exit_record
+    return sorted(by_rank.values(), key=lambda i: i.began_at)
+
+
+def _is_crash_exit(i: Incident) -> bool:
+    sig = i.detail.get("signal")
+    code = i.detail.get("exit_code")
+    if sig is not None:
+        return str(sig) not in STOPPING_SIGNALS
+    return isinstance(code, int) and code not in (0, 130, 143)
+
+
+def _crash_clause(c: Incident, run: RunData) -> str:
+    """``r0 failed at step 25 in communication (RuntimeError: Connection closed)``."""
+    kind = c.detail.get("type") or c.detail.get("signal") or f"exit {c.detail.get('exit_code')}"
+    message = str(c.detail.get("message") or "")
+    said = f"{kind}: {_short(message)}" if message else str(kind)
+    return f"{_rank(c, run)} failed{_at_step(c, run)} {where_phase(c)} ({said})"
+
+
+def _short(text: str, limit: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def crash_finding(crashes: Sequence[Incident], run: RunData) -> Finding:
+    """CRASHED (or FAILED): the first rank to die, how, where; who followed."""
+    first = crashes[0]
+    who = f"{_rank(first, run)}{_at_step(first, run)} {where_phase(first)}"
+    detail = first.detail
+    kind = "CRASHED"
+    if detail.get("capacity_bytes") is not None or "requested_bytes" in detail:
+        why = f"{who} ran out of CUDA memory ({_where(first)}): {_memory(first)}"
+        next_step = ("Lower the batch size or sequence length, or use activation checkpointing "
+                     "or lower precision; when reserved is far above allocated, "
+                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation.")
+    elif detail.get("type") is not None:
+        why = (f"{who} raised {detail['type']}: {_short(str(detail.get('message') or ''))} "
+               f"at {_where(first)}")
+        next_step = (f"Fix the error at {_where(first)}; the workers' output above has the "
+                     "whole traceback.")
+    elif detail.get("signal") is not None:
+        sig = str(detail["signal"])
+        why = f"{who} was killed by {sig}"
+        if sig == "SIGKILL":
+            why += f" (no stack: SIGKILL cannot be caught); {_kill_reason(first, run)}"
+            next_step = ("If memory ran out, lower the host memory per rank (DataLoader "
+                         "workers, pinned buffers, caches); check the kernel log (dmesg) "
+                         "and the scheduler's log for who sent it.")
+        else:
+            why += f" at {_where(first)}" if first.stack else f" ({_where(first)})"
+            next_step = ("A fatal signal comes from native code (a C extension, a custom "
+                         "kernel, a library mismatch): run that rank's step alone with "
+                         "faulthandler on, or under gdb, to find the native frame.")
+    else:
+        kind = "FAILED"
+        why = (f"{who} exited with status {detail.get('exit_code')} without an uncaught "
+               "exception (the script exited by itself: sys.exit, os._exit)")
+        next_step = "Read that rank's output above for why it chose to exit."
+    code = detail.get("exit_code")
+    if code is not None and detail.get("signal") is None and kind == "CRASHED":
+        why += f"; exit {code}"
+    followers = crashes[1:]
+    if followers:
+        why += "; then " + "; ".join(_crash_clause(c, run) for c in followers)
+    return Finding(kind, kind, "crit", why + ".", next_step, (first.rank,),
+                   {"step": float(first.step) if first.step is not None else None},
+                   (first.node_rank,))
+
+
+def _memory(i: Incident) -> str:
+    d = i.detail
+    parts = []
+    for key, name in (("allocated_bytes", "allocated"), ("reserved_bytes", "reserved")):
+        value = d.get(key)
+        if isinstance(value, (int, float)):
+            parts.append(f"{format_bytes(value)} {name}")
+    text = ", ".join(parts) or "memory not read"
+    capacity = d.get("capacity_bytes")
+    if isinstance(capacity, (int, float)):
+        text += f" of {format_bytes(capacity)}"
+    asked = d.get("requested_bytes")
+    if isinstance(asked, (int, float)):
+        text += f"; it asked for {format_bytes(asked)} more"
+    return text
+
+
+def _kill_reason(i: Incident, run: RunData) -> str:
+    """Why a SIGKILL likely came: host memory on the rank's node just before it."""
+    recent = [s.ram_pct for s in run.system
+              if s.node_rank == i.node_rank and i.began_at - RAM_LOOKBACK_S <= s.t <= i.began_at + 1]
+    if not recent:
+        return "host memory was not sampled then, so who sent it is not known"
+    peak = max(recent)
+    if peak >= OOM_KILLER_RAM_PCT:
+        return (f"host memory was {peak:.0f}% full just before: likely the kernel's "
+                "out-of-memory killer")
+    return (f"host memory was {peak:.0f}% full, so not the out-of-memory killer: sent from "
+            "outside (a scheduler's limit, a user, another tool)")
+
+
+def ended_before_first_step(exit_code: int | None) -> Finding:
+    """The run's headline when nothing trained and nothing says why."""
+    failed = exit_code not in (0, None)
+    why = (f"The run ended (exit {exit_code}) before any rank completed a training step, so "
+           "nothing was trained and the sections below only cover the start-up.")
+    next_step = ("Read the workers' error output above (the first traceback is the cause), "
+                 "fix the set-up and run again." if failed else
+                 "If this script trains, no optimizer step or backward was seen: see 'How "
+                 "steps are found' in traceml's README, or mark steps with traceml.trace_step.")
+    return Finding("ENDED_BEFORE_FIRST_STEP", "ENDED BEFORE THE FIRST STEP",
+                   "crit" if failed else "info", why, next_step, (), {"exit_code": exit_code})
+
+
+def signal_name(exit_code: int) -> str | None:
+    """``SIGSEGV`` for a process that died of signal 11 (exit code -11)."""
+    try:
+        return signal.Signals(-exit_code).name if exit_code < 0 else None
+    except ValueError:
+        return None
