@@ -150,10 +150,12 @@ class Heartbeat:
         self.info: dict[str, Any] = {"rank": rank, "pid": pid, "thread": thread_id,
                                      "threshold_s": None}
         self._next = 0.0
+        self._written = False
 
     def beat(self, now: float, threshold_s: float | None) -> None:
         """Sender thread, every tick; ``threshold_s`` None until the loop has begun."""
-        if threshold_s != self.info["threshold_s"]:
+        if threshold_s != self.info["threshold_s"] or not self._written:
+            self._written = True
             self.info["threshold_s"] = threshold_s
             tmp = self.files.heartbeat + ".tmp"
             with open(tmp, "wb") as f:

@@ -176,9 +176,11 @@ class StepTracker:
                 self.close()
 
     def position(self) -> tuple[int, tuple[int, ...]]:
-        """Where the rank stands now: the step in progress (0-based; once a step has
-        completed, the next one) and the phases open, outermost first."""
-        step = self._next_step + (1 if self._open and self._complete else 0)
+        """Where the rank stands now: the step in progress (0-based) and the phases
+        open, outermost first.  After a step's optimizer step the rank is still in
+        that step's tail, until it fetches (or starts) the next one."""
+        ahead = self._open and self._complete and bool(self._stack or self._pending_n)
+        step = self._next_step + ahead
         return step, tuple(entry[0] for entry in self._stack)
 
     # -- internals ----------------------------------------------------------

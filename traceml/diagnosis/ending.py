@@ -135,7 +135,7 @@ def _at_step(i: Incident, run: RunData) -> str:
     if i.step is None:
         return ""
     if not any(row.rank == i.rank for row in run.steps) and i.step == 0:
-        return " before its first step"
+        return " before any step of it was recorded"
     return f" at step {i.step}"
 
 
@@ -166,10 +166,9 @@ def stalled_finding(stalled: Sequence[Incident], run: RunData, end: float,
     culprits, waiters = stall_roles(stalled)
     named = culprits or [min(stalled, key=lambda s: s.began_at)]
     lead = named[0]
-    stopped = ", ".join(
-        f"{_rank(s, run)}{_at_step(s, run)} {where_phase(s)} ({_where(s)})" for s in named)
-    long = _seconds(max(0.0, end - min(s.began_at for s in named)))
-    why = f"{stopped} made no progress for {long}"
+    why = ", ".join(
+        f"{_rank(s, run)} made no progress for {_seconds(max(0.0, end - s.began_at))}"
+        f"{_at_step(s, run)} {where_phase(s)} ({_where(s)})" for s in named)
     if culprits and waiters:
         why += "; " + ", ".join(f"{_rank(s, run)} waited for it {where_phase(s)} ({_where(s)})"
                                 for s in waiters)
@@ -282,35 +281,36 @@ def _short(text: str, limit: int = 160) -> str:
 def crash_finding(crashes: Sequence[Incident], run: RunData) -> Finding:
     """CRASHED (or FAILED): the first rank to die, how, where; who followed."""
     first = crashes[0]
-    who = f"{_rank(first, run)}{_at_step(first, run)} {where_phase(first)}"
+    rank, at = _rank(first, run), f"{_at_step(first, run)} {where_phase(first)}"
     detail = first.detail
     kind = "CRASHED"
     if detail.get("capacity_bytes") is not None or "requested_bytes" in detail:
-        why = f"{who} ran out of CUDA memory ({_where(first)}): {_memory(first)}"
+        why = f"{rank} ran out of CUDA memory{at} ({_where(first)}): {_memory(first)}"
         next_step = ("Lower the batch size or sequence length, or use activation checkpointing "
                      "or lower precision; when reserved is far above allocated, "
                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation.")
     elif detail.get("type") is not None:
-        why = (f"{who} raised {detail['type']}: {_short(str(detail.get('message') or ''))} "
-               f"at {_where(first)}")
+        message = _short(str(detail.get("message") or ""))
+        why = f"{rank} raised {detail['type']}{': ' + message if message else ''}{at} " \
+              f"({_where(first)})"
         next_step = (f"Fix the error at {_where(first)}; the workers' output above has the "
                      "whole traceback.")
     elif detail.get("signal") is not None:
         sig = str(detail["signal"])
-        why = f"{who} was killed by {sig}"
+        why = f"{rank} was killed by {sig}{at}"
         if sig == "SIGKILL":
             why += f" (no stack: SIGKILL cannot be caught); {_kill_reason(first, run)}"
             next_step = ("If memory ran out, lower the host memory per rank (DataLoader "
                          "workers, pinned buffers, caches); check the kernel log (dmesg) "
                          "and the scheduler's log for who sent it.")
         else:
-            why += f" at {_where(first)}" if first.stack else f" ({_where(first)})"
+            why += f" ({_where(first)})"
             next_step = ("A fatal signal comes from native code (a C extension, a custom "
                          "kernel, a library mismatch): run that rank's step alone with "
                          "faulthandler on, or under gdb, to find the native frame.")
     else:
         kind = "FAILED"
-        why = (f"{who} exited with status {detail.get('exit_code')} without an uncaught "
+        why = (f"{rank} exited with status {detail.get('exit_code')}{at} without an uncaught "
                "exception (the script exited by itself: sys.exit, os._exit)")
         next_step = "Read that rank's output above for why it chose to exit."
     code = detail.get("exit_code")

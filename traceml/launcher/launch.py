@@ -25,6 +25,7 @@ from traceml.launcher import topology
 from traceml.launcher.args import torch_namespace
 from traceml.launcher.collector_process import CollectorProcess, run_start
 from traceml.launcher.ending import finish
+from traceml.launcher.health import RankFailure, StackWatch, StallAlert
 from traceml.launcher.nodes import JoinCheck, SilenceWatch, Waiting, wait_for_nodes
 from traceml.launcher.process_watcher import ProcessWatcher
 from traceml.launcher.system_sampler import SystemSampler
@@ -48,13 +49,16 @@ def exit_status_of(exc: BaseException) -> int:
     raise exc
 
 
-def run_torch(torch_args: Any) -> int:
-    """torchrun's own launch path; returns the training's exit status."""
+def run_torch(torch_args: Any, failures: list[RankFailure] | None = None) -> int:
+    """torchrun's own launch path; returns the training's exit status (and adds the
+    ranks torch saw die to ``failures``)."""
     try:
         torchrun.run(torch_args)  # type: ignore[no-untyped-call]
     except (ChildFailedError, SignalException) as exc:
         if isinstance(exc, ChildFailedError):
             print(exc.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
+            if failures is not None:
+                failures += failures_of(exc)
         return exit_status_of(exc)
     except RendezvousError as exc:
         # torchrun would print a traceback; the reason fits on one line.
@@ -64,6 +68,18 @@ def run_torch(torch_args: Any) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def failures_of(exc: ChildFailedError) -> list[RankFailure]:
+    """The ranks a ChildFailedError lists, as this node's launcher saw them die."""
+    out = []
+    for rank, failure in exc.failures.items():
+        try:
+            out.append(RankFailure(int(rank), int(failure.pid), int(failure.exitcode),
+                                   float(failure.timestamp)))
+        except (TypeError, ValueError):  # torch named no process: nothing to look up
+            continue
+    return out
 
 
 def check_script(cfg: RunConfig) -> None:
@@ -155,10 +171,16 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
                collector: CollectorProcess | None, session_dir: Path) -> int:
     """Run torch's launch with the node's helpers around it; end with the summary."""
     keys = session_keys(topo.secure, agent_env.secret, cfg.session_id)
+    stack_watch = StackWatch(session_dir)
     sampler = SystemSampler(agent_env.endpoint, cfg.session_id,
-                            cfg.node_rank if topo.static else None, cfg.sample_interval_s, keys)
+                            cfg.node_rank if topo.static else None, cfg.sample_interval_s, keys,
+                            extra=[stack_watch.produce] if cfg.command == "run" else [])
     sampler.start()
     helpers = node_helpers(cfg, topo, collector, session_dir)
+    if collector is not None and cfg.command == "run" and cfg.worker_log_dir is None:
+        # Node 0 prints a stall once known (the cli view shows it in its place).
+        helpers.append(StallAlert(session_dir / STORE_FILENAME))
+        helpers[-1].start()
     if cfg.command == "watch":
         helpers.append(ProcessWatcher(agent_env.endpoint, cfg.session_id,
                                       cfg.node_rank if topo.static else None,
@@ -169,11 +191,13 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
     torch_args = torch_namespace(cfg, redirect_output=collector is not None)
     view = start_live_view(cfg, session_dir, collector.ready if collector else {})  # live views
     exit_code = 128 + signal.SIGINT
+    failures: list[RankFailure] = []
     try:
-        exit_code = run_torch(torch_args)
+        exit_code = run_torch(torch_args, failures)
     except KeyboardInterrupt:
         pass
     finally:
+        stack_watch.failed(failures)  # sent with the sampler's last messages
         for helper in helpers:
             helper.stop()
         sampler.stop()

@@ -19,7 +19,7 @@ from traceml import protocol
 from traceml.environment import TorchRank
 from traceml.protocol import Sender
 from traceml.security import CurveKeys
-from traceml.sender import BatchSender
+from traceml.sender import BatchSender, Producer
 
 
 def visible_gpu_indices(count: int, visible: str | None) -> list[int]:
@@ -98,15 +98,17 @@ class SystemSampler:
     """
 
     def __init__(self, endpoint: str, session_id: str, node_rank: int | None,
-                 interval_s: float, keys: CurveKeys | None = None) -> None:
+                 interval_s: float, keys: CurveKeys | None = None,
+                 extra: list[Producer] | None = None) -> None:
         self.nvml = Nvml()
         psutil.cpu_percent(None)  # prime: the first call has no interval
         self.node_rank = node_rank
         identity = Sender(role="system", host=socket.gethostname(), pid=os.getpid(),
                           node_rank=-1 if node_rank is None else node_rank)
+        extra = extra or []  # more of this node's messages (stacks, crash records)
         self.sender = BatchSender(endpoint, session_id, identity, interval_s,
-                                  producers=[self.produce],
-                                  final_producers=[self.produce, self._bye],
+                                  producers=[self.produce, *extra],
+                                  final_producers=[self.produce, *extra, self._bye],
                                   keys=keys)
 
     def produce(self) -> list[tuple[str, dict[str, Any]]]:

@@ -12,6 +12,7 @@ import textwrap
 from collections.abc import Sequence
 
 from traceml import phases
+from traceml.diagnosis.ending import STOPPING_EXCEPTIONS
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
 from traceml.diagnosis.stats import MetricStat
 from traceml.report.model import SECTION_TITLES, Report, Section
@@ -41,6 +42,8 @@ def render_text(report: Report, width: int = 78) -> str:
     if report.meta.partial:
         header += " | PARTIAL"
     body = ["", *_overview(report), ""]
+    if report.ending.findings:
+        body += [*_ending_lines(report), ""]
     for name in CARD_ORDER:
         body += [*_section_lines(report.section(name), report), ""]
     lines = [rule, *_boxed([header], text, width), rule, *_boxed(body[:-1], text, width), rule]
@@ -76,6 +79,26 @@ def _overview(report: Report) -> list[str]:
     if dropped or gaps:
         lines.append(f"Telemetry: {dropped} messages dropped, {gaps} sequence gaps; "
                      "some samples are missing.")
+    return lines
+
+
+STACK_FRAMES_SHOWN = 4
+"""Frames of each stalled or crashed rank's stack the card shows (innermost last)."""
+
+
+def _ending_lines(report: Report) -> list[str]:
+    """How the run ended: its findings, then each stalled or crashed rank's stack."""
+    ending = report.ending
+    lines = ["Ending", f"- State: {ending.state}"]
+    lines += [f"- {f.label}{_severity(f)}: {f.why}" for f in ending.findings]
+    shown: set[tuple[int, str]] = set()
+    for i in ending.incidents:
+        if (not i.stack or (i.rank, i.what) in shown
+                or i.detail.get("type") in STOPPING_EXCEPTIONS):  # Ctrl-C's, not a crash
+            continue
+        shown.add((i.rank, i.what))
+        frames = " > ".join(f.short() for f in i.stack[-STACK_FRAMES_SHOWN:])
+        lines.append(f"- r{i.rank} {i.what} stack ({i.stack_source}): {frames}")
     return lines
 
 
