@@ -120,12 +120,14 @@ def test_init_and_summary_in_plain_python(tmp_path: Path) -> None:
     assert len(read_store(tmp_path / "logs" / "plain" / "telemetry.sqlite")[0]) == 30
 
 
-def test_a_run_that_dies_in_set_up_is_headlined_as_ended_before_the_first_step(
+def test_a_run_that_dies_in_set_up_is_headlined_as_a_crash_before_the_first_step(
         tmp_path: Path) -> None:
     res = run_traceml(tmp_path, "run", "--nproc-per-node=2", script("loop.py"), "--fail", "setup")
     assert res.returncode == 1  # the training's own exit status
     assert res.summary is not None
     primary = res.summary["primary"]
-    assert (primary["label"], primary["severity"]) == ("ENDED BEFORE THE FIRST STEP", "crit")
-    assert "exit 1" in primary["why"]
-    assert "Verdict: ENDED BEFORE THE FIRST STEP [crit] (Step Time)" in res.stdout
+    assert (primary["label"], primary["severity"], primary["section"]) == (
+        "CRASHED", "crit", "ending")
+    assert "raised RuntimeError: set-up failure on purpose before any step" in primary["why"]
+    assert "loop.py:" in primary["why"]  # the script's line, not torch's
+    assert f"Verdict: CRASHED [crit] (Ending, r{primary['ranks'][0]})" in res.stdout

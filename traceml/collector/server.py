@@ -167,9 +167,10 @@ class Collector:
         step, codes = steps.tracker.position() if steps is not None else (None, ())
         open_phases = tuple(phases.PHASES[c].name for c in codes if c < len(phases.PHASES))
         phase = open_phases[-1] if open_phases else None
-        if report.stack and (phase is None or not (report.what == protocol.STALL
-                                                   and who is sender)):
-            phase = stacks.phase_of(report.stack) or phase
+        if report.what == protocol.STALL and who is sender:  # every event came before
+            phase = phase or stacks.phase_of(report.stack)
+        elif report.stack:  # taken now, while the events may lag: the stack says
+            phase = stacks.phase_of(report.stack)
         what = protocol.STALL if report.what == protocol.RESUMED else report.what
         row = self.store.add_incident(Incident(
             what=what, rank=rank, node_rank=who.node_rank, host=who.host, pid=pid,

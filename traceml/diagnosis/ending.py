@@ -291,8 +291,8 @@ def crash_finding(crashes: Sequence[Incident], run: RunData) -> Finding:
                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation.")
     elif detail.get("type") is not None:
         message = _short(str(detail.get("message") or ""))
-        why = f"{rank} raised {detail['type']}{': ' + message if message else ''}{at} " \
-              f"({_where(first)})"
+        said = f"{detail['type']}: {message}" if message else str(detail["type"])
+        why = f"{rank} raised {said}{at} ({_where(first)})"
         next_step = (f"Fix the error at {_where(first)}; the workers' output above has the "
                      "whole traceback.")
     elif detail.get("signal") is not None:

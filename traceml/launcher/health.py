@@ -194,12 +194,14 @@ class StallAlert:
         except StoreError:
             return
         stalls = [i for i in run.incidents if i.what == "stall"]
+        cleared = []
         for s in stalls:
             key = (s.rank, s.pid, s.began_at)
             if s.cleared_at is not None and self._printed.get(key) is False:
                 self._printed[key] = True
-                _say(f"the stall cleared: r{s.rank} made progress again after "
-                     f"{s.cleared_at - s.began_at:.1f} s")
+                cleared.append(f"r{s.rank} after {s.cleared_at - s.began_at:.1f} s")
+        if cleared:
+            _say(f"the stall cleared: steps resumed ({', '.join(cleared)})")
         active = [s for s in stalls if s.cleared_at is None
                   and (s.rank, s.pid, s.began_at) not in self._printed]
         if not active:
