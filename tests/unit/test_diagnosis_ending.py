@@ -1,0 +1,180 @@
+"""The ending rules on hand-built 1-, 2- and 8-rank runs: who stalled, who waits for
+whom, which crash came first, and what is not a crash (traceml.diagnosis.ending)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.rows import step_row
+from traceml.diagnosis.ending import diagnose_ending
+from traceml.diagnosis.samples import Incident, NodeInfo, RunData, RunMeta, SystemSample
+from traceml.report import build_report, report_to_json, validate_summary
+from traceml.stacks import Frame
+
+T0 = 1000.0
+USER = Frame("/home/me/train.py", 42, "forward")
+WAIT = Frame("/usr/lib/python3.11/threading.py", 327, "wait")
+BACKWARD = (Frame("/home/me/train.py", 90, "main"),
+            Frame("/venv/lib/python3.11/site-packages/torch/_tensor.py", 623, "backward"),
+            Frame("/venv/lib/python3.11/site-packages/torch/autograd/graph.py", 979,
+                  "_engine_run_backward"))
+
+
+def run(world: int, incidents: list[Incident], exit_code: int | None = 130,
+        ram_pct: float = 20.0) -> RunData:
+    meta = RunMeta(session_id="s", command=["train.py"], started_at=T0, ended_at=T0 + 100,
+                   exit_code=exit_code, partial=exit_code != 0, world_size=world,
+                   missing_ranks=(), nodes=(NodeInfo(0, "h", tuple(range(world))),),
+                   device="cpu", versions={}, transport={})
+    steps = tuple(step_row(r, s, 1.0, 2.0, 3.0, 4.0, 10.0, 0.0, t=T0 + s)
+                  for r in range(world) for s in range(30))
+    system = tuple(SystemSample(0, "h", T0 + t, 50.0, ram_pct, 1 << 34) for t in range(0, 100, 5))
+    return RunData(meta, steps, (), system, tuple(incidents))
+
+
+def stall(rank: int, began: float, phase: str | None, open_phases: tuple[str, ...] = (),
+          stack: tuple[Frame, ...] = (USER, WAIT), cleared: float | None = None) -> Incident:
+    return Incident("stall", rank, 0, "h", 100 + rank, T0 + began, T0 + began + 3, cleared,
+                    30, phase, open_phases or ((phase,) if phase else ()), stack, "python")
+
+
+def waiter(rank: int, began: float, **kw: Any) -> Incident:
+    return stall(rank, began, "communication", ("backward", "communication"), BACKWARD, **kw)
+
+
+def crash(rank: int, at: float, what: str = "exception", **detail: Any) -> Incident:
+    return Incident(what, rank, 0, "h", 100 + rank, T0 + at, T0 + at, None, 25, "forward",
+                    (), (USER,) if what == "exception" else (), "python", detail)
+
+
+def test_one_rank_stalled_alone_is_the_culprit() -> None:
+    ending = diagnose_ending(run(1, [stall(0, 50.0, "forward")]))
+    assert ending.state == "stalled" and ending.culprits == (0,)
+    headline = ending.headline
+    assert headline is not None and headline.label == "STALLED"
+    assert headline.why.startswith("r0 made no progress for 50 s at step 30 in forward "
+                                   "(train.py:42 in forward (threading.py:327 in wait))")
+
+
+def test_two_ranks_the_one_outside_a_collective_is_named_and_the_other_waits() -> None:
+    ending = diagnose_ending(run(2, [stall(1, 50.0, "forward"), waiter(0, 50.1)]))
+    assert ending.state == "stalled" and ending.culprits == (1,)
+    assert ending.headline is not None
+    assert ("r0 waited for it in communication (backward's gradient all-reduce) "
+            "(train.py:90 in main (graph.py:979 in _engine_run_backward))") in ending.headline.why
+
+
+def test_eight_ranks_one_culprit_seven_waiting() -> None:
+    incidents = [waiter(r, 50.2) for r in range(8) if r != 5] + [stall(5, 50.0, None)]
+    ending = diagnose_ending(run(8, incidents))
+    assert ending.culprits == (5,)
+    assert ending.headline is not None
+    assert "r5 made no progress for 50 s at step 30 outside every phase" in ending.headline.why
+    assert ending.headline.why.count("waited for it") == 7
+
+
+def test_eight_ranks_all_inside_collectives_name_the_first_to_stop_and_say_why() -> None:
+    incidents = [waiter(r, 50.0 + 0.1 * r) for r in range(8)]
+    incidents[3] = waiter(3, 49.0)
+    ending = diagnose_ending(run(8, incidents))
+    assert ending.state == "stalled" and ending.culprits == (3,)
+    assert ending.headline is not None
+    assert ending.headline.why.startswith("Every stalled rank is inside a collective")
+    assert "same collectives in the same order" in ending.headline.next
+
+
+def test_ranks_that_reported_no_stall_are_said() -> None:
+    ending = diagnose_ending(run(8, [stall(2, 50.0, "optimizer")]))
+    assert ending.headline is not None
+    assert "r0, r1, r3, r4 +3 more reported no stall" in ending.headline.why
+
+
+def test_a_cleared_stall_is_a_warning_with_its_duration_not_the_headline() -> None:
+    ending = diagnose_ending(run(2, [stall(1, 40.0, "forward", cleared=T0 + 80.0),
+                                     waiter(0, 40.1, cleared=T0 + 80.0)], exit_code=0))
+    assert ending.state == "completed" and ending.headline is None
+    (finding,) = ending.findings
+    assert (finding.label, finding.severity, finding.ranks) == ("STALL CLEARED", "warn", (1,))
+    assert finding.evidence["stalled_s"] == pytest.approx(40.0)
+    assert "r1 made no progress for 40 s at step 30 in forward" in finding.why
+
+
+def test_no_progress_until_a_clean_exit_is_not_a_stall() -> None:
+    ending = diagnose_ending(run(1, [stall(0, 90.0, None)], exit_code=0))
+    assert ending.state == "completed" and ending.headline is None
+    assert [f.kind for f in ending.findings] == ["NO_PROGRESS_BEFORE_EXIT"]
+
+
+def test_the_first_crash_is_the_culprit_and_those_after_it_follow() -> None:
+    ending = diagnose_ending(run(2, [
+        crash(0, 60.5, type="RuntimeError", message="Connection closed by peer"),
+        crash(1, 60.0, type="ValueError", message="bad batch"),
+        crash(1, 61.0, "exit", exit_code=1, signal=None),
+        crash(0, 61.0, "exit", exit_code=-15, signal="SIGTERM")], exit_code=1))
+    assert ending.state == "crashed" and ending.culprits == (1,)
+    assert ending.headline is not None
+    why = ending.headline.why
+    assert why.startswith("r1 raised ValueError: bad batch at step 25 in forward "
+                          "(train.py:42 in forward); exit 1")
+    assert "then r0 failed at step 25 in forward (RuntimeError: Connection closed" in why
+
+
+def test_ctrl_c_and_the_launchers_sigterm_are_not_crashes() -> None:
+    ending = diagnose_ending(run(2, [
+        crash(0, 60.0, type="KeyboardInterrupt", message=""),
+        crash(1, 60.0, "exit", exit_code=-15, signal="SIGTERM")], exit_code=130))
+    assert ending.state == "interrupted" and ending.headline is None
+
+
+def test_a_stall_before_a_crash_is_the_cause() -> None:
+    # r1 stops; much later the collective times out on r0 and raises there.
+    ending = diagnose_ending(run(2, [stall(1, 10.0, "forward"), waiter(0, 10.1),
+                                     crash(0, 90.0, type="RuntimeError", message="Timeout")],
+                                 exit_code=1))
+    assert ending.state == "stalled" and ending.culprits == (1,)
+    assert ending.headline is not None and "then r0 failed" in ending.headline.why
+
+
+@pytest.mark.parametrize(("ram_pct", "said"), [
+    (97.0, "host memory was 97% full just before: likely the kernel's out-of-memory killer"),
+    (30.0, "host memory was 30% full, so not the out-of-memory killer"),
+])
+def test_sigkill_names_its_likely_sender(ram_pct: float, said: str) -> None:
+    ending = diagnose_ending(run(2, [crash(1, 60.0, "exit", exit_code=-9, signal="SIGKILL")],
+                                 exit_code=137, ram_pct=ram_pct))
+    assert ending.state == "crashed" and ending.headline is not None
+    assert "r1 was killed by SIGKILL at step 25 in forward (no stack" in ending.headline.why
+    assert said in ending.headline.why
+
+
+def test_cuda_out_of_memory_gives_the_numbers() -> None:
+    gib = 1 << 30
+    ending = diagnose_ending(run(1, [crash(
+        0, 60.0, type="torch.OutOfMemoryError", message="CUDA out of memory.",
+        allocated_bytes=78 * gib, reserved_bytes=79 * gib, capacity_bytes=80 * gib,
+        requested_bytes=2 * gib)], exit_code=1))
+    assert ending.headline is not None
+    assert ("r0 ran out of CUDA memory at step 25 in forward (train.py:42 in forward): "
+            "78.0 GiB allocated, 79.0 GiB reserved of 80.0 GiB; it asked for 2.0 GiB more"
+            in ending.headline.why)
+
+
+def test_a_nonzero_exit_without_an_exception_is_failed() -> None:
+    ending = diagnose_ending(run(2, [crash(1, 60.0, "exit", exit_code=3, signal=None)],
+                                 exit_code=3))
+    assert ending.state == "failed" and ending.headline is not None
+    assert ending.headline.label == "FAILED"
+    assert "r1 exited with status 3" in ending.headline.why
+
+
+def test_the_ending_headlines_the_report_and_its_json_is_valid() -> None:
+    report = build_report(run(2, [stall(1, 50.0, "forward"), waiter(0, 50.1)]), 10_000)
+    assert report.primary.section == "ending" and report.primary.finding.label == "STALLED"
+    doc = report_to_json(report)
+    assert validate_summary(doc) == []
+    incidents: Any = doc["ending"]
+    assert [i["waiting_in_collective"] for i in incidents["incidents"]] == [False, True]
+    assert incidents["incidents"][0]["stack"][0] == {
+        "file": USER.file, "line": 42, "function": "forward", "user": True}
