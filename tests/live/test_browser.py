@@ -135,3 +135,27 @@ def _check_html_reports(tmp_path: Path, browser: Any, verdict: str) -> None:
     page.goto(out.as_uri())
     page.screenshot(path=str(artifact("html-report-2-ranks.png")), full_page=True)
     page.close()
+
+
+def test_html_report_headlines_a_stall_and_keeps_a_cleared_one_in_view(
+        tmp_path: Path, browser: Any) -> None:
+    import dataclasses
+
+    from tests.live.conftest import fixed_run
+    from tests.live.test_terminal import _with_stall
+
+    for cleared, verdict in ((False, "STALLED"), (True, "INPUT STRAGGLER")):
+        run = _with_stall(fixed_run(), cleared)
+        run = dataclasses.replace(run, meta=dataclasses.replace(run.meta, exit_code=130,
+                                                                ended_at=run.meta.started_at + 9))
+        path = write_html(tmp_path / f"cleared-{cleared}.html", build_report(run, 10000), run)
+        page, watch = open_page(browser, "file://")
+        page.goto(path.as_uri())
+        wait_for(lambda p=page: chart_facts(p)["renders"], 20, "the page to render")
+        assert chart_facts(page)["verdict"] == verdict
+        kinds = page.eval_on_selector_all(".ending", "els => els.map((e) => e.dataset.kind)")
+        assert kinds == (["STALL_CLEARED"] if cleared else [])
+        if not cleared:
+            assert "r1 made no progress for" in page.inner_text("#verdict")
+        assert watch.errors == [] and watch.outside_requests == []
+        page.close()

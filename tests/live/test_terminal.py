@@ -152,3 +152,27 @@ def test_worker_output_follows_the_log_files(tmp_path: Path) -> None:
     with (rank0 / "stdout.log").open("a") as f:
         f.write("ial line\n\nlast\n")
     assert [o.text for o in output.poll()] == ["two", "partial line", "last"]
+
+
+def _with_stall(run: RunData, cleared: bool) -> RunData:
+    from traceml.diagnosis.samples import Incident
+    from traceml.stacks import Frame
+
+    user = (Frame("/home/me/train.py", 42, "forward"),)
+    end = T0 + 8 if cleared else None
+    stalls = (Incident("stall", 1, 0, "gpu-box", 11, T0 + 2, T0 + 5, end, 11, "forward",
+                       ("forward",), user, "python"),
+              Incident("stall", 0, 0, "gpu-box", 10, T0 + 2.1, T0 + 5, end, 11,
+                       "communication", ("backward", "communication"), user, "python"))
+    return dataclasses.replace(run, incidents=stalls)
+
+
+def test_a_stall_is_the_diagnosis_while_it_lasts_and_stays_in_view_once_cleared() -> None:
+    stalled = render(render_view(live_snapshot(_with_stall(fixed_run(), cleared=False), 10000,
+                                               now=T0 + 65)))
+    assert "Diagnosis: STALLED [crit] (Ending, r1)" in stalled
+    assert "r1 made no progress for 3.0 s at step 11 in forward (train.py:42 in forward)" in stalled
+    cleared = render(render_view(live_snapshot(_with_stall(fixed_run(), cleared=True), 10000,
+                                               now=T0 + 65)))
+    assert "Diagnosis: INPUT STRAGGLER [crit] (Step Time, r1)" in cleared
+    assert "STALL CLEARED [warn]: r1 made no progress for 6.0 s at step 11 in forward" in cleared

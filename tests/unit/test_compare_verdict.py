@@ -319,3 +319,16 @@ def test_a_busy_machine_is_stated() -> None:
 ])
 def test_decide(time: Any, memory: Any, label: str) -> None:
     assert decide(time, memory) == label
+
+
+@pytest.mark.parametrize("state", ["stalled", "crashed"])
+def test_a_stalled_or_crashed_run_is_not_compared_for_speed(state: str) -> None:
+    # B's steps look twice as fast, but B stopped: that is no speed-up.
+    b = summary(tight(50.0))
+    b["ending"]["state"] = state
+    b["ending"]["headline"] = dict(b["primary"], label=state.upper())
+    result = compare(summary(tight(100.0)), b)
+    assert result.time.direction == "unknown"
+    assert result.verdict.label != "IMPROVEMENT"
+    assert (f"step time is not compared: B {state} ({state.upper()}), so its steps do not say "
+            "how fast the job trains") in result.time.why

@@ -9,6 +9,7 @@ are left out, so a CPU-only pair shows no GPU rows and is not INCONCLUSIVE.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from traceml import phases
@@ -61,11 +62,27 @@ NOISE_ROWS = (("step_p50_ms", "Median step (p50)"), ("step_iqr_ms", "Step spread
 def compare_runs(a: RunSummary, b: RunSummary, threshold_pct: float) -> Comparison:
     """Compare B against A with a step-time threshold of ``threshold_pct`` % of A's step."""
     time = time_change(a.section("step_time"), b.section("step_time"), threshold_pct)
+    unfit = unfit_for_speed(a, b)
+    if unfit is not None:
+        time = dataclasses.replace(time, direction="unknown", why=unfit)
     memory = memory_change(a.section("step_memory"), b.section("step_memory"))
     sections = tuple(section_compare(name, a.section(name), b.section(name))
                      for name in SECTION_NAMES)
     return Comparison(run_info(a), run_info(b), threshold_pct, verdict(time, memory), time,
                       memory, sections, notes(a, b))
+
+
+BROKEN_ENDINGS = ("stalled", "crashed", "failed")
+"""Endings whose step times do not say how fast the job trains."""
+
+
+def unfit_for_speed(a: RunSummary, b: RunSummary) -> str | None:
+    """Why step time must not be compared: a side stalled or crashed (None: it may)."""
+    for side, run in (("A", a), ("B", b)):
+        if run.ending in BROKEN_ENDINGS:
+            return (f"step time is not compared: {side} {run.ending} ({run.ending_label}), so "
+                    "its steps do not say how fast the job trains; fix that and compare again")
+    return None
 
 
 def run_info(run: RunSummary) -> RunInfo:

@@ -63,6 +63,8 @@ class RunSummary:
     partial: bool
     sections: Mapping[str, SectionData | None]  # None: the section is missing in the file
     problems: tuple[str, ...] = ()  # schema problems found (same schema version only)
+    ending: str | None = None  # how it ended (``ending.state``; None before schema 1.2)
+    ending_label: str | None = None  # its headline's label, e.g. "STALLED"
 
     def section(self, name: str) -> SectionData | None:
         """A section by its JSON name; None when the file lacks it."""
@@ -83,6 +85,8 @@ def decode_summary(doc: Mapping[str, object], label: str, path: str,
         partial=meta.get("partial") is True,
         sections={name: decode_section(name, doc.get(name)) for name in SECTION_NAMES},
         problems=problems,
+        ending=_as_str(_as_map(doc.get("ending")).get("state")),
+        ending_label=_as_str(_as_map(_as_map(doc.get("ending")).get("headline")).get("label")),
     )
 
 

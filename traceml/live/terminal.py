@@ -156,6 +156,10 @@ def diagnosis(snap: Snapshot) -> RenderableType:
     body = Text(finding.why)
     if finding.actionable and finding.next:
         body.append(f"\nNext: {finding.next}", style="dim")
+    for other in snap.report.ending.findings:  # a stall that cleared stays in view
+        if other is not finding:
+            body.append(f"\n{other.label} [{other.severity}]: ", style=_SEVERITY_STYLE[other.severity])
+            body.append(other.why)
     labels = " | ".join(f"{SECTION_TITLES[name]} {snap.report.section(name).diagnosis.label}"
                         for name in SECTION_NAMES)
     body.append(f"\n{labels}", style="dim")

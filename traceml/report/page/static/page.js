@@ -10,7 +10,7 @@
     "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
   const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
   const SECTIONS = [["step_time", "Step Time"], ["step_memory", "Step Memory"],
-    ["process", "Process"], ["system", "System"]];
+    ["process", "Process"], ["system", "System"], ["ending", "Ending"]];
   const SVG_NS = "http" + "://www.w3.org/2000/svg";
   const state = { doc: null, renders: 0 };
 
@@ -87,7 +87,18 @@
       el("div", {}, [el("span", { class: "label" }, p.label + " "), sevBadge(p.severity),
         el("span", { class: "run" }, "  " + where)]),
       el("div", { class: "why" }, p.why),
-      p.next ? el("div", { class: "next" }, "Next: " + p.next) : "");
+      p.next ? el("div", { class: "next" }, "Next: " + p.next) : "",
+      ...endingLines(doc, p));
+  }
+
+  // How the run ended besides the verdict: a stall that cleared stays in view.
+  function endingLines(doc, primary) {
+    const ending = doc.summary.ending;
+    if (!ending) return [];
+    return ending.findings.filter((f) => !(primary.section === "ending" && f.kind === primary.kind))
+      .map((f) => el("div", { class: "ending " + f.severity, "data-kind": f.kind },
+        [el("span", { class: "label" }, f.label + " "), sevBadge(f.severity),
+          el("span", {}, " " + f.why)]));
   }
 
   function renderTable(doc) {
