@@ -178,3 +178,13 @@ def test_the_ending_headlines_the_report_and_its_json_is_valid() -> None:
     assert [i["waiting_in_collective"] for i in incidents["incidents"]] == [False, True]
     assert incidents["incidents"][0]["stack"][0] == {
         "file": USER.file, "line": 42, "function": "forward", "user": True}
+
+
+def test_ranks_left_waiting_for_a_rank_that_crashed_are_its_consequence() -> None:
+    # r1 raises; r0 waits in its all-reduce past the threshold while r1's process exits.
+    ending = diagnose_ending(run(2, [waiter(0, 59.9), crash(1, 60.0, type="ValueError",
+                                                             message="bad batch")], exit_code=1))
+    assert ending.state == "crashed" and ending.culprits == (1,)
+    assert ending.headline is not None
+    assert ("r0 was left waiting for it in communication (backward's gradient all-reduce)"
+            in ending.headline.why)

@@ -21,9 +21,10 @@ system samples:
   its duration; **NO PROGRESS BEFORE EXIT** (info): no progress since the last
   event until a clean exit (a final checkpoint, say), which is not a hang.
 
-A stall that began before the first crash is the cause of the run's end (a
-collective timeout raising on the waiting ranks follows a stall): STALLED
-wins then.  Ctrl-C's KeyboardInterrupt and the launcher's SIGTERM to the other
+A rank stalled outside every collective before the first crash is the cause
+of the run's end (a collective timeout raising on the waiting ranks follows
+it): STALLED wins then.  Ranks left waiting in a collective for a rank that
+crashed are that crash's consequence: CRASHED, and they are named as waiting.  Ctrl-C's KeyboardInterrupt and the launcher's SIGTERM to the other
 ranks are how a run is stopped, not crashes.
 """
 
@@ -77,14 +78,13 @@ def diagnose_ending(run: RunData) -> Ending:
         (i.detected_at for i in run.incidents), default=meta.started_at)
     findings: list[Finding] = []
     culprits: tuple[int, ...] = ()
-    first_crash = min((c.began_at for c in crashes), default=float("inf"))
-    if active and (running or meta.exit_code != 0) and min(s.began_at for s in active) <= first_crash:
+    if active and (running or meta.exit_code != 0) and stall_caused_it(active, crashes):
         state = "stalled"
         finding = stalled_finding(active, run, end, crashes)
         findings.append(finding)
         culprits = finding.ranks
     elif crashes:
-        finding = crash_finding(crashes, run)
+        finding = crash_finding(crashes, run, active)
         state = "failed" if finding.kind == "FAILED" else "crashed"
         findings.append(finding)
         culprits = finding.ranks
@@ -103,6 +103,21 @@ def diagnose_ending(run: RunData) -> Ending:
         if quiet and state == "completed":
             findings.append(idle_finding(quiet, end))
     return Ending(state, tuple(findings), tuple(run.incidents), culprits)
+
+
+def stall_caused_it(active: Sequence[Incident], crashes: Sequence[Incident]) -> bool:
+    """Whether the open stalls, not a crash, explain the run's end: a rank stalled
+    outside every collective before the first crash; or every stalled rank waits in
+    one and the first crash is one of them (its collective timed out).  Ranks left
+    waiting for a rank that crashed are that crash's consequence."""
+    if not crashes:
+        return True
+    first = crashes[0]
+    culprits, _ = stall_roles(active)
+    if culprits:
+        return min(s.began_at for s in culprits) <= first.began_at
+    return (first.rank in {s.rank for s in active}
+            and min(s.began_at for s in active) <= first.began_at)
 
 
 def _latest_per_rank(incidents: Iterable[Incident]) -> list[Incident]:
@@ -278,8 +293,10 @@ def _short(text: str, limit: int = 160) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def crash_finding(crashes: Sequence[Incident], run: RunData) -> Finding:
-    """CRASHED (or FAILED): the first rank to die, how, where; who followed."""
+def crash_finding(crashes: Sequence[Incident], run: RunData,
+                  left_waiting: Sequence[Incident] = ()) -> Finding:
+    """CRASHED (or FAILED): the first rank to die, how, where; who followed, and who
+    was left waiting for it."""
     first = crashes[0]
     rank, at = _rank(first, run), f"{_at_step(first, run)} {where_phase(first)}"
     detail = first.detail
@@ -319,6 +336,10 @@ def crash_finding(crashes: Sequence[Incident], run: RunData) -> Finding:
     followers = crashes[1:]
     if followers:
         why += "; then " + "; ".join(_crash_clause(c, run) for c in followers)
+    waiting_ranks = [s for s in left_waiting if s.rank != first.rank and waiting(s)]
+    if waiting_ranks:
+        why += "; " + ", ".join(f"{_rank(s, run)} was left waiting for it {where_phase(s)}"
+                                for s in waiting_ranks)
     return Finding(kind, kind, "crit", why + ".", next_step, (first.rank,),
                    {"step": float(first.step) if first.step is not None else None},
                    (first.node_rank,))
