@@ -108,9 +108,9 @@ def test_a_rank_blocked_in_python_is_named_live_and_headlines_the_summary(tmp_pa
     try:
         alert = alert_after_stall(launch)
         block = line_of("BLOCK-PYTHON")
-        assert "r1 made no progress for" in alert
+        assert "r1 (n0) made no progress for" in alert
         assert f"at step 30 in forward (stall_cases.py:{block} in forward" in alert
-        assert "r0 waited for it in communication (backward's gradient all-reduce)" in alert
+        assert "r0 (n0) waited for it in communication (backward's gradient all-reduce)" in alert
         summary = stalled_summary(launch)
     finally:
         launch.kill()
@@ -126,7 +126,7 @@ def test_a_rank_blocked_in_a_c_call_holding_the_gil_still_gets_its_stack(tmp_pat
     launch = Launch(tmp_path, "gil")
     try:
         alert = alert_after_stall(launch)
-        assert "r0 waited for it in communication" in alert
+        assert "r0 (n0) waited for it in communication" in alert
         summary = stalled_summary(launch)
     finally:
         launch.kill()
@@ -165,7 +165,7 @@ def test_a_stall_that_clears_is_listed_with_its_duration(tmp_path: Path) -> None
     cleared = [f for f in summary["ending"]["findings"] if f["kind"] == "STALL_CLEARED"]
     assert len(cleared) == 1 and cleared[0]["ranks"] == [1]
     assert 7.0 <= cleared[0]["evidence"]["stalled_s"] <= 12.0
-    assert "STALL CLEARED [warn]: r1 made no progress for" in out
+    assert "STALL CLEARED [warn]: r1 (n0) made no progress for" in out
     assert stall_of(summary, 1)["cleared_at"] is not None
     assert launch.steps_of(0) == launch.steps_of(1) == 60  # the steps are still exact
 
@@ -183,7 +183,7 @@ def test_an_exception_on_one_rank_is_a_crash_naming_it(tmp_path: Path) -> None:
     assert res.returncode == 1
     primary = res.summary["primary"]
     assert (primary["label"], primary["ranks"]) == ("CRASHED", [1])
-    assert (f"r1 raised ValueError: bad batch on this rank at step 25 in forward "
+    assert (f"r1 (n0) raised ValueError: bad batch on this rank at step 25 in forward "
             f"(stall_cases.py:{line_of('RAISE')} in forward)") in primary["why"]
     assert "exit 1" in primary["why"]
     assert "Verdict: CRASHED [crit] (Ending, r1)" in res.stdout
@@ -194,7 +194,7 @@ def test_a_segfault_is_a_crash_with_its_faulthandler_stack(tmp_path: Path) -> No
     assert res.returncode == 128 + signal.SIGSEGV
     primary = res.summary["primary"]
     assert (primary["label"], primary["ranks"]) == ("CRASHED", [1])
-    assert "r1 was killed by SIGSEGV" in primary["why"]
+    assert "r1 (n0) was killed by SIGSEGV" in primary["why"]
     assert f"stall_cases.py:{line_of('SEGV')} in forward" in primary["why"]
 
 
@@ -212,7 +212,7 @@ def test_a_rank_killed_from_outside_is_a_crash_with_the_likely_sender(tmp_path: 
     assert summary is not None
     primary = summary["primary"]
     assert (primary["label"], primary["ranks"]) == ("CRASHED", [1])
-    assert "r1 was killed by SIGKILL" in primary["why"]
+    assert "r1 (n0) was killed by SIGKILL" in primary["why"]
     # This test machine's memory is far from full: not the kernel's OOM killer.
     assert "not the out-of-memory killer" in primary["why"]
 
@@ -222,6 +222,6 @@ def test_an_exception_before_the_first_step_is_a_crash_before_any_step(tmp_path:
     assert res.returncode == 1
     primary = res.summary["primary"]
     assert (primary["label"], primary["ranks"]) == ("CRASHED", [1])
-    assert ("r1 raised RuntimeError: cannot open the dataset before any step of it was "
+    assert ("r1 (n0) raised RuntimeError: cannot open the dataset before any step of it was "
             f"recorded outside every phase (stall_cases.py:{line_of('SETUP')} in main)"
             in primary["why"])

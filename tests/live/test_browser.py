@@ -156,6 +156,6 @@ def test_html_report_headlines_a_stall_and_keeps_a_cleared_one_in_view(
         kinds = page.eval_on_selector_all(".ending", "els => els.map((e) => e.dataset.kind)")
         assert kinds == (["STALL_CLEARED"] if cleared else [])
         if not cleared:
-            assert "r1 made no progress for" in page.inner_text("#verdict")
+            assert "r1 (n0) made no progress for" in page.inner_text("#verdict")
         assert watch.errors == [] and watch.outside_requests == []
         page.close()

@@ -171,8 +171,8 @@ def test_a_stall_is_the_diagnosis_while_it_lasts_and_stays_in_view_once_cleared(
     stalled = render(render_view(live_snapshot(_with_stall(fixed_run(), cleared=False), 10000,
                                                now=T0 + 65)))
     assert "Diagnosis: STALLED [crit] (Ending, r1)" in stalled
-    assert "r1 made no progress for 3.0 s at step 11 in forward (train.py:42 in forward)" in stalled
+    assert "r1 (n0) made no progress for 3.0 s at step 11 in forward (train.py:42 in forward)" in stalled
     cleared = render(render_view(live_snapshot(_with_stall(fixed_run(), cleared=True), 10000,
                                                now=T0 + 65)))
     assert "Diagnosis: INPUT STRAGGLER [crit] (Step Time, r1)" in cleared
-    assert "STALL CLEARED [warn]: r1 made no progress for 6.0 s at step 11 in forward" in cleared
+    assert "STALL CLEARED [warn]: r1 (n0) made no progress for 6.0 s at step 11 in forward" in cleared

@@ -54,7 +54,7 @@ def test_one_rank_stalled_alone_is_the_culprit() -> None:
     assert ending.state == "stalled" and ending.culprits == (0,)
     headline = ending.headline
     assert headline is not None and headline.label == "STALLED"
-    assert headline.why.startswith("r0 made no progress for 50 s at step 30 in forward "
+    assert headline.why.startswith("r0 (n0) made no progress for 50 s at step 30 in forward "
                                    "(train.py:42 in forward (threading.py:327 in wait))")
 
 
@@ -62,7 +62,7 @@ def test_two_ranks_the_one_outside_a_collective_is_named_and_the_other_waits() -
     ending = diagnose_ending(run(2, [stall(1, 50.0, "forward"), waiter(0, 50.1)]))
     assert ending.state == "stalled" and ending.culprits == (1,)
     assert ending.headline is not None
-    assert ("r0 waited for it in communication (backward's gradient all-reduce) "
+    assert ("r0 (n0) waited for it in communication (backward's gradient all-reduce) "
             "(train.py:90 in main (graph.py:979 in _engine_run_backward))") in ending.headline.why
 
 
@@ -71,7 +71,7 @@ def test_eight_ranks_one_culprit_seven_waiting() -> None:
     ending = diagnose_ending(run(8, incidents))
     assert ending.culprits == (5,)
     assert ending.headline is not None
-    assert "r5 made no progress for 50 s at step 30 outside every phase" in ending.headline.why
+    assert "r5 (n0) made no progress for 50 s at step 30 outside every phase" in ending.headline.why
     assert ending.headline.why.count("waited for it") == 7
 
 
@@ -98,7 +98,7 @@ def test_a_cleared_stall_is_a_warning_with_its_duration_not_the_headline() -> No
     (finding,) = ending.findings
     assert (finding.label, finding.severity, finding.ranks) == ("STALL CLEARED", "warn", (1,))
     assert finding.evidence["stalled_s"] == pytest.approx(40.0)
-    assert "r1 made no progress for 40 s at step 30 in forward" in finding.why
+    assert "r1 (n0) made no progress for 40 s at step 30 in forward" in finding.why
 
 
 def test_no_progress_until_a_clean_exit_is_not_a_stall() -> None:
@@ -116,9 +116,9 @@ def test_the_first_crash_is_the_culprit_and_those_after_it_follow() -> None:
     assert ending.state == "crashed" and ending.culprits == (1,)
     assert ending.headline is not None
     why = ending.headline.why
-    assert why.startswith("r1 raised ValueError: bad batch at step 25 in forward "
+    assert why.startswith("r1 (n0) raised ValueError: bad batch at step 25 in forward "
                           "(train.py:42 in forward); exit 1")
-    assert "then r0 failed at step 25 in forward (RuntimeError: Connection closed" in why
+    assert "then r0 (n0) failed at step 25 in forward (RuntimeError: Connection closed" in why
 
 
 def test_ctrl_c_and_the_launchers_sigterm_are_not_crashes() -> None:
@@ -134,7 +134,7 @@ def test_a_stall_before_a_crash_is_the_cause() -> None:
                                      crash(0, 90.0, type="RuntimeError", message="Timeout")],
                                  exit_code=1))
     assert ending.state == "stalled" and ending.culprits == (1,)
-    assert ending.headline is not None and "then r0 failed" in ending.headline.why
+    assert ending.headline is not None and "then r0 (n0) failed" in ending.headline.why
 
 
 @pytest.mark.parametrize(("ram_pct", "said"), [
@@ -145,7 +145,7 @@ def test_sigkill_names_its_likely_sender(ram_pct: float, said: str) -> None:
     ending = diagnose_ending(run(2, [crash(1, 60.0, "exit", exit_code=-9, signal="SIGKILL")],
                                  exit_code=137, ram_pct=ram_pct))
     assert ending.state == "crashed" and ending.headline is not None
-    assert "r1 was killed by SIGKILL at step 25 in forward (no stack" in ending.headline.why
+    assert "r1 (n0) was killed by SIGKILL at step 25 in forward (no stack" in ending.headline.why
     assert said in ending.headline.why
 
 
@@ -156,7 +156,7 @@ def test_cuda_out_of_memory_gives_the_numbers() -> None:
         allocated_bytes=78 * gib, reserved_bytes=79 * gib, capacity_bytes=80 * gib,
         requested_bytes=2 * gib)], exit_code=1))
     assert ending.headline is not None
-    assert ("r0 ran out of CUDA memory at step 25 in forward (train.py:42 in forward): "
+    assert ("r0 (n0) ran out of CUDA memory at step 25 in forward (train.py:42 in forward): "
             "78.0 GiB allocated, 79.0 GiB reserved of 80.0 GiB; it asked for 2.0 GiB more"
             in ending.headline.why)
 
@@ -166,7 +166,7 @@ def test_a_nonzero_exit_without_an_exception_is_failed() -> None:
                                  exit_code=3))
     assert ending.state == "failed" and ending.headline is not None
     assert ending.headline.label == "FAILED"
-    assert "r1 exited with status 3" in ending.headline.why
+    assert "r1 (n0) exited with status 3" in ending.headline.why
 
 
 def test_the_ending_headlines_the_report_and_its_json_is_valid() -> None:
@@ -186,5 +186,5 @@ def test_ranks_left_waiting_for_a_rank_that_crashed_are_its_consequence() -> Non
                                                              message="bad batch")], exit_code=1))
     assert ending.state == "crashed" and ending.culprits == (1,)
     assert ending.headline is not None
-    assert ("r0 was left waiting for it in communication (backward's gradient all-reduce)"
+    assert ("r0 (n0) was left waiting for it in communication (backward's gradient all-reduce)"
             in ending.headline.why)

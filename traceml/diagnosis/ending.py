@@ -24,8 +24,9 @@ system samples:
 A rank stalled outside every collective before the first crash is the cause
 of the run's end (a collective timeout raising on the waiting ranks follows
 it): STALLED wins then.  Ranks left waiting in a collective for a rank that
-crashed are that crash's consequence: CRASHED, and they are named as waiting.  Ctrl-C's KeyboardInterrupt and the launcher's SIGTERM to the other
-ranks are how a run is stopped, not crashes.
+crashed are that crash's consequence: CRASHED, and they are named as waiting.
+Ctrl-C's KeyboardInterrupt and the launcher's SIGTERM to the other ranks are
+how a run is stopped, not crashes.
 """
 
 from __future__ import annotations
@@ -161,8 +162,8 @@ def _where(i: Incident) -> str:
 
 
 def _rank(i: Incident, run: RunData) -> str:
-    many_nodes = len({n.node_rank for n in run.meta.nodes}) > 1
-    return f"r{i.rank} (n{i.node_rank})" if many_nodes else f"r{i.rank}"
+    """``r1 (n0)``: the rank and its node."""
+    return f"r{i.rank} (n{i.node_rank})"
 
 
 def _seconds(s: float) -> str:
