@@ -29,6 +29,7 @@ import orjson
 import psutil
 
 from traceml import protocol, stacks
+from traceml.diagnosis.samples import Incident
 from traceml.protocol import EXIT, STALL, IncidentReport
 from traceml.stacks import STACKS_DIR, StackFiles
 
@@ -178,22 +179,28 @@ class StallAlert:
             except Exception:  # never in the launcher's way: the summary says it all
                 pass
 
+    def _news(self, stall: Incident) -> bool:
+        """Whether a stall is not printed yet, or its clearing is not."""
+        printed = self._printed.get((stall.rank, stall.pid, stall.began_at))
+        return printed is None if stall.cleared_at is None else printed is False
+
     def check(self) -> None:
         from traceml.diagnosis.ending import stalled_finding
-        from traceml.store import StoreError, StoreReader
+        from traceml.store import StoreError, StoreReader, run_data
 
         if not self.db_path.exists():
             return
         try:
             with StoreReader(self.db_path) as reader:
-                incidents = reader.incidents()
-                if not incidents:
+                stalls = [i for i in reader.incidents() if i.what == "stall"]
+                if not any(self._news(s) for s in stalls):
                     return
                 records = reader.records()
-                run = reader.run(records)
         except StoreError:
             return
-        stalls = [i for i in run.incidents if i.what == "stall"]
+        # What the finding needs of the run: who is in it (not its steps: the store
+        # may be large, and this runs twice a second).
+        run = run_data(records, (), (), (), tuple(stalls))
         cleared = []
         for s in stalls:
             key = (s.rank, s.pid, s.began_at)
