@@ -94,6 +94,19 @@ def stalled_summary(launch: Launch) -> dict[str, Any]:
     return summary
 
 
+def stall_then_ctrl_c(tmp_path: Path, case: str, *in_alert: str) -> dict[str, Any]:
+    """Run ``case``, check node 0's alert says each of ``in_alert``, then Ctrl-C: the
+    STALLED summary."""
+    launch = Launch(tmp_path, case)
+    try:
+        alert = alert_after_stall(launch)
+        for needle in in_alert:
+            assert needle in alert, alert
+        return stalled_summary(launch)
+    finally:
+        launch.kill()
+
+
 def stall_of(summary: dict[str, Any], rank: int) -> dict[str, Any]:
     return next(i for i in summary["ending"]["incidents"]
                 if i["what"] == "stall" and i["rank"] == rank)
@@ -104,16 +117,11 @@ def user_line(incident: dict[str, Any]) -> int:
 
 
 def test_a_rank_blocked_in_python_is_named_live_and_headlines_the_summary(tmp_path: Path) -> None:
-    launch = Launch(tmp_path, "python")
-    try:
-        alert = alert_after_stall(launch)
-        block = line_of("BLOCK-PYTHON")
-        assert "r1 (n0) made no progress for" in alert
-        assert f"at step 30 in forward (stall_cases.py:{block} in forward" in alert
-        assert "r0 (n0) waited for it in communication (backward's gradient all-reduce)" in alert
-        summary = stalled_summary(launch)
-    finally:
-        launch.kill()
+    block = line_of("BLOCK-PYTHON")
+    summary = stall_then_ctrl_c(
+        tmp_path, "python", "r1 (n0) made no progress for",
+        f"at step 30 in forward (stall_cases.py:{block} in forward",
+        "r0 (n0) waited for it in communication (backward's gradient all-reduce)")
     r1, r0 = stall_of(summary, 1), stall_of(summary, 0)
     assert (r1["step"], r1["phase"], r1["waiting_in_collective"]) == (30, "forward", False)
     assert r1["stack_source"] == "python" and user_line(r1) == block
@@ -123,13 +131,7 @@ def test_a_rank_blocked_in_python_is_named_live_and_headlines_the_summary(tmp_pa
 
 
 def test_a_rank_blocked_in_a_c_call_holding_the_gil_still_gets_its_stack(tmp_path: Path) -> None:
-    launch = Launch(tmp_path, "gil")
-    try:
-        alert = alert_after_stall(launch)
-        assert "r0 (n0) waited for it in communication" in alert
-        summary = stalled_summary(launch)
-    finally:
-        launch.kill()
+    summary = stall_then_ctrl_c(tmp_path, "gil", "r0 (n0) waited for it in communication")
     r1 = stall_of(summary, 1)
     # Its own sender thread could not run: the launcher's signal made faulthandler write it.
     assert r1["stack_source"] == "faulthandler"
@@ -139,13 +141,7 @@ def test_a_rank_blocked_in_a_c_call_holding_the_gil_still_gets_its_stack(tmp_pat
 
 
 def test_a_hung_dataloader_worker_is_a_stall_in_input(tmp_path: Path) -> None:
-    launch = Launch(tmp_path, "loader")
-    try:
-        alert = alert_after_stall(launch)
-        assert "at step 30 in input" in alert
-        summary = stalled_summary(launch)
-    finally:
-        launch.kill()
+    summary = stall_then_ctrl_c(tmp_path, "loader", "at step 30 in input")
     assert stall_of(summary, 1)["phase"] == "input"
     assert "DataLoader" in summary["primary"]["next"]
 
