@@ -185,7 +185,8 @@ class StandInTimer:
 
 
 def log_device_marks(runtime: AgentRuntime, timer: StandInTimer) -> None:
-    runtime.probe.cuda_timer = timer
+    runtime.probe.cuda_timer = timer  # armed: every step timed
+    runtime.cuda_timer = timer  # type: ignore[assignment]  # resolves the marks
     ends = iter(range(1000))
     runtime.probe.on_optimizer_end = lambda t=None: runtime.probe.mark(
         ((100, 200), [next(ends)]), t)
