@@ -34,7 +34,7 @@ def fixed_run() -> RunData:
         transport={"sent": 300, "dropped": 2, "gaps": 0, "rejected": 0},
     )
     phases = {0: (4.0, 30.0, 56.0, 10.0), 1: (40.0, 30.0, 20.0, 10.0)}
-    # GPU times on a sample of steps: every 4th on r0 (5 in the window), every 5th on r1 (4)
+    # GPU times on a sample of steps: every 4th on r0 (4 in the window), every 5th on r1 (3)
     gpu = {0: (4, 90.0), 1: (5, 55.0)}
     steps = tuple(step_row(r, s, *phases[r], 100.0, 0.0, 4 * GIB, 5 * GIB, 2 * GIB,
                            gpu_ms=gpu[r][1] if s % gpu[r][0] == 0 else None)
@@ -89,7 +89,7 @@ EXPECTED = """\
 |  - Ranks: median/worst | total r0/r0 | input r0/r1 | compute r1/r0 | wait  |
 |    r0/r0                                                                   |
 |  - GPU time: median/worst 72.5/90.0ms r0 (forward+backward+optimizer),     |
-|    from 4-5 of 18 steps (those timed)                                      |
+|    from 3-4 of 18 steps (those timed)                                      |
 |  - Why: r1 input was 40.0 ms vs 4.0 ms on the other ranks (+36.0 ms,       |
 |    36.0% of the 100.0 ms median step).                                     |
 |  - Next: Check r1's data path: its shard size, DataLoader num_workers,     |
