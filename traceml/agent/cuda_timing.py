@@ -50,19 +50,20 @@ Span = tuple[int, Any, Any, int]
 class CudaPhaseTimer:
     """Records events around phases; resolves them later, off the training path."""
 
-    def __init__(self, cuda: Any, torch_c: Any = None,
-                 share_within_s: float = SHARE_WITHIN_S) -> None:
+    def __init__(self, cuda: Any, torch_c: Any = None, share_within_s: float = SHARE_WITHIN_S,
+                 clock: Callable[[], float] = perf_counter) -> None:
         """``cuda`` is ``torch.cuda``; ``torch_c`` (``torch._C``) gives the raw
         current-stream lookup, without it events use ``record()``.  With
         ``share_within_s`` 0 every phase records its own two events."""
         self.cuda = cuda
+        self.clock = clock
         self._pool: deque[Any] = deque()
         self._open: list[tuple[int, Any]] = []  # phase, start event
         self._spans: list[Span] = []
         self._stream = _current_stream_lookup(cuda, torch_c)
-        self._share_within_s = share_within_s
+        self.share_within_s = share_within_s
         # The last phase end of this step, for the next start to share: event,
-        # stream, perf_counter() when recorded.
+        # stream, clock() when recorded.
         self._last_end: tuple[Any, Any, float] | None = None
         self.spent_s = 0.0  # training-thread time inside start/stop since the last take
 
@@ -78,25 +79,27 @@ class CudaPhaseTimer:
         return event
 
     def start(self, phase: int) -> None:
-        began = perf_counter()
+        clock = self.clock
+        began = clock()
         stream = None if self._stream is None else self._stream()
         last = self._last_end
-        if last is not None and last[1] is stream and began - last[2] < self._share_within_s:
+        if last is not None and last[1] is stream and began - last[2] < self.share_within_s:
             event = last[0]  # consecutive phases: one boundary
         else:
             event = self._event(stream)
         self._open.append((phase, event))
-        self.spent_s += perf_counter() - began
+        self.spent_s += clock() - began
 
     def stop(self) -> None:
         if not self._open:
             return
-        began = perf_counter()
+        clock = self.clock
+        began = clock()
         stream = None if self._stream is None else self._stream()
         phase, start = self._open.pop()
         end = self._event(stream)
         self._spans.append((phase, start, end, len(self._open)))
-        now = perf_counter()
+        now = clock()
         self._last_end = (end, stream, now)
         self.spent_s += now - began
 
@@ -177,7 +180,7 @@ class SamplingRule:
         budget = min(self.budget_s, self.budget_share * step_s)
         if budget <= 0.0:
             return self.max_every
-        return max(1, min(self.max_every, math.ceil(cost_s / budget)))
+        return max(1, min(self.max_every, math.ceil(cost_s / budget - 1e-9)))
 
 
 EVERY_STEP = SamplingRule(first_steps=0, max_every=1, share_within_s=0.0)

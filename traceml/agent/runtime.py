@@ -20,7 +20,12 @@ import time
 from typing import Any
 
 from traceml import phases, protocol
-from traceml.agent.cuda_timing import CudaPhaseTimer, StepSampler, allocator_bytes
+from traceml.agent.cuda_timing import (
+    CudaPhaseTimer,
+    SamplingRule,
+    StepSampler,
+    allocator_bytes,
+)
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
 from traceml.environment import AgentEnv, TorchRank
@@ -94,20 +99,23 @@ class AgentRuntime:
     def _mark_device_step(self, t: float | None = None) -> None:
         """Training thread, when an iteration's optimizer steps end (CUDA only).
 
-        Most steps are not timed (`cuda_timing.StepSampler`): count them and
-        return, without touching CUDA.  Before a timed step, arm the phase
-        timer; at its end, log its phases' CUDA events and the device memory
-        peaks since the last timed step (stamped now, or ``t``)."""
+        Most steps are not timed (`cuda_timing.StepSampler`): log an empty
+        mark, without touching CUDA (so that the collector sees a step none of
+        whose optimizer steps were timed, or only some).  Before a timed step,
+        arm the phase timer; at its end, log its phases' CUDA events and the
+        device memory peaks since the last timed step (stamped now, or ``t``)."""
         sampler = self.sampler
-        sampler.last_t = self.probe.clock() if t is None else t
+        sampler.last_t = now = self.probe.clock() if t is None else t
         left = sampler.left - 1
         if left > 1:
             sampler.left = left
+            self.probe.marks.append((now, None))
         elif left == 1:  # the next step is timed
             sampler.left = left
+            self.probe.marks.append((now, None))
             self._arm_timer()
         else:
-            self._timed_step_ends(sampler.last_t)
+            self._timed_step_ends(now)
 
     def _arm_timer(self) -> None:
         timer = self.cuda_timer
@@ -153,14 +161,25 @@ class AgentRuntime:
         if self._cuda.is_initialized():
             self.probe.mark((self._read_peaks(), None), sampler.last_t)
 
-    def watch_cuda(self) -> bool:
-        """Take CUDA memory peaks and phase GPU times when this rank has CUDA."""
-        torch = sys.modules.get("torch")
-        if torch is None or not torch.cuda.is_available():
-            return False
-        self._cuda = torch.cuda
+    def watch_cuda(self, cuda: Any = None) -> bool:
+        """Take CUDA memory peaks and phase GPU times when this rank has CUDA
+        (``cuda``: a stand-in for ``torch.cuda``, in tests)."""
+        if cuda is None:
+            torch = sys.modules.get("torch")
+            if torch is None or not torch.cuda.is_available():
+                return False
+            cuda = torch.cuda
+        self._cuda = cuda
         self.probe.on_optimizer_end = self._mark_device_step
         return True
+
+    def use_sampling(self, rule: SamplingRule) -> None:
+        """Time steps by ``rule`` from the next step end on (`scripts/bench_overhead.py`
+        compares rules); the steps counted so far start over."""
+        self.sampler = StepSampler(rule)
+        self.probe.cuda_timer = None
+        if self.cuda_timer is not None:
+            self.cuda_timer.share_within_s = rule.share_within_s
 
     def start(self) -> None:
         global _ACTIVE
@@ -257,11 +276,15 @@ class AgentRuntime:
         self._num_queued = 0
         return [(protocol.KIND_EVENTS, payload)]
 
-    def _device_mark(self, value: tuple[Any, Any], give_up: bool = False) -> list[Any] | None:
-        """A logged mark as `protocol.DEVICE_MARK_FIELDS`; None while the GPU
-        has not passed its events (unless ``give_up``: then without GPU times)."""
-        (allocated, reserved), spans = value
+    def _device_mark(self, value: tuple[Any, Any] | None, give_up: bool = False
+                     ) -> list[Any] | None:
+        """A logged mark as `protocol.DEVICE_MARK_FIELDS` (all None for an untimed
+        step); None while the GPU has not passed its events (unless ``give_up``:
+        then without GPU times)."""
         gpu: tuple[float | None, ...] = (None,) * len(phases.gpu_timed())
+        if value is None:
+            return [None, None, *gpu]
+        (allocated, reserved), spans = value
         timer = self.cuda_timer
         if spans is not None and timer is not None and not self._gpu_times_failed:
             try:
