@@ -223,7 +223,7 @@ def test_the_timer_counts_the_time_its_records_take() -> None:
 def timed_steps(sampler: StepSampler, num_steps: int, step_s: float, cost_s: float
                 ) -> list[int]:
     """Drive ``sampler`` as the runtime does: the indices of the timed step ends."""
-    timed, t = [], 0.0
+    timed, t = [], sampler.last_t or 0.0
     for i in range(num_steps):
         t += step_s
         sampler.left -= 1
@@ -276,6 +276,18 @@ def test_every_adapts_to_the_observed_step_length_and_cost() -> None:
     assert sampler.every == 5
     timed_steps(sampler, 400, step_s=20e-3, cost_s=60e-6)  # the steps get longer
     assert sampler.every == 3
+    timed_steps(sampler, 400, step_s=20e-3, cost_s=30e-6)  # the records get cheaper
+    assert sampler.every == 2
+
+
+def test_one_slow_timed_step_does_not_move_every() -> None:
+    """A timed step preempted for 10 ms (or a checkpoint pause between steps) is
+    one sample of the last 9: the median ignores it."""
+    sampler = StepSampler(SamplingRule(), random.Random(5))
+    timed_steps(sampler, 100, step_s=1.4e-3, cost_s=60e-6)
+    sampler.left = 1
+    timed_steps(sampler, 1, step_s=1.4e-3, cost_s=10e-3)
+    assert sampler.every == 5
 
 
 def test_the_old_path_times_every_step() -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,8 +150,9 @@ BUDGET_SHARE = 0.01
 """...and at most this share of the step, for steps shorter than 2 ms."""
 MAX_EVERY = 64
 """At least one step in this many is timed, whatever it costs."""
-SMOOTHING = 0.25
-"""Weight of the newest sample in the running cost and step length."""
+NUM_RECENT = 9
+"""The running cost and step length are medians of the last this many timed steps,
+so one preempted timed step or one long pause (a checkpoint) does not move them."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,8 @@ class SamplingRule:
     period, such as logging every 10th step).  ``every`` is set again at each
     timed step from the running cost ``c`` of a timed step (the measured time
     its event records and allocator read took on the training thread) and the
-    running step length ``T`` (time between step ends):
+    running step length ``T`` (time between step ends), both medians over the
+    last `NUM_RECENT` timed steps:
     ``every = ceil(c / min(budget_s, budget_share * T))``, within
     ``[1, max_every]``, so the expected cost per step, ``c / every``, stays
     under ``budget_s`` (and under ``budget_share`` of short steps).
@@ -205,10 +208,20 @@ class StepSampler:
         self.every = 1
         self.num_timed = 0
         self.last_t: float | None = None  # the last step end, timed or not
-        self._cost_s: float | None = None
-        self._step_s: float | None = None
+        self._costs_s: deque[float] = deque(maxlen=NUM_RECENT)
+        self._steps_s: deque[float] = deque(maxlen=NUM_RECENT)
         self._timed_t: float | None = None
         self._to_block_end = 0  # step ends after the last timed one still in its block
+
+    @property
+    def cost_s(self) -> float | None:
+        """The running cost of a timed step (training-thread seconds)."""
+        return statistics.median(self._costs_s) if self._costs_s else None
+
+    @property
+    def step_s(self) -> float | None:
+        """The running step length (seconds between step ends)."""
+        return statistics.median(self._steps_s) if self._steps_s else None
 
     def num_unread(self) -> int:
         """Step ends since the last timed one (their peaks are not read yet)."""
@@ -218,23 +231,20 @@ class StepSampler:
         """A timed step ended at ``t``, its CUDA work took ``cost_s``: returns the
         step ends to the next timed one (and sets ``left`` to it)."""
         if self._timed_t is not None:
-            self._step_s = _smooth(self._step_s, (t - self._timed_t) / self.gap)
-        self._cost_s = _smooth(self._cost_s, cost_s)
+            self._steps_s.append((t - self._timed_t) / self.gap)
+        self._costs_s.append(cost_s)
         self._timed_t = self.last_t = t
         self.num_timed += 1
         rule = self.rule
-        if self.num_timed < rule.first_steps or self._step_s is None:
+        if self.num_timed < rule.first_steps or not self._steps_s:
             self.every, offset = 1, 0
         else:
-            self.every = rule.every(self._cost_s, self._step_s)
+            self.every = rule.every(statistics.median(self._costs_s),
+                                    statistics.median(self._steps_s))
             offset = self.rng.randrange(self.every)
         self.gap = self.left = self._to_block_end + 1 + offset
         self._to_block_end = self.every - 1 - offset
         return self.gap
-
-
-def _smooth(old: float | None, new: float) -> float:
-    return new if old is None else old + SMOOTHING * (new - old)
 
 
 def _current_stream_lookup(cuda: Any, torch_c: Any) -> Callable[[], Any] | None:
