@@ -13,8 +13,10 @@ backward a closure runs inside the optimizer step).
 Consecutive phases share a boundary: a phase that starts less than
 :data:`SHARE_WITHIN_S` after the previous one ended, on the same stream, starts
 at that phase's end event instead of recording its own (model forward, loss
-forward, backward and optimizer: 5 events instead of 8).  No kernel launch
-fits in that gap on the training thread, so no GPU work changes phase.
+forward, backward and optimizer: 5 events instead of 8).  At most one small
+op fits in that gap on the training thread (a launch through torch's
+dispatcher costs ~5 µs or more of CPU): its GPU time, which before counted in
+no phase, counts in the following one.
 
 Only a sample of steps is timed (`StepSampler`, rule in `SamplingRule`): on
 the others the patches see no timer and cost what they cost on CPU, and the
@@ -40,9 +42,9 @@ TIMED = tuple(phases.code(p.name) for p in phases.gpu_timed())
 """The wire codes of the phases CUDA events time, in `protocol.DEVICE_MARK_FIELDS` order."""
 POOL_MAX = 4096
 SHARE_WITHIN_S = 10e-6
-"""A phase starting this soon after the previous one ended shares its end event: the
-training thread cannot launch a kernel in less (a launch through torch's dispatcher
-costs ~5 µs or more of CPU), so the GPU work on either side stays in its phase."""
+"""A phase starting this soon after the previous one ended shares its end event;
+the training thread launches at most one small op in so short a gap, and a gap
+with real work in it (a functional loss, gradient clipping) keeps its own events."""
 
 # One timed phase: (phase, start event, end event, how many phases enclose it)
 Span = tuple[int, Any, Any, int]
