@@ -10,7 +10,16 @@ untraced ratio for a short (~1 ms) and a long (~20 ms) step, then times
 ``traceml run`` against ``torchrun`` on an empty script.
 
     python scripts/bench_overhead.py [--blocks 40] [--startup-runs 5] [--dashboard]
-                                     [--device cuda]
+                                     [--device cuda [--cuda-timing both] [--long-ms 20]]
+
+``--device cuda`` runs the loop on the GPU: the short step is launch-bound
+(~1.4 ms on an H200 host), the long one is sized at start to take about
+``--long-ms`` on the GPU (a deeper model until an untraced step takes that
+long).  ``--cuda-timing both`` (the default) measures each step twice in one
+run: ``every step`` (before: CUDA events on every step, two per phase, the
+allocator read every step: `traceml.agent.cuda_timing.EVERY_STEP`) and
+``sampled`` (after: the agent's default sampling), each paired against
+untraced blocks with its own A/A line; ``sampled`` or ``every-step`` runs one.
 
 ``--dashboard`` runs the collector as ``--mode=dashboard`` does, with a page
 polling the live data once a second, to show the live view costs training
@@ -36,11 +45,13 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from traceml.agent.cuda_timing import EVERY_STEP, SamplingRule
 from traceml.agent.patches import Instrumentation
 from traceml.agent.runtime import AgentRuntime
 from traceml.collector.server import CollectorConfig
@@ -80,6 +91,13 @@ def make_loop(width: int, depth: int, batch: int, steps: int,  # type: ignore[no
 
 
 def measure(name: str, run_block, inst: Instrumentation, blocks: int) -> None:  # type: ignore[no-untyped-def]
+    plain, traced = alternate(run_block, inst, blocks)
+    report(name, plain, traced)
+
+
+def alternate(run_block, inst: Instrumentation, blocks: int  # type: ignore[no-untyped-def]
+              ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Untraced and traced blocks in ABBA order: (wall, cpu) seconds per step of each."""
     run_block()  # warm-up
     plain: list[tuple[float, float]] = []
     traced: list[tuple[float, float]] = []
@@ -100,6 +118,12 @@ def measure(name: str, run_block, inst: Instrumentation, blocks: int) -> None:  
             else:
                 run_block()
                 plain.append(run_block())
+    return plain, traced
+
+
+def report(name: str, plain: list[tuple[float, float]],
+           traced: list[tuple[float, float]]) -> None:
+    """The fastest blocks, the paired difference with its interval, and the A/A line."""
     # The fastest block of each kind is the one least disturbed by the rest of
     # the machine (as timeit reports); blocks alternate, so drift hits both.
     for i, clock in enumerate(("wall", "cpu")):
@@ -109,13 +133,15 @@ def measure(name: str, run_block, inst: Instrumentation, blocks: int) -> None:  
               f"ms/step  added {(t - p) * 1e6:7.1f} µs/step  ratio {t / p:.4f}")
     # Paired: each traced block against the untraced block beside it, so a
     # slow phase of the machine hits both; the median difference, with a 95%
-    # interval from order statistics (no distribution assumed).
-    diffs = sorted(t[0] - p[0] for p, t in zip(plain, traced))
-    ratios = sorted(t[0] / p[0] for p, t in zip(plain, traced))
-    lo, mid, hi = median_interval(diffs)
-    print(f"{name:<11}paired added {mid * 1e6:7.1f} µs/step, 95% interval {lo * 1e6:.1f} to "
-          f"{hi * 1e6:.1f} (median of {len(diffs)} adjacent pairs)  ratio "
-          f"{median_interval(ratios)[1]:.4f}")
+    # interval from order statistics (no distribution assumed).  The wall
+    # clock first (the figure quoted), then the training thread's CPU time.
+    for i, clock in enumerate(("", " cpu")):
+        diffs = sorted(t[i] - p[i] for p, t in zip(plain, traced))
+        ratios = sorted(t[i] / p[i] for p, t in zip(plain, traced))
+        lo, mid, hi = median_interval(diffs)
+        print(f"{name:<11}paired added{clock} {mid * 1e6:7.1f} µs/step, 95% interval "
+              f"{lo * 1e6:.1f} to {hi * 1e6:.1f} (median of {len(diffs)} adjacent pairs)  ratio "
+              f"{median_interval(ratios)[1]:.4f}")
     # An A/A check: the same comparison between two halves of the untraced
     # blocks, which differ by nothing.  Figures below it are noise.
     if len(plain) >= 4:
@@ -130,6 +156,45 @@ def median_interval(values: list[float]) -> tuple[float, float, float]:
     n = len(values)
     k = max(0, int((n - 1.96 * n ** 0.5) / 2))
     return values[k], statistics.median(values), values[n - 1 - k]
+
+
+CUDA_TIMINGS = {"every-step": ("every step", EVERY_STEP), "sampled": ("sampled", SamplingRule())}
+"""``--cuda-timing``: the old path (before) and the agent's default (after)."""
+
+
+def cuda_loops(blocks: int, long_ms: float) -> list[tuple[str, Any, int]]:
+    """The GPU loops: a launch-bound short step and a long step sized to ~``long_ms``."""
+    short = make_loop(64, 2, 128, 200, "cuda")
+    width, batch, depth = 4096, 256, 4
+    long_step = make_loop(width, depth, batch, 15, "cuda")
+    for _ in range(3):  # deeper until an untraced step takes about long_ms
+        long_step()
+        step_ms = long_step()[0] * 1e3
+        if step_ms >= 0.8 * long_ms:
+            break
+        depth = max(depth + 1, round(depth * long_ms / step_ms))
+        long_step = make_loop(width, depth, batch, 15, "cuda")
+    long_step()
+    print(f"long step: {depth} layers of {width} wide, batch {batch}: "
+          f"{long_step()[0] * 1e3:.2f} ms untraced")
+    return [("short step", short, blocks), ("long step", long_step, max(4, blocks // 4))]
+
+
+def measure_cuda(runtime: AgentRuntime, inst: Instrumentation, timings: list[str],
+                 blocks: int, long_ms: float) -> None:
+    """Each GPU loop with each CUDA timing, paired against untraced blocks."""
+    for name, loop, num_blocks in cuda_loops(blocks, long_ms):
+        for timing in timings:
+            label, rule = CUDA_TIMINGS[timing]
+            runtime.use_sampling(rule)
+            print(f"-- {name}, CUDA timing: {label}")
+            measure(name, loop, inst, num_blocks)
+            sampler = runtime.sampler
+            cost, step = sampler.cost_s, sampler.step_s
+            if cost is not None and step is not None:
+                print(f"{name:<11}timed 1 step in {sampler.every} ({sampler.num_timed} timed); "
+                      f"a timed step's CUDA work {cost * 1e6:.1f} µs on the training thread, "
+                      f"step {step * 1e3:.3f} ms")
 
 
 def startup(runs: int) -> None:
@@ -256,6 +321,11 @@ def main() -> None:
     parser.add_argument("--startup-runs", type=int, default=5)
     parser.add_argument("--device", default="cpu",
                         help="cpu, or cuda to time the agent's CUDA path (events, memory peaks)")
+    parser.add_argument("--cuda-timing", choices=("both", *CUDA_TIMINGS), default="both",
+                        help="--device cuda: the old every-step path, the sampled one, or "
+                             "both (before and after) in one run")
+    parser.add_argument("--long-ms", type=float, default=20.0,
+                        help="--device cuda: the long step's GPU time to size it to")
     parser.add_argument("--dashboard", action="store_true",
                         help="collector with the live dashboard, polled once a second")
     parser.add_argument("--ddp", action="store_true",
@@ -282,11 +352,15 @@ def main() -> None:
         mode = "with the live dashboard polled 1/s" if args.dashboard else "summary mode"
         print(f"torch {torch.__version__} on {args.device}, 1 thread, "
               f"collector live on port {collector.port}, {mode}")
-        # The same 3-layer MLP, ~1 ms and ~20 ms a step on one core: the agent's
-        # cost per step is the same, its share is not.
-        measure("short step", make_loop(64, 2, 128, 200, args.device), inst, args.blocks)
-        measure("long step", make_loop(512, 6, 128, 15, args.device), inst,
-                max(4, args.blocks // 4))
+        if args.device.startswith("cuda"):
+            timings = list(CUDA_TIMINGS) if args.cuda_timing == "both" else [args.cuda_timing]
+            measure_cuda(runtime, inst, timings, args.blocks, args.long_ms)
+        else:
+            # The same 3-layer MLP, ~1 ms and ~20 ms a step on one core: the agent's
+            # cost per step is the same, its share is not.
+            measure("short step", make_loop(64, 2, 128, 200, args.device), inst, args.blocks)
+            measure("long step", make_loop(512, 6, 128, 15, args.device), inst,
+                    max(4, args.blocks // 4))
         runtime.probe.log(CLOSE)  # what the agent logs at exit
         runtime.sender.stop()
         if poller is not None:

@@ -153,3 +153,53 @@ def test_a_run_without_a_single_step_is_headlined_by_its_ending(
         assert report.step_time.diagnosis.label == "STEP TIME NOT MEASURED"
         finding = report.primary.finding
     assert (finding.label, finding.severity) == (label, severity)
+
+
+def _sampled_gpu_run(world_size: int, device: str) -> RunData:
+    """60 steps per rank; on CUDA rank r's GPU time is 10+r ms on every 4th step,
+    the rest untimed (and 0 ms of GPU time would be wrong for them)."""
+    meta = RunMeta(session_id="s", command=[], started_at=0.0, ended_at=10.0, exit_code=0,
+                   partial=False, world_size=world_size, missing_ranks=(),
+                   nodes=(NodeInfo(0, "h", tuple(range(world_size))),), device=device,
+                   versions={}, transport={})
+    on_cuda = device == "cuda"
+    steps = tuple(
+        step_row(r, s, 1.0, 3.0, 5.0, 1.0, 12.0, 2.0,
+                 peak_allocated_bytes=1000 if on_cuda and s % 4 == 0 else None,
+                 gpu_ms=10.0 + r if on_cuda and s % 4 == 0 else None)
+        for r in range(world_size) for s in range(60))
+    return RunData(meta, steps, (), ())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_gpu_time_stats_use_only_the_steps_that_carry_gpu_times(world_size: int) -> None:
+    from traceml.report import build_report, render_text, report_to_json, validate_summary
+
+    report = build_report(_sampled_gpu_run(world_size, "cuda"), summary_window_rows=10_000)
+    doc = report_to_json(report)
+    assert validate_summary(doc) == []
+    step_time = doc["step_time"]
+    assert isinstance(step_time, dict)
+    window = select_window(_sampled_gpu_run(world_size, "cuda").steps, 10_000, world_size)
+    expected = sum(1 for s in window.steps if s % 4 == 0)
+    for row in step_time["ranks"]:
+        assert row["num_steps"] == 55 and row["num_gpu_timed_steps"] == expected
+        assert row["gpu_ms"]["count"] == expected
+        assert row["gpu_ms"]["mean"] == 10.0 + row["rank"]  # untimed steps left out
+    stat = step_time["stats"]["gpu_ms"]
+    assert stat["worst"] == 10.0 + world_size - 1
+    card = " ".join(line.strip("| ") for line in render_text(report).splitlines())
+    assert f"(forward+backward+optimizer), from {expected} of 55 steps (those timed)" in card
+
+
+def test_gpu_time_is_null_off_cuda() -> None:
+    from traceml.report import build_report, render_text, report_to_json
+
+    report = build_report(_sampled_gpu_run(2, "cpu"), summary_window_rows=10_000)
+    doc = report_to_json(report)
+    step_time = doc["step_time"]
+    assert isinstance(step_time, dict)
+    assert step_time["stats"]["gpu_ms"] is None
+    assert all(r["gpu_ms"] is None and r["num_gpu_timed_steps"] is None
+               for r in step_time["ranks"])
+    assert "GPU time" not in render_text(report)

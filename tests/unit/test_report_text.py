@@ -34,7 +34,10 @@ def fixed_run() -> RunData:
         transport={"sent": 300, "dropped": 2, "gaps": 0, "rejected": 0},
     )
     phases = {0: (4.0, 30.0, 56.0, 10.0), 1: (40.0, 30.0, 20.0, 10.0)}
-    steps = tuple(step_row(r, s, *phases[r], 100.0, 0.0, 4 * GIB, 5 * GIB, 2 * GIB)
+    # GPU times on a sample of steps: every 4th on r0 (4 in the window), every 5th on r1 (3)
+    gpu = {0: (4, 90.0), 1: (5, 55.0)}
+    steps = tuple(step_row(r, s, *phases[r], 100.0, 0.0, 4 * GIB, 5 * GIB, 2 * GIB,
+                           gpu_ms=gpu[r][1] if s % gpu[r][0] == 0 else None)
                   for r in (0, 1) for s in range(20))
     process = tuple(ProcessSample(r, 0, meta.started_at + t, 100.0, 2 * GIB, 256 * GIB, 32,
                                   4 * GIB, 5 * GIB, 80 * GIB) for r in (0, 1) for t in range(3))
@@ -85,6 +88,8 @@ EXPECTED = """\
 |    compute 78.0/96.0ms | wait 0.0/0.0ms                                    |
 |  - Ranks: median/worst | total r0/r0 | input r0/r1 | compute r1/r0 | wait  |
 |    r0/r0                                                                   |
+|  - GPU time: median/worst 72.5/90.0ms r0 (forward+backward+optimizer),     |
+|    from 3-4 of 18 steps (those timed)                                      |
 |  - Why: r1 input was 40.0 ms vs 4.0 ms on the other ranks (+36.0 ms,       |
 |    36.0% of the 100.0 ms median step).                                     |
 |  - Next: Check r1's data path: its shard size, DataLoader num_workers,     |

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.unit.test_cuda_timing import FakeCuda
 from traceml import protocol
+from traceml.agent.cuda_timing import SamplingRule
 from traceml.agent.patches import Instrumentation
 from traceml.agent.probe import Probe
 from traceml.agent.runtime import AgentRuntime
@@ -185,7 +187,8 @@ class StandInTimer:
 
 
 def log_device_marks(runtime: AgentRuntime, timer: StandInTimer) -> None:
-    runtime.probe.cuda_timer = timer
+    runtime.probe.cuda_timer = timer  # armed: every step timed
+    runtime.cuda_timer = timer  # type: ignore[assignment]  # resolves the marks
     ends = iter(range(1000))
     runtime.probe.on_optimizer_end = lambda t=None: runtime.probe.mark(
         ((100, 200), [next(ends)]), t)
@@ -242,3 +245,126 @@ def test_each_distinct_agent_failure_warns_once(
     assert err.count("traceml: warning: GPU phase times disabled") == 1
     assert err.count("traceml: warning: step instrumentation disabled") == 1
     assert "first" in err and "again" not in err
+
+
+# -- the CUDA path on a stand-in torch.cuda: which steps are timed, and their peaks --------
+
+class StandInCuda(FakeCuda):
+    """torch.cuda with a caching allocator whose peak the training loop sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 1000
+        self.peak = 1000
+        self.num_reads = 0
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def memory_stats_as_nested_dict(self, device: int) -> dict[str, Any]:
+        self.num_reads += 1
+        return {"allocated_bytes": {"all": {"current": self.current, "peak": self.peak}},
+                "reserved_bytes": {"all": {"current": 2 * self.current, "peak": 2 * self.peak}}}
+
+    def reset_peak_memory_stats(self, device: int) -> None:
+        self.peak = self.current
+
+    def use(self, nbytes: int) -> None:
+        """A step holds ``nbytes`` more for a moment."""
+        self.peak = max(self.peak, self.current + nbytes)
+
+
+class GpuModel(nn.Module):
+    """Its forward queues 2 ms of GPU work and allocates the step's transient memory."""
+
+    def __init__(self, cuda: StandInCuda) -> None:
+        super().__init__()
+        self.cuda = cuda
+        self.layer = nn.Linear(8, 1)
+        self.step_bytes = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cuda.gpu_ms += 2.0
+        self.cuda.use(self.step_bytes)
+        out: torch.Tensor = self.layer(x)
+        out.register_hook(lambda grad: self._gpu(3.0))  # backward: 3 ms
+        return out
+
+    def _gpu(self, ms: float) -> None:
+        self.cuda.gpu_ms += ms
+
+
+def train_on_stand_in(runtime: AgentRuntime, step_bytes: list[int],
+                      num_optimizers: int = 1) -> list[dict[str, Any]]:
+    """One iteration per ``step_bytes`` entry (its transient allocation), through the
+    real patches, then exit as shutdown does; the steps the collector makes."""
+    cuda = runtime._cuda
+    install(runtime)
+    models = [GpuModel(cuda) for _ in range(num_optimizers)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for opt in opts:  # the optimizer step: 1 ms (after traceml's hook has begun timing it)
+        opt.register_step_pre_hook(lambda *args: models[0]._gpu(1.0))
+    data = TensorDataset(torch.randn(len(step_bytes) * 4, 8), torch.randn(len(step_bytes) * 4, 1))
+    for nbytes, (x, y) in zip(step_bytes, DataLoader(data, batch_size=4)):
+        for model, opt in zip(models, opts):
+            model.step_bytes = nbytes
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    runtime._flush_device_peaks()  # what shutdown does before it logs CLOSE
+    runtime.probe.log(CLOSE)
+    return Collector().steps(runtime._bye())
+
+
+SAMPLED = SamplingRule(first_steps=5, budget_s=1e-12, max_every=4)
+"""Every one of the first 5 steps timed, then one in each block of 4."""
+
+
+def test_only_sampled_steps_carry_gpu_times_and_peaks_cover_the_steps_between(
+        runtime: AgentRuntime) -> None:
+    cuda = StandInCuda()
+    runtime.watch_cuda(cuda)
+    runtime.use_sampling(SAMPLED)
+    step_bytes = [(s * 7919) % 5000 + (100_000 if s % 7 == 3 else 0) for s in range(42)]
+    steps = train_on_stand_in(runtime, step_bytes)
+    assert [s["step"] for s in steps] == list(range(42))
+    timed = [s["step"] for s in steps if s["gpu_forward_ms"] is not None]
+    # The first step starts the timer; the next 4 are timed, then one in each block of 4.
+    assert timed[:4] == [1, 2, 3, 4]
+    blocks = [sum(1 for i in timed if 5 + 4 * b <= i < 9 + 4 * b) for b in range(9)]
+    assert blocks == [1] * 9
+    assert all((s["gpu_forward_ms"], s["gpu_backward_ms"], s["gpu_optimizer_ms"])
+               == (2.0, 3.0, 1.0) for s in steps if s["step"] in timed)
+    assert all(s["gpu_backward_ms"] is None for s in steps if s["step"] not in timed)
+    # Peaks only on the timed steps (and at exit on the last step): each the highest
+    # since the previous one, so no step's peak is lost.
+    read = [s["step"] for s in steps if s["peak_allocated_bytes"] is not None]
+    assert set(read) == {0, *timed, 41}
+    assert cuda.num_reads == len(read)
+    previous = -1
+    for i in read:
+        covered = step_bytes[previous + 1:i + 1]
+        assert steps[i]["peak_allocated_bytes"] == 1000 + max(covered)
+        assert steps[i]["peak_reserved_bytes"] == 2 * (1000 + max(covered))
+        previous = i
+    assert max(s["peak_allocated_bytes"] or 0 for s in steps) == 1000 + max(step_bytes)
+    # Events only on the timed steps: at most 2 per phase, fewer where phases follow
+    # each other at once.
+    assert 4 * len(timed) <= cuda.records <= 6 * len(timed)
+
+
+def test_a_step_whose_optimizer_steps_were_partly_timed_has_no_gpu_times(
+        runtime: AgentRuntime) -> None:
+    """Two optimizers per iteration (a GAN): two step ends per step, sampled one
+    at a time after the first steps; a step carries GPU times only when both
+    were timed, never half of them."""
+    runtime.watch_cuda(StandInCuda())
+    runtime.use_sampling(SAMPLED)
+    steps = train_on_stand_in(runtime, [0] * 30, num_optimizers=2)
+    assert len(steps) == 30
+    gpu = [(s["gpu_forward_ms"], s["gpu_backward_ms"], s["gpu_optimizer_ms"]) for s in steps]
+    assert set(gpu) == {(4.0, 6.0, 2.0), (None, None, None)}
+    assert gpu[1] == (4.0, 6.0, 2.0)  # the first steps: every step end timed

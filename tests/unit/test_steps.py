@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from traceml import protocol
-from traceml.collector.steps import RankSteps, StepTiming, StepTracker
+from traceml.collector.steps import RankSteps, StepTiming, StepTracker, merge_device_marks
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     BACKWARD,
@@ -412,3 +412,13 @@ def test_a_log_of_begins_without_ends_is_dropped_not_kept() -> None:
     opened = [[FORWARD, float(i)] for i in range(10_000)]
     steps.feed(_batch(0, opened))
     assert len(steps.tracker._stack) < 300
+
+
+def test_a_step_with_an_untimed_device_mark_has_no_gpu_times() -> None:
+    """The agent times a sample of step ends: a step of two optimizer steps of
+    which one was timed keeps its highest peaks but no GPU times (not half)."""
+    timed = [100, 200, 2.0, 3.0, 1.0]
+    untimed = [None, None, None, None, None]
+    assert merge_device_marks((timed, untimed)) == (100, 200, None, None, None)
+    assert merge_device_marks((timed, [50, 300, 2.0, 3.0, 1.0])) == (100, 300, 4.0, 6.0, 2.0)
+    assert merge_device_marks((untimed,)) == (None,) * 5

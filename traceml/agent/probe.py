@@ -48,7 +48,8 @@ class Probe:
         self.opt_depth = 0
         self.num_inner_steps = 0  # optimizer steps inside another (a GradScaler step)
         self.thread_id = threading.main_thread().ident
-        # CudaPhaseTimer once this rank uses CUDA; None on CPU (one check per phase).
+        # The CudaPhaseTimer while a step is timed on CUDA (a sample of steps,
+        # `traceml.agent.cuda_timing`); None on CPU and on untimed steps (one check per phase).
         self.cuda_timer: Any = None
         # Called with the tensors of each timed backward as it begins, once the
         # process has a DDP model (`traceml.agent.comm`); None before.

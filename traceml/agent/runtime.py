@@ -21,7 +21,12 @@ from typing import Any
 
 from traceml import phases, protocol
 from traceml.agent import watchdog
-from traceml.agent.cuda_timing import CudaPhaseTimer, allocator_bytes
+from traceml.agent.cuda_timing import (
+    CudaPhaseTimer,
+    SamplingRule,
+    StepSampler,
+    allocator_bytes,
+)
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
 from traceml.agent.watchdog import FaultFiles, Heartbeat, StallWatch
@@ -74,6 +79,10 @@ class AgentRuntime:
         self._send_now = False  # traceml.summary() wants the steps in the store now
         self.num_batches = 0  # events messages sent
         self._cuda: Any = None
+        # CUDA phase timing: which steps are timed, and the timer that resolves
+        # their marks (armed in the probe only for a timed step).
+        self.sampler = StepSampler()
+        self.cuda_timer: CudaPhaseTimer | None = None
         self._gpu_times_failed = False
         self.probe = Probe(time.perf_counter, self._fail)
         self.instrumentation: Any = None
@@ -95,30 +104,89 @@ class AgentRuntime:
         )
 
     def _mark_device_step(self, t: float | None = None) -> None:
-        """Training thread, when an iteration's optimizer steps end (CUDA only):
-        log the device memory peaks since the last mark and the phases' CUDA
-        events, for the step being timed (stamped now, or ``t``)."""
+        """Training thread, when an iteration's optimizer steps end (CUDA only).
+
+        Most steps are not timed (`cuda_timing.StepSampler`): log an empty
+        mark, without touching CUDA (so that the collector sees a step none of
+        whose optimizer steps were timed, or only some).  Before a timed step,
+        arm the phase timer; at its end, log its phases' CUDA events and the
+        device memory peaks since the last timed step (stamped now, or ``t``)."""
+        sampler = self.sampler
+        sampler.last_t = now = self.probe.clock() if t is None else t
+        left = sampler.left - 1
+        if left > 1:
+            sampler.left = left
+            self.probe.marks.append((now, None))
+        elif left == 1:  # the next step is timed
+            sampler.left = left
+            self.probe.marks.append((now, None))
+            self._arm_timer()
+        else:
+            self._timed_step_ends(now)
+
+    def _arm_timer(self) -> None:
+        timer = self.cuda_timer
+        if timer is not None and not self._gpu_times_failed:
+            timer.take_step()  # anything recorded while it was not armed
+            self.probe.cuda_timer = timer
+
+    def _timed_step_ends(self, t: float) -> None:
         cuda = self._cuda
         if not cuda.is_initialized():
+            self.sampler.left = 1  # no CUDA yet: try again at the next step end
             return
+        began = time.perf_counter()
+        peaks = self._read_peaks()
+        cost_s = time.perf_counter() - began
+        timer = self.cuda_timer
+        spans = None
+        if timer is None:  # CUDA came up during this step: time phases from the next
+            timer = self.cuda_timer = CudaPhaseTimer(cuda, sys.modules["torch"]._C,
+                                                     self.sampler.rule.share_within_s)
+        elif self.probe.cuda_timer is timer:
+            spans = timer.take_step()
+            cost_s += timer.take_spent_s()
+        self.probe.mark((peaks, spans), t)
+        self.probe.cuda_timer = None
+        if self.sampler.timed(t, cost_s) == 1:
+            self._arm_timer()
+
+    def _read_peaks(self) -> tuple[int, int]:
+        """The allocator's peaks since the last read, which resets them."""
+        cuda = self._cuda
         device = cuda.current_device()
         peaks = allocator_bytes(cuda, device, "peak")
         cuda.reset_peak_memory_stats(device)
-        timer = self.probe.cuda_timer
-        if timer is None:  # CUDA came up during this step: time phases from the next
-            self.probe.cuda_timer = CudaPhaseTimer(cuda, sys.modules["torch"]._C)
-            self.probe.mark((peaks, None), t)
-        else:
-            self.probe.mark((peaks, timer.take_step()), t)
+        return peaks
 
-    def watch_cuda(self) -> bool:
-        """Take CUDA memory peaks and phase GPU times when this rank has CUDA."""
-        torch = sys.modules.get("torch")
-        if torch is None or not torch.cuda.is_available():
-            return False
-        self._cuda = torch.cuda
+    def _flush_device_peaks(self) -> None:
+        """At exit: the peaks of the steps since the last timed one, which no
+        timed step will read, go with the last step (stamped at its end)."""
+        sampler = self.sampler
+        if self.cuda_timer is None or sampler.num_unread() <= 0 or sampler.last_t is None:
+            return
+        if self._cuda.is_initialized():
+            self.probe.mark((self._read_peaks(), None), sampler.last_t)
+
+    def watch_cuda(self, cuda: Any = None) -> bool:
+        """Take CUDA memory peaks and phase GPU times when this rank has CUDA
+        (``cuda``: a stand-in for ``torch.cuda``, in tests)."""
+        if cuda is None:
+            torch = sys.modules.get("torch")
+            if torch is None or not torch.cuda.is_available():
+                return False
+            cuda = torch.cuda
+        self._cuda = cuda
         self.probe.on_optimizer_end = self._mark_device_step
         return True
+
+    def use_sampling(self, rule: SamplingRule) -> None:
+        """Time steps by ``rule`` from the next step end on (`scripts/bench_overhead.py`
+        compares rules); the steps counted so far start over."""
+        self.sampler = StepSampler(rule)
+        self.probe.cuda_timer = None
+        if self.cuda_timer is not None:
+            self.cuda_timer.share_within_s = rule.share_within_s
 
     def start(self) -> None:
         global _ACTIVE
@@ -139,6 +207,8 @@ class AgentRuntime:
         global _ACTIVE
         if _ACTIVE is not self:
             return
+        if self._cuda is not None and not self.probe.off:
+            self.probe.guarded(self._flush_device_peaks)
         self.probe.log(CLOSE)  # the sender's last flush closes the last step
         self.process_sampler.sample_at_next_call()  # and takes the exit sample
         self._uninstall()
@@ -253,12 +323,16 @@ class AgentRuntime:
                 self._warnings.to_stderr("heartbeat", f"heartbeat file not written: {exc!r}")
         return [(protocol.KIND_INCIDENT, protocol.incident_payload(r)) for r in reports]
 
-    def _device_mark(self, value: tuple[Any, Any], give_up: bool = False) -> list[Any] | None:
-        """A logged mark as `protocol.DEVICE_MARK_FIELDS`; None while the GPU
-        has not passed its events (unless ``give_up``: then without GPU times)."""
-        (allocated, reserved), spans = value
+    def _device_mark(self, value: tuple[Any, Any] | None, give_up: bool = False
+                     ) -> list[Any] | None:
+        """A logged mark as `protocol.DEVICE_MARK_FIELDS` (all None for an untimed
+        step); None while the GPU has not passed its events (unless ``give_up``:
+        then without GPU times)."""
         gpu: tuple[float | None, ...] = (None,) * len(phases.gpu_timed())
-        timer = self.probe.cuda_timer
+        if value is None:
+            return [None, None, *gpu]
+        (allocated, reserved), spans = value
+        timer = self.cuda_timer
         if spans is not None and timer is not None and not self._gpu_times_failed:
             try:
                 resolved = timer.resolve(spans)

@@ -399,7 +399,9 @@ class RankSteps:
 
 def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:
     """A step's device marks (`protocol.DEVICE_MARK_FIELDS` each) as one: the
-    highest memory peaks, and the GPU times summed over the marks that have them."""
+    highest memory peaks, and the GPU times summed over its marks when every
+    mark has them (a step whose optimizer steps were only partly timed, as the
+    agent times a sample of them, has none rather than too little)."""
     if not marks:
         return (None,) * len(protocol.DEVICE_MARK_FIELDS)
 
@@ -408,8 +410,8 @@ def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:
         return max(values) if values else None
 
     def total(i: int) -> float | None:
-        values = [m[i] for m in marks if m[i] is not None]
-        return float(sum(values)) if values else None
+        values = [m[i] for m in marks]
+        return None if None in values else float(sum(values))
 
     return (highest(0), highest(1),
             *(total(i) for i in range(2, len(protocol.DEVICE_MARK_FIELDS))))

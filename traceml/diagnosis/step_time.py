@@ -45,6 +45,10 @@ class RankStepTimes:
     num_steps: int
     dists: Mapping[str, Distribution]  # one of PHASES -> its distribution
     collective_ms: Distribution | None = None  # collectives in flight; None: not timed
+    # CUDA: GPU time of the GPU-timed phases, over the steps that carry it (the
+    # agent times a sample of steps); None off CUDA or when no step carries it.
+    gpu_ms: Distribution | None = None
+    num_gpu_timed_steps: int | None = None  # steps with GPU times; None off CUDA
 
     def dist(self, phase: str) -> Distribution:
         """The distribution of one of PHASES."""
@@ -70,7 +74,8 @@ class RankStepTimes:
         return {"rank": self.rank, "node_rank": self.node_rank, "num_steps": self.num_steps,
                 **{f"{p}_ms": self.dists[p] for p in PHASES},
                 "collective_ms": self.collective_ms,
-                **{f"{p}_share_pct": self.share_pct(p) for p in SHARES}}
+                **{f"{p}_share_pct": self.share_pct(p) for p in SHARES},
+                "gpu_ms": self.gpu_ms, "num_gpu_timed_steps": self.num_gpu_timed_steps}
 
 
 def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int, RankStepTimes]:
@@ -84,7 +89,11 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
         flights = [r.collective_ms for r in rows]
         collective = None if all(f is None for f in flights) else distribution(
             [f or 0.0 for f in flights])
-        out[rank] = RankStepTimes(rank, node_of.get(rank), len(rows), dists, collective)
+        gpu = [r.gpu_ms for r in rows if r.gpu_ms is not None]
+        on_cuda = bool(gpu) or any(r.peak_allocated_bytes is not None for r in rows)
+        out[rank] = RankStepTimes(rank, node_of.get(rank), len(rows), dists, collective,
+                                  distribution(gpu) if gpu else None,
+                                  len(gpu) if on_cuda else None)
     return out
 
 

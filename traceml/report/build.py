@@ -105,6 +105,7 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
         rows, lambda t: t.collective_ms.mean if t.collective_ms is not None else None)
     for phase in SHARES:
         stats[f"{phase}_share_pct"] = _rank_stat(rows, _phase_share(phase))
+    stats["gpu_ms"] = _rank_stat(rows, lambda t: t.gpu_ms.mean if t.gpu_ms is not None else None)
     findings = diagnose_step_time(times, _unmeasured_steps_why(run), run.meta.device)
     return Section("step_time", findings, window.scope(node_of, _num_nodes(run)), stats,
                    tuple(rows))

@@ -93,6 +93,8 @@ _STEP_TIME_ROW = _obj({
     **{p.column: _DIST for p in phases.step_metrics()},
     "collective_ms": _DIST_OR_NULL,
     **{f"{p.name}_share_pct": _NUM_OR_NULL for p in phases.share_metrics()},
+    "gpu_ms": _DIST_OR_NULL,
+    "num_gpu_timed_steps": _INT_OR_NULL,
 })
 
 _STEP_MEMORY_ROW = _obj({
@@ -156,7 +158,7 @@ _SYSTEM_ROW = _obj({
 SECTION_STATS: Mapping[str, tuple[str, ...]] = {
     "step_time": (
         *(p.column for p in phases.step_metrics()), "collective_ms",
-        *(f"{p.name}_share_pct" for p in phases.share_metrics()),
+        *(f"{p.name}_share_pct" for p in phases.share_metrics()), "gpu_ms",
     ),
     "step_memory": (
         "peak_allocated_bytes", "peak_reserved_bytes", "pressure_pct", "allocated_growth_bytes",

@@ -15,6 +15,7 @@ from traceml import phases
 from traceml.diagnosis.ending import STOPPING_EXCEPTIONS
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
 from traceml.diagnosis.stats import MetricStat
+from traceml.diagnosis.step_time import RankStepTimes
 from traceml.report.model import SECTION_TITLES, Report, Section
 
 CARD_ORDER = ("system", "process", "step_time", "step_memory")
@@ -157,7 +158,24 @@ def _step_time_stats(section: Section) -> list[str]:
         ranks = " | ".join(f"{p.name} r{stat.median_rank}/r{stat.worst_rank}"
                            for p, stat in shown)
         lines.append(f"- Ranks: median/worst | {ranks}")
-    return lines
+    return lines + _gpu_time(section)
+
+
+def _gpu_time(section: Section) -> list[str]:
+    """CUDA only: the GPU time per step, and how many steps carry it (a sample)."""
+    rows = [r for r in section.ranks if isinstance(r, RankStepTimes)]
+    counts = sorted(n for r in rows if (n := r.num_gpu_timed_steps) is not None)
+    if not counts:
+        return []
+    timed = str(counts[0]) if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}"
+    of = f"{timed} of {section.scope.num_steps} steps"
+    stat = section.stats.get("gpu_ms")
+    if stat is None:
+        return [f"- GPU time: not measured ({of} carry GPU times)"]
+    parts = "+".join(p.name for p in phases.gpu_timed())
+    where = f" r{stat.worst_rank}" if len(rows) > 1 else ""
+    return [f"- GPU time: median/worst {stat.median:.1f}/{stat.worst:.1f}ms{where} "
+            f"({parts}), from {of} (those timed)"]
 
 
 def _in_flight(part: phases.Phase, section: Section) -> str:
