@@ -31,6 +31,8 @@ Variables:
 ``TRACEML_SESSION_DIR``
     The session folder on node 0 (``logs/<session>``), where ``traceml.summary()``
     reads the store when it can.
+``TRACEML_NO_FLOPS``
+    ``1`` with ``--no-flops``: the agent counts no FLOPs (samples and tokens stay).
 ``TRACEML_SECURE``
     ``1`` when the collector listens beyond 127.0.0.1 and every sender must
     speak ZeroMQ CURVE with keys derived from the session secret.
@@ -76,6 +78,7 @@ class AgentEnv:
     session_dir: str | None = None
     secure: bool = False
     secret: str | None = None
+    count_flops: bool = True
 
     def to_env(self) -> dict[str, str]:
         env = {
@@ -95,6 +98,8 @@ class AgentEnv:
             env["TRACEML_SECURE"] = "1"
         if self.secret is not None:
             env["TRACEML_SECRET"] = self.secret
+        if not self.count_flops:
+            env["TRACEML_NO_FLOPS"] = "1"
         return env
 
     @classmethod
@@ -115,6 +120,7 @@ class AgentEnv:
             session_dir=environ.get("TRACEML_SESSION_DIR"),
             secure=environ.get("TRACEML_SECURE") == "1",
             secret=environ.get("TRACEML_SECRET"),
+            count_flops=environ.get("TRACEML_NO_FLOPS") != "1",
         )
 
 

@@ -101,7 +101,8 @@ def test_json_is_strict_and_names_every_section(runs: dict[str, Path], tmp_path:
                      parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert list(doc) == ["compare_version", "verdict", "why", "threshold_pct", "a", "b", "notes",
                          "step_time", "memory", "sections"]
-    assert list(doc["sections"]) == ["step_time", "step_memory", "process", "system"]
+    assert list(doc["sections"]) == ["step_time", "step_memory", "process", "system",
+                                     "throughput"]
     assert all(s["status"] == "compared" for s in doc["sections"].values())
 
 
@@ -122,7 +123,7 @@ def test_schema_minor_difference_is_stated(runs: dict[str, Path], tmp_path: Path
     doc = summary(tight(100.0), session="b")
     doc["schema_version"] = "1.4"
     main([str(runs["base"]), str(write(tmp_path / "b", doc)), "--output", str(tmp_path / "c")])
-    assert "Note: Summary schema versions differ (A 1.1, B 1.4)" in capsys.readouterr().out
+    assert "Note: Summary schema versions differ (A 1.2, B 1.4)" in capsys.readouterr().out
 
 
 def test_summary_not_matching_its_schema_is_stated(runs: dict[str, Path], tmp_path: Path,
