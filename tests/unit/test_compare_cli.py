@@ -132,7 +132,7 @@ def test_summary_not_matching_its_schema_is_stated(runs: dict[str, Path], tmp_pa
     del doc["system"]
     main([str(runs["base"]), str(write(tmp_path / "b", doc)), "--output", str(tmp_path / "c")])
     out = capsys.readouterr().out
-    assert "B does not fully match summary schema 1.1 (1 problems, first: $: missing key" in out
+    assert "B does not fully match summary schema 1.2 (1 problems, first: $: missing key" in out
 
 
 # --- bad input: exit 2, one line -------------------------------------------------------
@@ -260,37 +260,43 @@ EXPECTED_TEXT = """\
 |  Note: World sizes differ (A 1 rank, B 2 ranks); values are medians over ranks.      |
 |                                                                                      |
 |  Step Time                                                                           |
-|  Metric              A              B            Delta     %                         |
-|  Diagnosis           COMPUTE-BOUND  INPUT-BOUND  changed                             |
-|  Total step          100.0 ms       110.0 ms     +10.0 ms  +10.0%                    |
-|  Input               5.0 ms         15.0 ms      +10.0 ms  +200.0%                   |
-|  Forward             28.5 ms        28.5 ms      +0.0 ms   +0.0%                     |
-|  Backward            57.0 ms        57.0 ms      +0.0 ms   +0.0%                     |
-|  Optimizer           9.5 ms         9.5 ms       +0.0 ms   +0.0%                     |
-|  Wait                0.0 ms         0.0 ms       +0.0 ms   -                         |
-|  Compute             95.0 ms        95.0 ms      +0.0 ms   +0.0%                     |
-|  Median step (p50)   100.0 ms       110.0 ms     +10.0 ms  +10.0%                    |
-|  Step spread (IQR)   1.0 ms         1.0 ms       +0.0 ms   +0.0%                     |
+|  Metric              A              B                Delta             %             |
+|  Diagnosis           COMPUTE-BOUND  INPUT-BOUND      changed                         |
+|  Total step          100.0 ms       110.0 ms         +10.0 ms          +10.0%        |
+|  Input               5.0 ms         15.0 ms          +10.0 ms          +200.0%       |
+|  Forward             28.5 ms        28.5 ms          +0.0 ms           +0.0%         |
+|  Backward            57.0 ms        57.0 ms          +0.0 ms           +0.0%         |
+|  Optimizer           9.5 ms         9.5 ms           +0.0 ms           +0.0%         |
+|  Wait                0.0 ms         0.0 ms           +0.0 ms           -             |
+|  Compute             95.0 ms        95.0 ms          +0.0 ms           +0.0%         |
+|  Median step (p50)   100.0 ms       110.0 ms         +10.0 ms          +10.0%        |
+|  Step spread (IQR)   1.0 ms         1.0 ms           +0.0 ms           +0.0%         |
 |                                                                                      |
 |  Step Memory                                                                         |
-|  Metric              A              B            Delta     %                         |
-|  Diagnosis           BALANCED       BALANCED     same                                |
-|  Host RSS peak       2.0 GiB        1.0 GiB      -1.0 GiB  -50.0%                    |
-|  Host RSS growth     0 B            0 B          +0 B      -                         |
+|  Metric              A              B                Delta             %             |
+|  Diagnosis           BALANCED       BALANCED         same                            |
+|  Host RSS peak       2.0 GiB        1.0 GiB          -1.0 GiB          -50.0%        |
+|  Host RSS growth     0 B            0 B              +0 B              -             |
 |                                                                                      |
 |  Process                                                                             |
-|  Metric              A              B            Delta     %                         |
-|  Diagnosis           NORMAL         NORMAL       same                                |
-|  CPU avg             90.0%          90.0%        +0.0 pp   +0.0%                     |
-|  CPU share of cores  11.2%          22.5%        +11.2 pp  +100.0%                   |
-|  RSS peak            2.0 GiB        1.0 GiB      -1.0 GiB  -50.0%                    |
-|  RSS of host RAM     3.1%           1.6%         -1.6 pp   -50.0%                    |
+|  Metric              A              B                Delta             %             |
+|  Diagnosis           NORMAL         NORMAL           same                            |
+|  CPU avg             90.0%          90.0%            +0.0 pp           +0.0%         |
+|  CPU share of cores  11.2%          22.5%            +11.2 pp          +100.0%       |
+|  RSS peak            2.0 GiB        1.0 GiB          -1.0 GiB          -50.0%        |
+|  RSS of host RAM     3.1%           1.6%             -1.6 pp           -50.0%        |
 |                                                                                      |
 |  System                                                                              |
-|  Metric              A              B            Delta     %                         |
-|  Diagnosis           NORMAL         NORMAL       same                                |
-|  Host CPU avg        40.0%          40.0%        +0.0 pp   +0.0%                     |
-|  Host RAM peak       30.0%          30.0%        +0.0 pp   +0.0%                     |
+|  Metric              A              B                Delta             %             |
+|  Diagnosis           NORMAL         NORMAL           same                            |
+|  Host CPU avg        40.0%          40.0%            +0.0 pp           +0.0%         |
+|  Host RAM peak       30.0%          30.0%            +0.0 pp           +0.0%         |
+|                                                                                      |
+|  Throughput                                                                          |
+|  Metric              A              B                Delta             %             |
+|  Diagnosis           THROUGHPUT     THROUGHPUT       same                            |
+|  Samples per step    32 samples     32 samples       +0 samples        +0.0%         |
+|  Samples/s           320 samples/s  290.9 samples/s  -29.09 samples/s  -9.1%         |
 +--------------------------------------------------------------------------------------+
 """
 

@@ -48,8 +48,8 @@ def as_json(report: Report) -> Any:
 def test_top_level_and_meta_keys_follow_r_out_3() -> None:
     doc = as_json(build_report(cpu_run(), 10_000))
     assert list(doc) == ["schema_version", "meta", "primary", "step_time", "step_memory",
-                         "process", "system"]
-    assert doc["schema_version"] == "1.1"
+                         "process", "system", "throughput"]
+    assert doc["schema_version"] == "1.2"
     meta = doc["meta"]
     assert meta["started_at"] == "2026-01-01T00:00:00.000+00:00"
     assert meta["ended_at"] == "2026-01-01T00:01:01.250+00:00"
@@ -65,7 +65,8 @@ def test_each_section_has_diagnosis_findings_scope_stats_ranks() -> None:
     doc = as_json(build_report(cpu_run(), 10_000))
     for name, keys in SECTION_STATS.items():
         section = doc[name]
-        assert list(section) == ["diagnosis", "findings", "scope", "stats", "ranks"]
+        job = ["job"] if name == "throughput" else []
+        assert list(section) == ["diagnosis", "findings", "scope", "stats", "ranks", *job]
         assert section["diagnosis"] == section["findings"][0]
         assert list(section["stats"]) == list(keys)
 

@@ -77,7 +77,7 @@ def test_the_meta_table_keeps_one_json_value_per_field(tmp_path: Path) -> None:
     assert (meta["started_at"], meta["summary_window_rows"], meta["mode"]) == (
         str(T0), "50", '"run"')
     assert (meta["ended_at"], meta["exit_code"], meta["store_schema_version"]) == (
-        str(T0 + 30), "3", "2")
+        str(T0 + 30), "3", "3")
     assert meta[f"join_error/{T0 + 1:.6f}"] == '"node on a has --nnodes \'4\'"'
 
 

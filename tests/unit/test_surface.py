@@ -99,7 +99,7 @@ TRACEML_OPTIONS = {
     "--aggregator_host", "--aggregator-port", "--aggregator_port", "--aggregator-bind-host",
     "--aggregator_bind_host", "--summary-window-rows", "--summary_window_rows",
     "--sample-interval", "--sample_interval", "--dashboard-port", "--dashboard_port", "--html",
-    "--no-trace", "--no_trace",
+    "--no-trace", "--no_trace", "--no-flops", "--no_flops", "--peak-tflops", "--peak_tflops",
 }
 
 

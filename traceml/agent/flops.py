@@ -41,14 +41,15 @@ def _counter_class() -> Any:
         return _COUNTER_CLASS
     from torch.utils.flop_counter import FlopCounterMode
 
-    class DtypeFlopCounter(FlopCounterMode):  # type: ignore[misc]
+    class DtypeFlopCounter(FlopCounterMode):
         def __init__(self) -> None:
             super().__init__(display=False)
             self.by_kind: dict[tuple[str, str], int] = {}
 
         def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
             before = self.get_total_flops()
-            result = super()._count_flops(func_packet, out, args, kwargs)
+            result = super()._count_flops(  # type: ignore[no-untyped-call]
+                func_packet, out, args, kwargs)
             added = self.get_total_flops() - before
             if added:
                 kind = _kind(func_packet, args)

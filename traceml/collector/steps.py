@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from traceml import phases, protocol
+from traceml.diagnosis.samples import FlopCount
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     BATCH,
@@ -57,7 +58,6 @@ from traceml.protocol import (
     RSS,
     SPAN,
 )
-from traceml.diagnosis.samples import FlopCount
 from traceml.store import StepRecord
 
 # Deeper phase nesting, or more device marks in one step, than any training

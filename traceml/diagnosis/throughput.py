@@ -2,7 +2,8 @@
 
 Runs in the offline-analysis process.  Per rank, over the step window: the
 samples (tokens, FLOPs) of its window steps over the sum of their step times,
-so a short last batch counts as what it was.  The job's samples/s and tokens/s
+so a short last batch counts as what it was; FLOP/s over the window steps
+that have a count (steps before the first count have none).  The job's samples/s and tokens/s
 are the sum over ranks, each taken as a data-parallel replica (with tensor or
 pipeline parallelism, ranks that share a batch make the sum overcount).  MFU is
 achieved FLOP/s over the peak of the rank's device in the dtype most of its
@@ -84,7 +85,8 @@ def last_count(counts: Sequence[FlopCount], rank: int) -> FlopCount | None:
     """The rank's latest FLOP count that counted, else its latest record."""
     mine = [c for c in counts if c.rank == rank]
     good = [c for c in mine if c.flops is not None]
-    return (good or mine or [None])[-1]
+    chosen = good or mine
+    return chosen[-1] if chosen else None
 
 
 def rank_throughput(window: StepWindow, node_of: Mapping[int, int],
@@ -96,7 +98,10 @@ def rank_throughput(window: StepWindow, node_of: Mapping[int, int],
         if not rows:
             continue
         seconds = sum(r.total_ms for r in rows) / 1e3
-        achieved = _rate([r.flops for r in rows], seconds, 1e12)
+        # Steps before the first count have no FLOPs yet: the rate is over those that do.
+        counted = [r for r in rows if r.flops is not None]
+        achieved = _rate([r.flops for r in counted],
+                         sum(r.total_ms for r in counted) / 1e3, 1e12)
         count = last_count(counts, rank)
         peak = _peak(count, override_tflops)
         mfu = (100.0 * achieved / peak.tflops if achieved is not None and peak.tflops
@@ -105,7 +110,7 @@ def rank_throughput(window: StepWindow, node_of: Mapping[int, int],
             rank, node_of.get(rank), len(rows),
             _mean([r.samples for r in rows]), _mean([r.tokens for r in rows]),
             _rate([r.samples for r in rows], seconds), _rate([r.tokens for r in rows], seconds),
-            _mean([r.flops for r in rows]), achieved, peak.tflops, mfu,
+            _mean([r.flops for r in counted]), achieved, peak.tflops, mfu,
             count.device_name if count is not None else None,
             count.dtype if count is not None else None)
     return out
@@ -147,17 +152,17 @@ def flops_source(rows: Sequence[StepRow], counts: Sequence[FlopCount], meta: Run
         return ("not counted: no FLOP count arrived (it runs after 5 optimizer steps; "
                 "the run was shorter, or the loop has no optimizer step)")
     failed = [c for c in counts if c.flops is None]
-    if all(r.flops is not None for r in rows) and rows:
-        ran = [c for c in counts if c.flops is not None]
+    known = sum(r.flops is not None for r in rows)
+    ran = [c for c in counts if c.flops is not None]
+    if known and ran:
         share = ran[-1].dtype_share
-        dtype = f", {ran[-1].dtype} for {100 * share:.0f}% of them" if share is not None else ""
+        dtype = f", {100 * share:.0f}% of them in {ran[-1].dtype}" if share is not None else ""
         return (f"torch.utils.flop_counter.FlopCounterMode over one training step per batch "
-                f"shape ({len(ran)} counted over all ranks{dtype}); counted steps are left out "
-                "of the window")
+                f"shape ({len(ran)} counts over all ranks{dtype}), for {known} of the window's "
+                f"{len(rows)} rank-steps; counted steps are left out of the window")
     if failed:
         return f"not counted: {failed[-1].reason}"
-    return ("not counted for every window step: a batch shape past the first "
-            "8 was not counted")
+    return "not counted for the window's steps: their batch shapes were past the first 8"
 
 
 def _throughput_line(job: JobThroughput, num_ranks: int) -> str:
@@ -166,6 +171,8 @@ def _throughput_line(job: JobThroughput, num_ranks: int) -> str:
         parts.append(f"{job.samples_per_s:,.1f} samples/s")
     if job.tokens_per_s is not None:
         parts.append(f"{job.tokens_per_s:,.0f} tokens/s")
+    if job.achieved_tflops is not None and job.mfu_pct is None:
+        parts.append("MFU not known")
     if job.achieved_tflops is not None:
         parts.append(f"{job.achieved_tflops:.3g} TFLOP/s achieved")
     if job.mfu_pct is not None:
@@ -193,7 +200,8 @@ _CAUSE_OF = {"INPUT_BOUND": "input", "INPUT_STRAGGLER": "input",
              "HOST_WORK_STRAGGLER": "host"}
 
 
-def low_mfu(job: JobThroughput, step_time_kinds: Sequence[str]) -> list[Finding]:
+def low_mfu(job: JobThroughput, step_time_kinds: Sequence[str], num_ranks: int = 1
+            ) -> list[Finding]:
     """LOW MFU: the job's MFU below MFU_LOW_WARN_PCT on a known accelerator (warn), with
     advice fitting what Step Time found; within the borderline margin it is info."""
     mfu = job.mfu_pct
@@ -204,8 +212,9 @@ def low_mfu(job: JobThroughput, step_time_kinds: Sequence[str]) -> list[Finding]
     if mfu >= level and not near:
         return []
     cause = next((_CAUSE_OF[k] for k in step_time_kinds if k in _CAUSE_OF), "compute")
-    why = (f"MFU was {mfu:.1f}% ({job.achieved_tflops:.3g} TFLOP/s achieved against "
-           f"{job.peak_tflops:g} TFLOP/s per device: {job.peak_source}), below "
+    per_device = (job.achieved_tflops or 0.0) / max(1, num_ranks)
+    why = (f"MFU was {mfu:.1f}%: {per_device:.3g} TFLOP/s achieved per rank against a "
+           f"{job.peak_tflops:g} TFLOP/s peak ({job.peak_device} {job.peak_dtype}), below "
            f"{level:.0f}%.")
     found = Finding("LOW_MFU", "LOW MFU", "warn", why, LOW_MFU_NEXT[cause], (),
                     {"mfu_pct": mfu, "achieved_tflops": job.achieved_tflops,
@@ -222,7 +231,7 @@ def diagnose_throughput(ranks: Mapping[int, RankThroughput], job: JobThroughput,
     if not ranks:
         return (not_measured("THROUGHPUT", unmeasured_why),)
     table = list(ranks.values())
-    found = low_mfu(job, step_time_kinds)
+    found = low_mfu(job, step_time_kinds, len(table))
     if job.samples_per_s is None and job.achieved_tflops is None:
         if not found:
             found.append(not_measured("THROUGHPUT", f"Samples per step follow {SAMPLES_RULE}; "

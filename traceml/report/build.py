@@ -162,7 +162,7 @@ THROUGHPUT_STATS = ("samples_per_step", "tokens_per_step", "samples_per_s", "tok
 
 
 def _field(name: str) -> Callable[[RankThroughput], float | None]:
-    return lambda row: getattr(row, name)  # type: ignore[no-any-return]
+    return lambda row: getattr(row, name)
 
 
 def step_memory_section(run: RunData, window: StepWindow, node_of: Mapping[int, int]) -> Section:

@@ -165,6 +165,8 @@ def flatten_summary(summary: Mapping[str, Json]) -> dict[str, float | str]:
         for stat_name, stat in _obj(section.get("stats")).items():
             for part in ("median", "worst"):
                 _put(flat, f"traceml/{name}/{stat_name}/{part}", _obj(stat).get(part))
+        for key, value in _obj(section.get("job")).items():
+            _put(flat, f"traceml/{name}/job/{key}", value)
     return flat
 
 

@@ -149,7 +149,12 @@ def format_rate(value: float | None, unit: str) -> str:
         return f"MFU {value:.1f}%"
     if unit == "TFLOP/s":
         return f"{value:.3g} TFLOP/s"
-    return f"{value:,.1f} {unit}"
+    return f"{format_count(value)} {unit}"
+
+
+def format_count(value: float) -> str:
+    """``1,281``, ``640.5``, ``3.125``: thousands with separators, else 4 digits."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
 THROUGHPUT_UNITS = (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"),
@@ -165,13 +170,19 @@ def throughput_lines(section: Section) -> list[str]:
     lines = ["- Job: " + " | ".join(format_rate(getattr(job, key), unit)
                                     for key, unit in THROUGHPUT_UNITS)]
     if len(section.scope.ranks) > 1:
-        per = [f"{unit} {stat.median:,.4g}/{stat.worst:,.4g} r{stat.worst_rank}"
+        per = [f"{unit} {_spread(key, stat)} r{stat.worst_rank}"
                for key, unit in THROUGHPUT_UNITS if (stat := section.stats.get(key))]
         if per:
             lines.append("- Per rank: median/lowest | " + " | ".join(per))
     lines.append(f"- Peak: {job.peak_source}")
     lines.append(f"- FLOPs: {job.flops_source}")
     return lines
+
+
+def _spread(key: str, stat: MetricStat) -> str:
+    if key.endswith("_pct"):
+        return f"{stat.median:.1f}%/{stat.worst:.1f}%"
+    return f"{format_count(stat.median)}/{format_count(stat.worst)}"
 
 
 def _in_flight(part: phases.Phase, section: Section) -> str:
