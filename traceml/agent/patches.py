@@ -169,8 +169,12 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
             t = clock()
             begins(t)
             watch = probe.forward_watch
-            if watch is not None:  # no DataLoader (yet): the forward's inputs are the batch
-                watch.see(args or kwargs, t)
+            if watch is not None:  # no DataLoader (yet): a model's inputs are the batch
+                held = _HOLDS_PARAMETERS.get(id(self))
+                if held is None:
+                    held = _holds_parameters(self)
+                if held:  # not a loss module's
+                    watch.see(args or kwargs, t)
             if timer is not None:
                 probe.guarded(timer.start, FORWARD)
             try:

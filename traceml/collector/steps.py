@@ -28,7 +28,7 @@ Samples and tokens (`traceml.agent.batch`): the rank logs a batch record when
 the size changes; every fetch the step takes as input (every counted
 forward, in a loop without a DataLoader) adds the record in effect.  A FLOP
 count ending in a step marks it counted; a step's FLOPs are those of the
-latest count (or of the batch record, for a shape counted before).
+latest count, or of the batch record that began it (a shape counted before).
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ class StepTracker:
         self._tally = BatchTally()
         self._pending_tally = BatchTally()
         self._flops: float | None = None
+        self._next_flops: tuple[float | None] | None = None  # for the next step, once it begins
         self._counted = False
 
     # -- the event log ------------------------------------------------------
@@ -198,9 +199,13 @@ class StepTracker:
                     self._in_flight.add(max(t[0], self._begin), t[1])
             elif code == BATCH:
                 self._batch = t
-                self._flops = t[2]
+                if self._open and not self._complete and not self._undecided():
+                    self._flops = t[2]  # a batch of the running iteration
+                else:  # the next iteration's: its FLOPs start with it
+                    self._next_flops = (t[2],)
             elif code == FLOP_COUNT:
                 self._flops = t[0]
+                self._next_flops = None
                 self._counted = self._counted or (bool(t[6]) and self._open)
             elif code == CLOSE:
                 self.close()
@@ -317,6 +322,8 @@ class StepTracker:
         self._in_flight = InFlight()
         self._tally = BatchTally()
         self._counted = False
+        if self._next_flops is not None:
+            self._flops, self._next_flops = self._next_flops[0], None
 
     def _finish(self, end: float, keep: bool) -> None:
         self._open = False

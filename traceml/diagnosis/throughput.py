@@ -157,8 +157,9 @@ def flops_source(rows: Sequence[StepRow], counts: Sequence[FlopCount], meta: Run
     if known and ran:
         share = ran[-1].dtype_share
         dtype = f", {100 * share:.0f}% of them in {ran[-1].dtype}" if share is not None else ""
+        num = f"{len(ran)} count" + ("" if len(ran) == 1 else "s")
         return (f"torch.utils.flop_counter.FlopCounterMode over one training step per batch "
-                f"shape ({len(ran)} counts over all ranks{dtype}), for {known} of the window's "
+                f"shape ({num} over all ranks{dtype}), for {known} of the window's "
                 f"{len(rows)} rank-steps; counted steps are left out of the window")
     if failed:
         return f"not counted: {failed[-1].reason}"
@@ -171,8 +172,6 @@ def _throughput_line(job: JobThroughput, num_ranks: int) -> str:
         parts.append(f"{job.samples_per_s:,.1f} samples/s")
     if job.tokens_per_s is not None:
         parts.append(f"{job.tokens_per_s:,.0f} tokens/s")
-    if job.achieved_tflops is not None and job.mfu_pct is None:
-        parts.append("MFU not known")
     if job.achieved_tflops is not None:
         parts.append(f"{job.achieved_tflops:.3g} TFLOP/s achieved")
     if job.mfu_pct is not None:
