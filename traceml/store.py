@@ -350,13 +350,18 @@ class StoreReader:
         # A c10d launcher samples before it learns its node rank (-1): not a node yet.
         system = tuple(_system_sample(r) for r in self._rows(
             "SELECT * FROM system WHERE node_rank >= 0 ORDER BY t"))
-        # A store written before FLOPs were counted has no such table.
-        counts = tuple(
+        return dataclasses.replace(run_data(records, steps, process, system),
+                                   flop_counts=self.flop_counts())
+
+    def flop_counts(self) -> tuple[FlopCount, ...]:
+        """Every rank's FLOP counts, oldest first per rank (none in a store written
+        before FLOPs were counted)."""
+        if not self._has_table("flop_counts"):
+            return ()
+        return tuple(
             FlopCount(**{k: r[k] for k in _FLOP_COUNT_COLUMNS[:-1]}, ran=bool(r["ran"]),
                       rank=r["rank"])
-            for r in self._rows("SELECT * FROM flop_counts ORDER BY rank, t")
-        ) if self._has_table("flop_counts") else ()
-        return dataclasses.replace(run_data(records, steps, process, system), flop_counts=counts)
+            for r in self._rows("SELECT * FROM flop_counts ORDER BY rank, t"))
 
     def _has_table(self, name: str) -> bool:
         return bool(self._rows("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?",

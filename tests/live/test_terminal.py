@@ -152,3 +152,15 @@ def test_worker_output_follows_the_log_files(tmp_path: Path) -> None:
     with (rank0 / "stdout.log").open("a") as f:
         f.write("ial line\n\nlast\n")
     assert [o.text for o in output.poll()] == ["two", "partial line", "last"]
+
+
+def test_throughput_line_and_status_once_measured() -> None:
+    from tests.unit.test_throughput import run
+
+    snap = live_snapshot(run(2), 10000, now=T0 + 65)
+    text = render(render_view(snap))
+    assert "Throughput: 1,280 samples/s | 600 TFLOP/s | MFU 30.3%\n" in text
+    assert "| 1,280 samples/s | 600 TFLOP/s | MFU 30.3% |" in status_line(snap)
+    low = render(render_view(live_snapshot(run(2, flops=5e12), 10000, now=T0 + 65)))
+    assert "Throughput: 1,280 samples/s | 100 TFLOP/s | MFU 5.1%  LOW MFU\n" in low
+    assert "Throughput:" not in render(render_view(live_snapshot(fixed_run(), 10000, now=T0)))
