@@ -244,3 +244,73 @@ def test_half_the_batch_in_half_the_time_is_no_change() -> None:
 def test_the_same_batch_keeps_the_step_time_verdict() -> None:
     assert compare(summary(tight(100.0)), summary(tight(90.0), session="b")).verdict.label == (
         "IMPROVEMENT")
+
+
+# --- the agent's counting never breaks the step, and abstains with the reason ----------
+
+
+def counting(compiled: bool = False) -> tuple[Any, Any]:
+    from traceml.agent.flops import FlopCounting
+    from traceml.agent.probe import Probe
+
+    errors: list[Any] = []
+    probe = Probe(lambda: 1.0, errors.append)
+    probe.compiled = compiled
+    flops = FlopCounting(probe, True, lambda part, exc: errors.append(exc))
+    flops.arm()
+    assert flops.on_shape(((8, 4), "torch.float32"), 0.0) is None  # armed: the count starts
+    return probe, flops
+
+
+def train_step(probe: Any) -> None:
+    model = nn.Linear(4, 2)
+    model(torch.randn(8, 4)).sum().backward()
+    assert probe.on_optimizer_end is not None
+    probe.on_optimizer_end()  # the optimizer step ended: the count ends
+
+
+def test_a_count_is_logged_once_and_reused() -> None:
+    probe, flops = counting()
+    train_step(probe)
+    (t, total, dtype, share, name, sm, reason, ran), = probe.flop_counts
+    assert (total, dtype, name, reason, ran) == (2 * 8 * 4 * 2 * 2, "fp32", "cpu", None, True)
+    assert probe.on_optimizer_end is None and flops.counter is None
+    assert flops.on_shape(((8, 4), "torch.float32"), 2.0) == total  # the same shape: reused
+
+
+def test_a_failing_flop_formula_abstains_and_the_step_still_runs() -> None:
+    probe, flops = counting()
+
+    def boom(*args: Any, **kwargs: Any) -> int:
+        raise ValueError("no formula")
+
+    flops.counter.flop_registry[torch.ops.aten.addmm] = boom
+    train_step(probe)  # no exception reaches the training step
+    assert probe.flop_counts[0][1] is None
+    assert "no formula" in probe.flop_counts[0][6]
+
+
+def test_torch_compile_abstains_without_counting() -> None:
+    probe, flops = counting(compiled=True)
+    assert flops.counter is None and probe.on_optimizer_end is None
+    (_, total, *_, reason, ran), = probe.flop_counts
+    assert (total, ran) == (None, False) and "torch.compile" in reason
+
+
+def test_a_failing_device_mark_still_ends_the_count() -> None:
+    from traceml.agent.flops import FlopCounting
+    from traceml.agent.probe import Probe
+
+    probe = Probe(lambda: 1.0, lambda exc: None)
+
+    def mark(t: float | None = None) -> None:
+        raise RuntimeError("CUDA mark failed")
+
+    probe.on_optimizer_end = mark
+    flops = FlopCounting(probe, True, lambda part, exc: None)
+    flops.arm()
+    flops.on_shape(((8, 4), "torch.float32"), 0.0)
+    with pytest.raises(RuntimeError):  # the probe's guard catches it in the patches
+        train_step(probe)
+    assert flops.counter is None and probe.on_optimizer_end is mark
+    assert len(probe.flop_counts) == 1

@@ -93,8 +93,11 @@ class BatchWatch:
             shape = x.shape
         except Exception:
             shape = None
-        if shape == self.shape:  # a batch without a tensor: None both times
-            return
+        try:
+            if shape == self.shape:  # a batch without a tensor: None both times
+                return
+        except Exception:  # not a tensor's shape there any more: walk again
+            pass
         try:
             self._changed(batch, t)
         except Exception as exc:  # this batch source goes, training stays

@@ -45,16 +45,22 @@ def _counter_class() -> Any:
         def __init__(self) -> None:
             super().__init__(display=False)
             self.by_kind: dict[tuple[str, str], int] = {}
+            self.failure: str | None = None
 
         def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
-            before = self.get_total_flops()
-            result = super()._count_flops(  # type: ignore[no-untyped-call]
-                func_packet, out, args, kwargs)
-            added = self.get_total_flops() - before
-            if added:
-                kind = _kind(func_packet, args)
-                self.by_kind[kind] = self.by_kind.get(kind, 0) + added
-            return result
+            # Called with the op's output, after it ran: a formula that fails here
+            # must not reach the user's forward, so the count abstains instead.
+            try:
+                before = self.get_total_flops()
+                super()._count_flops(  # type: ignore[no-untyped-call]
+                    func_packet, out, args, kwargs)
+                added = self.get_total_flops() - before
+                if added:
+                    kind = _kind(func_packet, args)
+                    self.by_kind[kind] = self.by_kind.get(kind, 0) + added
+            except Exception as exc:
+                self.failure = self.failure or f"counting {func_packet} failed: {exc!r}"
+            return out
 
     _COUNTER_CLASS = DtypeFlopCounter
     return _COUNTER_CLASS
@@ -159,9 +165,11 @@ class FlopCounting:
     def _optimizer_ended(self, t: float | None = None) -> None:
         """The counted iteration's optimizer step ended (training thread)."""
         chained = self._chained
-        if chained is not None:
-            chained() if t is None else chained(t)
-        self.stop(t)
+        try:
+            if chained is not None:
+                chained() if t is None else chained(t)
+        finally:  # the count ends with its step, whatever the device mark did
+            self.stop(t)
 
     def stop(self, t: float | None = None, reason: str | None = None) -> None:
         """End the running count and log it (training thread, or at exit)."""
@@ -176,6 +184,7 @@ class FlopCounting:
         except Exception as exc:
             reason = reason or f"the FLOP counter failed: {exc!r}"
         flops: float | None = float(counter.get_total_flops())
+        reason = reason or counter.failure
         if self.probe.compiled and reason is None:
             reason = _COMPILED
         if not flops and reason is None:
