@@ -21,29 +21,26 @@ IN, HIDDEN, OUT = 64, 128, 8
 VOCAB, SEQ, DIM = 97, 32, 48
 
 
-class Pairs(Dataset):
-    def __init__(self, n):
-        self.n = n
+class Seeded(Dataset):
+    """``n`` items, item ``i`` made by ``make`` from a generator seeded with ``i``."""
+
+    def __init__(self, n, make):
+        self.n, self.make = n, make
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        return torch.randn(IN, generator=g), torch.randint(0, OUT, (1,), generator=g)[0]
+        return self.make(torch.Generator().manual_seed(i))
 
 
-class Tokens(Dataset):
-    def __init__(self, n):
-        self.n = n
+def pair(g):
+    return torch.randn(IN, generator=g), torch.randint(0, OUT, (1,), generator=g)[0]
 
-    def __len__(self):
-        return self.n
 
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        ids = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
-        return {"input_ids": ids[:-1], "labels": ids[1:]}
+def token_ids(g):
+    ids = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
+    return {"input_ids": ids[:-1], "labels": ids[1:]}
 
 
 class TinyLM(nn.Module):
@@ -84,8 +81,8 @@ def main():
     if args.case == "noloader":
         batches = None
     else:
-        data = Tokens(args.steps * args.batch) if args.case == "lm" else Pairs(
-            args.steps * args.batch - args.batch // 2)  # the last batch is short
+        data = Seeded(args.steps * args.batch, token_ids) if args.case == "lm" else Seeded(
+            args.steps * args.batch - args.batch // 2, pair)  # the last batch is short
         batches = iter(DataLoader(data, batch_size=args.batch))
     steps = []
     for i in range(args.steps):
