@@ -342,9 +342,12 @@ def main() -> None:
             dashboard_port=free_port() if args.dashboard else None))
         poller = (DashboardPoller(collector.ready["dashboard"]["url"]) if args.dashboard
                   else None)
+        # The batch watch runs as in a real rank; the one FLOP-counting step is a
+        # one-time cost of its own (README), so counting is off here.
         env = AgentEnv(session_id="bench", endpoint=f"tcp://127.0.0.1:{collector.port}",
-                       launcher_pid=os.getppid())
+                       launcher_pid=os.getppid(), count_flops=False)
         runtime = AgentRuntime(env, Sender("rank", socket.gethostname(), os.getpid(), 0, rank=0))
+        runtime.watch_batches()
         runtime.sender.start()
         if args.device.startswith("cuda") and not runtime.watch_cuda():
             parser.error("--device cuda: torch sees no CUDA device")

@@ -20,6 +20,11 @@
 #      under traceml with steps counted, and communication says "not measured"
 #      rather than a host time that is not the GPU's (NCCL makes streams wait,
 #      not the host): no communication phase, in flight null.
+#   6. MFU: a bf16 (autocast) transformer step's FLOPs per step, counted by
+#      torch's FLOP counter in one step, equal the hand count (3 x the forward
+#      matmuls) within 2 %, the dtype is bf16, the peak is the table's for this
+#      device name, and the summary's MFU equals the hand computation (hand
+#      FLOPs over the script's own step time over the peak) within 5 %.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-/tmp/traceml-gpu-check}}"
@@ -74,6 +79,49 @@ for _ in range(40):
 dist.destroy_process_group()
 PY
 
+cat > "$OUT/mfu_train.py" <<'PY'
+# A bf16 transformer (attention written out in matmuls, so the hand count is exact).
+import json, math, sys, time, torch
+from torch import nn
+B, T, D, H, L = 8, 512, 1024, 16, 4
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+    def forward(self, x):
+        q, k, v = self.qkv(self.n1(x)).split(D, dim=-1)
+        q, k, v = (z.reshape(B, T, H, D // H).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1) / math.sqrt(D // H)).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(B, T, D))
+        return x + self.down(torch.relu(self.up(self.n2(x))))
+
+model = nn.Sequential(*[Block() for _ in range(L)]).to(dev)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+x = torch.randn(B, T, D, device=dev)
+times = []
+for step in range(int(sys.argv[2]) if len(sys.argv) > 2 else 60):
+    t = time.perf_counter()
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if dev == "cuda":
+        torch.cuda.synchronize()  # the script's own timer sees the GPU's time
+    times.append(time.perf_counter() - t)
+tokens = B * T
+forward = L * (2 * tokens * D * 3 * D + 4 * B * T * T * D + 2 * tokens * D * D
+               + 2 * 2 * tokens * D * 4 * D)
+name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+json.dump({"times": times, "flops": 3 * forward, "device_name": name}, open(sys.argv[1], "w"))
+PY
+
+"$PY" -m traceml run --logs-dir "$OUT/logs" --session-id mfu --sample-interval 0.5 \
+    "$OUT/mfu_train.py" "$OUT/mfu_own.json" > "$OUT/mfu.txt" 2>&1
 "$PY" -m traceml run --logs-dir "$OUT/logs" --session-id nccl --sample-interval 0.5 \
     "$OUT/nccl_train.py" > "$OUT/nccl.txt" 2>&1
 "$PY" -m traceml run --logs-dir "$OUT/logs" --session-id healthy --sample-interval 0.5 \
@@ -143,5 +191,27 @@ check("NCCL: no host time passed off as communication",
       all(s[0] == 0 and s[1] == 0 for s in steps),
       f"median backward {sorted(s[3] for s in steps)[len(steps)//2]:.3f} ms" if steps else "none")
 check("NCCL: in flight not measured on CUDA (null)", all(s[2] is None for s in steps))
+
+from traceml.diagnosis.peaks import peak_for
+own = json.load(open(f"{logs}/../mfu_own.json"))
+tp = json.load(open(f"{logs}/mfu/final_summary.json"))["throughput"]
+row, scope = tp["ranks"][0], tp["scope"]
+counted = {s for (s,) in sqlite3.connect(f"{logs}/mfu/telemetry.sqlite").execute(
+    "SELECT step FROM steps WHERE flops_counted = 1")}
+window = [s for s in range(scope["first_step"], scope["last_step"] + 1) if s not in counted]
+peak = peak_for(own["device_name"], "bf16").tflops
+hand_tflops = own["flops"] * len(window) / sum(own["times"][s] for s in window) / 1e12
+hand_mfu = 100 * hand_tflops / peak if peak else None
+check("MFU: FLOPs per step equal the hand count (2%)",
+      row["flops_per_step"] is not None and abs(row["flops_per_step"] / own["flops"] - 1) < 0.02,
+      f"counted {row['flops_per_step']}, hand {own['flops']}")
+check("MFU: the step ran in bf16", row["dtype"] == "bf16", str(row["dtype"]))
+check("MFU: the table's peak for this device", peak is not None and row["peak_tflops"] == peak,
+      f"{own['device_name']}: {row['peak_tflops']} TFLOP/s ({tp['job']['peak_source']})")
+check("MFU: equals the hand computation (5%)",
+      hand_mfu is not None and row["mfu_pct"] is not None
+      and abs(row["mfu_pct"] / hand_mfu - 1) < 0.05,
+      f"traceml {row['mfu_pct']}% vs hand {hand_mfu}% "
+      f"({row['achieved_tflops']} vs {hand_tflops:.1f} TFLOP/s)")
 sys.exit(1 if failed else 0)
 PY

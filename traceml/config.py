@@ -75,6 +75,8 @@ class RunConfig:
     worker_log_dir: str | None
     argv: tuple[str, ...]
     torch_args: argparse.Namespace  # torch's, for torch: see launcher.args.torch_namespace
+    count_flops: bool = True  # --no-flops turns it off
+    peak_tflops: float = 0.0  # --peak-tflops; 0: the peak table's
 
     @property
     def multi_node(self) -> bool:

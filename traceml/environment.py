@@ -34,6 +34,8 @@ Variables:
 ``TRACEML_STALL_TIMEOUT``
     Seconds without progress before a rank reports a stall; ``auto`` (the
     default) adapts to the step time, ``0`` turns stall reports off.
+``TRACEML_NO_FLOPS``
+    ``1`` with ``--no-flops``: the agent counts no FLOPs (samples and tokens stay).
 ``TRACEML_SECURE``
     ``1`` when the collector listens beyond 127.0.0.1 and every sender must
     speak ZeroMQ CURVE with keys derived from the session secret.
@@ -80,6 +82,7 @@ class AgentEnv:
     secure: bool = False
     secret: str | None = None
     stall_timeout_s: float | None = None  # None: automatic; 0: off
+    count_flops: bool = True
 
     def to_env(self) -> dict[str, str]:
         env = {
@@ -101,6 +104,8 @@ class AgentEnv:
             env["TRACEML_SECURE"] = "1"
         if self.secret is not None:
             env["TRACEML_SECRET"] = self.secret
+        if not self.count_flops:
+            env["TRACEML_NO_FLOPS"] = "1"
         return env
 
     @classmethod
@@ -122,6 +127,7 @@ class AgentEnv:
             secure=environ.get("TRACEML_SECURE") == "1",
             secret=environ.get("TRACEML_SECRET"),
             stall_timeout_s=_stall_timeout(environ.get("TRACEML_STALL_TIMEOUT", "auto")),
+            count_flops=environ.get("TRACEML_NO_FLOPS") != "1",
         )
 
 

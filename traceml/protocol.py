@@ -56,9 +56,22 @@ MARK = END + 8  # device data of the running step (CUDA): the payload is DEVICE_
 CLOSE = END + 9  # process exit: the last step ends with its optimizer step
 RSS = END + 10  # a reading of the rank's RSS (bytes or None), for the steps finished after it
 SPAN = END + 11  # a collective completed: the payload is its (launch, completion) times
-NUM_EVENT_CODES = END + 12
+BATCH = END + 12  # a batch of another size began to be used: the payload is BATCH_FIELDS
+FLOP_COUNT = END + 13  # a FLOP count ended in the running step: FLOP_COUNT_FIELDS
+NUM_EVENT_CODES = END + 14
 DEVICE_MARK_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes",
                       *(p.gpu_column for p in phases.gpu_timed()))
+# What a batch holds (`traceml.agent.batch`), logged when it changes: samples
+# (its first tensor's leading dimension), tokens (that tensor's elements when it
+# holds 2-D integer token ids), the FLOPs per step known for its shape, and
+# where it was seen.  None: not measured.
+BATCH_FIELDS = ("samples", "tokens", "flops", "source")
+BATCH_FROM_FETCH, BATCH_FROM_FORWARD = 0, 1
+# One FLOP count (`traceml.agent.flops`): FLOPs of the step (None: abstained,
+# see reason), the dtype most of them ran in and its share, the device name torch
+# reports and its multiprocessor count, and whether the counter ran in the step.
+FLOP_COUNT_FIELDS = ("flops", "dtype", "dtype_share", "device_name", "sm_count", "reason",
+                     "ran")
 # A rank sends its events early once this many wait: ~2 MB of JSON, well
 # under MAX_MESSAGE_BYTES.
 MAX_EVENTS_PER_MESSAGE = 100_000
@@ -181,14 +194,18 @@ def _envelope_from(obj: dict[str, Any]) -> Envelope:
 
 def events_payload(batch: int, wall_offset_s: float, times: list[list[float]],
                    marks: list[tuple[float, Any]], rss: list[tuple[float, int | None]],
-                   spans: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+                   spans: list[tuple[float, float]] | None = None,
+                   batches: list[tuple[Any, ...]] | None = None,
+                   flop_counts: list[tuple[Any, ...]] | None = None) -> dict[str, Any]:
     """A batch of step events: ``times[code]`` lists that code's event times;
     ``marks`` are ``(time, DEVICE_MARK_FIELDS)``, ``rss`` ``(time, bytes)`` and
-    ``spans`` the collectives' ``(launch, completion)`` times.  ``batch``
-    counts this rank's event batches (a gap means one was lost);
+    ``spans`` the collectives' ``(launch, completion)`` times; ``batches`` are
+    ``(time, *BATCH_FIELDS)`` and ``flop_counts`` ``(time, *FLOP_COUNT_FIELDS)``.
+    ``batch`` counts this rank's event batches (a gap means one was lost);
     ``wall_offset_s`` turns its clock into epoch seconds."""
     return {"batch": batch, "wall_offset": wall_offset_s, "times": times, "marks": marks,
-            "rss": rss, "spans": spans or []}
+            "rss": rss, "spans": spans or [], "batches": batches or [],
+            "flops": flop_counts or []}
 
 
 def _is_number(value: Any) -> bool:
@@ -200,6 +217,25 @@ def _timed_values(items: Any, valid: Callable[[Any], bool]) -> bool:
     return isinstance(items, list) and all(
         type(item) is list and len(item) == 2 and _is_number(item[0]) and valid(item[1])
         for item in items)
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+_BATCH_CHECKS = (_optional(_is_number), _optional(_is_number), _optional(_is_number),
+                 lambda v: v in (BATCH_FROM_FETCH, BATCH_FROM_FORWARD))
+_FLOP_COUNT_CHECKS = (_optional(_is_number), _optional(lambda v: isinstance(v, str)),
+                      _optional(_is_number), _optional(lambda v: isinstance(v, str)),
+                      _optional(_is_number), _optional(lambda v: isinstance(v, str)),
+                      lambda v: type(v) is bool)
+
+
+def _records(items: Any, checks: tuple[Callable[[Any], bool], ...]) -> bool:
+    """``[time, *fields]`` records, each field passing its check."""
+    return isinstance(items, list) and all(
+        type(item) is list and len(item) == len(checks) + 1 and _is_number(item[0])
+        and all(check(v) for check, v in zip(checks, item[1:])) for item in items)
 
 
 def _device_mark(values: Any) -> bool:
@@ -217,6 +253,8 @@ class EventBatch:
     marks: list[list[Any]]  # [time, DEVICE_MARK_FIELDS values]
     rss: list[list[Any]]  # [time, bytes or None]
     spans: list[list[float]]  # [launch, completion] of each collective
+    batches: list[list[Any]] = field(default_factory=list)  # [time, *BATCH_FIELDS]
+    flop_counts: list[list[Any]] = field(default_factory=list)  # [time, *FLOP_COUNT_FIELDS]
 
 
 def check_events(payload: dict[str, Any]) -> EventBatch:
@@ -228,20 +266,25 @@ def check_events(payload: dict[str, Any]) -> EventBatch:
     marks: Any = payload.get("marks")
     rss: Any = payload.get("rss")
     spans: Any = payload.get("spans", [])
+    batches: Any = payload.get("batches", [])
+    flop_counts: Any = payload.get("flops", [])
     if type(batch) is not int or not _is_number(offset):
         raise ProtocolError("events payload without batch/wall_offset")
     if (not isinstance(times, list) or len(times) > NUM_EVENT_CODES
             or not all(isinstance(ts, list) and all(map(_is_number, ts)) for ts in times)):
         raise ProtocolError("event times are not lists of numbers per code")
-    if any(times[code] for code in (MARK, RSS, SPAN) if code < len(times)):
-        raise ProtocolError("marks, RSS readings and spans travel with their values")
+    if any(times[code] for code in (MARK, RSS, SPAN, BATCH, FLOP_COUNT) if code < len(times)):
+        raise ProtocolError("marks, RSS readings, spans, batches and FLOP counts travel with "
+                            "their values")
     if not _timed_values(marks, _device_mark):
         raise ProtocolError("malformed device marks")
     if not _timed_values(rss, lambda v: v is None or _is_number(v)):
         raise ProtocolError("malformed RSS readings")
     if not _timed_values(spans, _is_number) or any(s[1] < s[0] for s in spans):
         raise ProtocolError("malformed collective spans")
-    return EventBatch(batch, float(offset), times, marks, rss, spans)
+    if not _records(batches, _BATCH_CHECKS) or not _records(flop_counts, _FLOP_COUNT_CHECKS):
+        raise ProtocolError("malformed batch sizes or FLOP counts")
+    return EventBatch(batch, float(offset), times, marks, rss, spans, batches, flop_counts)
 
 
 def rows_payload(fields: tuple[str, ...], rows: list[tuple[Any, ...]]) -> dict[str, Any]:
@@ -347,6 +390,8 @@ class RunStart:
     mode: str  # "run" | "watch"
     expected_world_size: int = 0  # when every node of --nnodes (its minimum) joins; 0: unknown
     expected_nodes: int = 1
+    count_flops: int = 1  # 0 with --no-flops
+    peak_tflops: float = 0.0  # --peak-tflops; 0: the summary's table of accelerators
 
 
 @dataclass(frozen=True)

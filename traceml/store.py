@@ -14,6 +14,7 @@ Whatever SQLite raises comes out as `StoreError`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sqlite3
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import orjson
 
 from traceml import phases, stacks
 from traceml.diagnosis.samples import (
+    FlopCount,
     GpuSample,
     Incident,
     NodeInfo,
@@ -46,7 +48,8 @@ from traceml.protocol import (
 )
 
 STORE_FILENAME = "telemetry.sqlite"
-SCHEMA_VERSION = 3  # 2: a column per phase (communication), collective_ms; 3: incidents
+SCHEMA_VERSION = 3  # 2: a column per phase (communication), collective_ms
+# 3: samples, tokens, flops, flops_counted per step; the flop_counts and incidents tables
 JOIN_ERROR_PREFIX = "join_error/"
 
 
@@ -70,13 +73,18 @@ class StepRecord:
     peak_reserved_bytes: int | None = None
     gpu_ms: tuple[float | None, ...] = ()  # per GPU-timed phase; empty off CUDA
     collective_ms: float | None = None  # any collective in flight; None: none timed
+    samples: int | None = None  # in the step's batches; None: not measured
+    tokens: int | None = None
+    flops: float | None = None  # per step, from the latest count; None: not known
+    flops_counted: bool = False  # the FLOP counter ran in this step
 
     def values(self) -> tuple[Any, ...]:
         """The record in :data:`STEP_COLUMNS` order."""
         gpu = self.gpu_ms or (None,) * len(phases.gpu_timed())
         return (self.step, self.t_begin, self.total_ms, self.wait_ms, *self.phase_ms,
                 *self.counts, self.num_skipped, self.rss_bytes, self.peak_allocated_bytes,
-                self.peak_reserved_bytes, *gpu, self.collective_ms)
+                self.peak_reserved_bytes, *gpu, self.collective_ms, self.samples, self.tokens,
+                self.flops, int(self.flops_counted))
 
     def columns(self) -> dict[str, Any]:
         """The record by :data:`STEP_COLUMNS` name."""
@@ -88,6 +96,7 @@ STEP_COLUMNS: tuple[str, ...] = (
     *(p.column for p in phases.PHASES), *(p.count_column for p in phases.PHASES),
     "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
     *(p.gpu_column for p in phases.gpu_timed()), "collective_ms",
+    "samples", "tokens", "flops", "flops_counted",
 )
 """The steps table's columns after (rank, restart, node_rank), from the phase table."""
 
@@ -145,7 +154,9 @@ class NewRows(Generic[_T]):
 
 
 _STEP_INT = {"step", "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-             *(p.count_column for p in phases.PHASES)}
+             *(p.count_column for p in phases.PHASES), "samples", "tokens", "flops_counted"}
+_FLOP_COUNT_COLUMNS = ("t", "flops", "dtype", "dtype_share", "device_name", "sm_count",
+                       "reason", "ran")
 
 _SENDER_COLUMNS = ("sender_id", "role", "host", "pid", "node_rank", "rank", "local_rank",
                    "world_size", "restart", "first_seen", "last_seen", "num_messages",
@@ -165,6 +176,9 @@ _DDL = [
     "node_rank INTEGER NOT NULL, "
     + ", ".join(f"{c} {'INTEGER' if c in _STEP_INT else 'REAL'}" for c in STEP_COLUMNS)
     + ", PRIMARY KEY (rank, restart, step))",
+    "CREATE TABLE IF NOT EXISTS flop_counts (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
+    "node_rank INTEGER NOT NULL, t REAL NOT NULL, flops REAL, dtype TEXT, dtype_share REAL, "
+    "device_name TEXT, sm_count INTEGER, reason TEXT, ran INTEGER NOT NULL)",
     "CREATE TABLE IF NOT EXISTS rejected (reason TEXT PRIMARY KEY, count INTEGER NOT NULL)",
     "CREATE TABLE IF NOT EXISTS process (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
     "node_rank INTEGER NOT NULL, t REAL NOT NULL, cpu_pct REAL, rss_bytes INTEGER, "
@@ -191,6 +205,7 @@ def _insert(table: str, columns: Sequence[str], verb: str = "INSERT") -> str:
 
 _STEPS_SQL = _insert("steps", ("rank", "restart", "node_rank", *STEP_COLUMNS), "INSERT OR REPLACE")
 _PROCESS_SQL = _insert("process", ("rank", "restart", "node_rank", *PROCESS_FIELDS))
+_FLOP_COUNT_SQL = _insert("flop_counts", ("rank", "restart", "node_rank", *_FLOP_COUNT_COLUMNS))
 _SYSTEM_SQL = _insert("system", ("node_rank", "host", *SYSTEM_FIELDS))
 _SENDER_SQL = _insert("senders", _SENDER_COLUMNS, "INSERT OR REPLACE")
 _REJECTED_SQL = _insert("rejected", ("reason", "count"), "INSERT OR REPLACE")
@@ -250,6 +265,12 @@ class StoreWriter:
         batch = [prefix + record.values() for record in records]
         self._executemany(_STEPS_SQL, batch)
         return len(batch)
+
+    def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
+        prefix = (sender.rank, sender.restart, sender.node_rank)
+        self._executemany(_FLOP_COUNT_SQL, [
+            (*prefix, c.t, c.flops, c.dtype, c.dtype_share, c.device_name, c.sm_count, c.reason,
+             int(c.ran)) for c in counts])
 
     def add_process(self, sender: Sender, fields: Sequence[str],
                     rows: Iterable[Sequence[Any]]) -> None:
@@ -354,18 +375,33 @@ class StoreReader:
         # A c10d launcher samples before it learns its node rank (-1): not a node yet.
         system = tuple(_system_sample(r) for r in self._rows(
             "SELECT * FROM system WHERE node_rank >= 0 ORDER BY t"))
-        return run_data(records, steps, process, system, self.incidents())
+        return dataclasses.replace(run_data(records, steps, process, system, self.incidents()),
+                                   flop_counts=self.flop_counts())
 
     def incidents(self) -> tuple[Incident, ...]:
         """Every stall and crash, in the order they were reported (none in a store
         written before they were kept)."""
-        if not self._rows("SELECT name FROM sqlite_master WHERE name = 'incidents'"):
+        if not self._has_table("incidents"):
             return ()
         try:
             return tuple(_incident(r) for r in self._rows(
                 "SELECT * FROM incidents ORDER BY rowid"))
         except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
             raise StoreError(f"malformed incident: {exc}") from None
+
+    def flop_counts(self) -> tuple[FlopCount, ...]:
+        """Every rank's FLOP counts, oldest first per rank (none in a store written
+        before FLOPs were counted)."""
+        if not self._has_table("flop_counts"):
+            return ()
+        return tuple(
+            FlopCount(**{k: r[k] for k in _FLOP_COUNT_COLUMNS[:-1]}, ran=bool(r["ran"]),
+                      rank=r["rank"])
+            for r in self._rows("SELECT * FROM flop_counts ORDER BY rank, t"))
+
+    def _has_table(self, name: str) -> bool:
+        return bool(self._rows("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?",
+                               (name,)))
 
     def num_steps(self) -> int:
         return int(self._rows("SELECT COUNT(*) AS n FROM steps")[0]["n"])
@@ -433,6 +469,8 @@ def _step_row(r: Mapping[str, Any]) -> StepRow:
         peak_reserved_bytes=r["peak_reserved_bytes"], rss_bytes=r["rss_bytes"],
         t=(r["t_begin"] + r["total_ms"] / 1e3) if r["t_begin"] is not None else None,
         gpu_ms=_gpu_ms(r), collective_ms=r.get("collective_ms"),
+        samples=r.get("samples"), tokens=r.get("tokens"), flops=r.get("flops"),
+        flops_counted=bool(r.get("flops_counted")),
     )
 
 
@@ -483,7 +521,8 @@ def run_data(records: RunRecords, steps: tuple[StepRow, ...], process: tuple[Pro
              system: tuple[SystemSample, ...], incidents: tuple[Incident, ...] = ()) -> RunData:
     """The run as the diagnosis reads it: these samples (all, or the recent ones a live
     view keeps) and what ``records`` say about the run."""
-    return RunData(_run_meta(records, steps, process), steps, process, system, incidents)
+    return RunData(_run_meta(records, steps, process), steps, process, system,
+                   incidents=incidents)
 
 
 def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
@@ -495,6 +534,8 @@ def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
         p.device_total_bytes is not None for p in process)
     senders = records.senders
     return RunMeta(
+        count_flops=bool(start.count_flops),
+        peak_tflops=start.peak_tflops or None,
         session_id=start.session_id, command=list(start.command),
         started_at=start.started_at,
         ended_at=records.end.ended_at if records.end is not None else start.started_at,

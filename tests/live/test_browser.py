@@ -44,6 +44,25 @@ def test_html_report_of_an_eight_rank_run(tmp_path: Path, browser: Any) -> None:
     page.close()
 
 
+def test_html_report_shows_throughput_and_where_the_peak_came_from(tmp_path: Path,
+                                                                   browser: Any) -> None:
+    from tests.unit.test_throughput import run
+
+    data = run(2)
+    path = write_html(tmp_path / "final_summary.html", build_report(data, 10000), data)
+    page, watch = open_page(browser, "file://")
+    page.goto(path.as_uri())
+    wait_for(lambda: chart_facts(page)["renders"], 20, "the page to render")
+    job = page.inner_text("#throughput tr[data-job]").split("\t")
+    assert job == ["job", "1,280", "–", "600", "30.3%"]
+    assert page.inner_text("#throughput [data-source=peak]").startswith(
+        "Peak: H100 SXM dense bf16 989.4 TFLOP/s")
+    assert "FlopCounterMode" in page.inner_text("#throughput [data-source=flops]")
+    assert page.locator("#findings [data-kind=THROUGHPUT]").count() == 1
+    assert watch.errors == [] and watch.outside_requests == []
+    page.close()
+
+
 def _start_run(tmp_path: Path, port: int) -> subprocess.Popen[bytes]:
     env = dict(os.environ, OMP_NUM_THREADS="1", LIVE_STOP_FILE=str(tmp_path / "stop"),
                LIVE_MAX_S="150")

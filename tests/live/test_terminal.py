@@ -176,3 +176,13 @@ def test_a_stall_is_the_diagnosis_while_it_lasts_and_stays_in_view_once_cleared(
                                                now=T0 + 65)))
     assert "Diagnosis: INPUT STRAGGLER [crit] (Step Time, r1)" in cleared
     assert "STALL CLEARED [warn]: r1 (n0) made no progress for 6.0 s at step 11 in forward" in cleared
+def test_throughput_line_and_status_once_measured() -> None:
+    from tests.unit.test_throughput import run
+
+    snap = live_snapshot(run(2), 10000, now=T0 + 65)
+    text = render(render_view(snap))
+    assert "Throughput: 1,280 samples/s | 600 TFLOP/s | MFU 30.3%\n" in text
+    assert "| 1,280 samples/s | 600 TFLOP/s | MFU 30.3% |" in status_line(snap)
+    low = render(render_view(live_snapshot(run(2, flops=5e12), 10000, now=T0 + 65)))
+    assert "Throughput: 1,280 samples/s | 100 TFLOP/s | MFU 5.1%  LOW MFU\n" in low
+    assert "Throughput:" not in render(render_view(live_snapshot(fixed_run(), 10000, now=T0)))

@@ -102,7 +102,8 @@ def test_json_is_strict_and_names_every_section(runs: dict[str, Path], tmp_path:
                      parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert list(doc) == ["compare_version", "verdict", "why", "threshold_pct", "a", "b", "notes",
                          "step_time", "memory", "sections"]
-    assert list(doc["sections"]) == ["step_time", "step_memory", "process", "system"]
+    assert list(doc["sections"]) == ["step_time", "step_memory", "process", "system",
+                                     "throughput"]
     assert all(s["status"] == "compared" for s in doc["sections"].values())
 
 
@@ -262,37 +263,43 @@ EXPECTED_TEXT = """\
 |  Note: World sizes differ (A 1 rank, B 2 ranks); values are medians over ranks.      |
 |                                                                                      |
 |  Step Time                                                                           |
-|  Metric              A              B            Delta     %                         |
-|  Diagnosis           COMPUTE-BOUND  INPUT-BOUND  changed                             |
-|  Total step          100.0 ms       110.0 ms     +10.0 ms  +10.0%                    |
-|  Input               5.0 ms         15.0 ms      +10.0 ms  +200.0%                   |
-|  Forward             28.5 ms        28.5 ms      +0.0 ms   +0.0%                     |
-|  Backward            57.0 ms        57.0 ms      +0.0 ms   +0.0%                     |
-|  Optimizer           9.5 ms         9.5 ms       +0.0 ms   +0.0%                     |
-|  Wait                0.0 ms         0.0 ms       +0.0 ms   -                         |
-|  Compute             95.0 ms        95.0 ms      +0.0 ms   +0.0%                     |
-|  Median step (p50)   100.0 ms       110.0 ms     +10.0 ms  +10.0%                    |
-|  Step spread (IQR)   1.0 ms         1.0 ms       +0.0 ms   +0.0%                     |
+|  Metric              A              B                Delta             %             |
+|  Diagnosis           COMPUTE-BOUND  INPUT-BOUND      changed                         |
+|  Total step          100.0 ms       110.0 ms         +10.0 ms          +10.0%        |
+|  Input               5.0 ms         15.0 ms          +10.0 ms          +200.0%       |
+|  Forward             28.5 ms        28.5 ms          +0.0 ms           +0.0%         |
+|  Backward            57.0 ms        57.0 ms          +0.0 ms           +0.0%         |
+|  Optimizer           9.5 ms         9.5 ms           +0.0 ms           +0.0%         |
+|  Wait                0.0 ms         0.0 ms           +0.0 ms           -             |
+|  Compute             95.0 ms        95.0 ms          +0.0 ms           +0.0%         |
+|  Median step (p50)   100.0 ms       110.0 ms         +10.0 ms          +10.0%        |
+|  Step spread (IQR)   1.0 ms         1.0 ms           +0.0 ms           +0.0%         |
 |                                                                                      |
 |  Step Memory                                                                         |
-|  Metric              A              B            Delta     %                         |
-|  Diagnosis           BALANCED       BALANCED     same                                |
-|  Host RSS peak       2.0 GiB        1.0 GiB      -1.0 GiB  -50.0%                    |
-|  Host RSS growth     0 B            0 B          +0 B      -                         |
+|  Metric              A              B                Delta             %             |
+|  Diagnosis           BALANCED       BALANCED         same                            |
+|  Host RSS peak       2.0 GiB        1.0 GiB          -1.0 GiB          -50.0%        |
+|  Host RSS growth     0 B            0 B              +0 B              -             |
 |                                                                                      |
 |  Process                                                                             |
-|  Metric              A              B            Delta     %                         |
-|  Diagnosis           NORMAL         NORMAL       same                                |
-|  CPU avg             90.0%          90.0%        +0.0 pp   +0.0%                     |
-|  CPU share of cores  11.2%          22.5%        +11.2 pp  +100.0%                   |
-|  RSS peak            2.0 GiB        1.0 GiB      -1.0 GiB  -50.0%                    |
-|  RSS of host RAM     3.1%           1.6%         -1.6 pp   -50.0%                    |
+|  Metric              A              B                Delta             %             |
+|  Diagnosis           NORMAL         NORMAL           same                            |
+|  CPU avg             90.0%          90.0%            +0.0 pp           +0.0%         |
+|  CPU share of cores  11.2%          22.5%            +11.2 pp          +100.0%       |
+|  RSS peak            2.0 GiB        1.0 GiB          -1.0 GiB          -50.0%        |
+|  RSS of host RAM     3.1%           1.6%             -1.6 pp           -50.0%        |
 |                                                                                      |
 |  System                                                                              |
-|  Metric              A              B            Delta     %                         |
-|  Diagnosis           NORMAL         NORMAL       same                                |
-|  Host CPU avg        40.0%          40.0%        +0.0 pp   +0.0%                     |
-|  Host RAM peak       30.0%          30.0%        +0.0 pp   +0.0%                     |
+|  Metric              A              B                Delta             %             |
+|  Diagnosis           NORMAL         NORMAL           same                            |
+|  Host CPU avg        40.0%          40.0%            +0.0 pp           +0.0%         |
+|  Host RAM peak       30.0%          30.0%            +0.0 pp           +0.0%         |
+|                                                                                      |
+|  Throughput                                                                          |
+|  Metric              A              B                Delta             %             |
+|  Diagnosis           THROUGHPUT     THROUGHPUT       same                            |
+|  Samples per step    32 samples     32 samples       +0 samples        +0.0%         |
+|  Samples/s           320 samples/s  290.9 samples/s  -29.09 samples/s  -9.1%         |
 +--------------------------------------------------------------------------------------+
 """
 

@@ -47,8 +47,9 @@ def wide(center_ms: float) -> list[float]:
 def run_data(totals: Sequence[float], *, input_ms: float = 5.0, world: int = 1,
              session: str = "a", rss_bytes: int = GIB, rss_step_bytes: int = 0,
              reserved_bytes: int | None = None, device: str = "cpu", mode: str = "run",
-             outlier_ms: float = 0.0) -> RunData:
-    """A run whose steps cycle through ``totals``; input takes ``input_ms`` of each step.
+             outlier_ms: float = 0.0, samples: int | None = 32) -> RunData:
+    """A run whose steps cycle through ``totals``; input takes ``input_ms`` of each step,
+    and each step consumes ``samples`` samples.
 
     ``rss_step_bytes`` makes host RSS grow every step (creep); ``outlier_ms`` adds that
     much to one step in the middle of the window (a garbage-collection pause)."""
@@ -66,7 +67,8 @@ def run_data(totals: Sequence[float], *, input_ms: float = 5.0, world: int = 1,
             rest = total - input_ms
             steps.append(step_row(rank, s, input_ms, 0.3 * rest, 0.6 * rest, 0.1 * rest, total,
                                  0.0, reserved_bytes, reserved_bytes,
-                                 rss_bytes + s * rss_step_bytes, t=meta.started_at + s))
+                                 rss_bytes + s * rss_step_bytes, t=meta.started_at + s,
+                                 samples=samples))
     process = tuple(ProcessSample(r, 0, meta.started_at + t, 90.0, rss_bytes, 64 * GIB, 8)
                     for r in range(world) for t in range(0, 60, 5))
     system = tuple(SystemSample(0, "box", meta.started_at + t, 40.0, 30.0, 64 * GIB)
@@ -268,7 +270,7 @@ def test_missing_memory_section_leaves_the_time_verdict() -> None:
     assert result.verdict.label == "REGRESSION"
     status = {s.name: s.inconclusive_why for s in result.sections}
     assert status == {"step_time": None, "step_memory": "missing in A", "process": None,
-                      "system": "missing in A"}
+                      "system": "missing in A", "throughput": None}
 
 
 def test_watch_run_is_inconclusive() -> None:

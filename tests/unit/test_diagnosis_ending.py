@@ -31,7 +31,7 @@ def run(world: int, incidents: list[Incident], exit_code: int | None = 130,
     steps = tuple(step_row(r, s, 1.0, 2.0, 3.0, 4.0, 10.0, 0.0, t=T0 + s)
                   for r in range(world) for s in range(30))
     system = tuple(SystemSample(0, "h", T0 + t, 50.0, ram_pct, 1 << 34) for t in range(0, 100, 5))
-    return RunData(meta, steps, (), system, tuple(incidents))
+    return RunData(meta, steps, (), system, incidents=tuple(incidents))
 
 
 def stall(rank: int, began: float, phase: str | None, open_phases: tuple[str, ...] = (),

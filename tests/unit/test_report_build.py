@@ -29,6 +29,7 @@ def sections(**diagnoses: tuple[str, Severity]) -> dict[str, Section]:
     healthy: dict[str, tuple[str, Severity]] = {
         "step_time": ("BALANCED", "info"), "step_memory": ("BALANCED", "info"),
         "process": ("NORMAL", "info"), "system": ("NORMAL", "info"),
+        "throughput": ("THROUGHPUT", "info"),
     }
     healthy.update(diagnoses)
     return {name: section(name, *healthy[name]) for name in SECTION_NAMES}

@@ -9,6 +9,7 @@ import pytest
 
 from tests.rows import step_row
 from traceml.diagnosis.samples import (
+    FlopCount,
     GpuSample,
     NodeInfo,
     ProcessSample,
@@ -25,7 +26,8 @@ SCENARIOS = Path(__file__).resolve().parents[1] / "fixtures" / "scenarios"
 
 def fixed_run() -> RunData:
     """3 ranks launched, r2 never reported (partial); r1's loader is slow and r0 waits
-    for it inside backward; GPU 0 is mostly idle."""
+    for it inside backward; GPU 0 is mostly idle. Each step takes 64 sequences of 512
+    token ids and 1.5e13 FLOPs (bf16 on H100s), counted in step 10."""
     meta = RunMeta(
         session_id="demo", command=["train.py"], started_at=1_767_225_600.0,
         ended_at=1_767_225_722.5, exit_code=1, partial=True, world_size=3, missing_ranks=(2,),
@@ -37,15 +39,19 @@ def fixed_run() -> RunData:
     # GPU times on a sample of steps: every 4th on r0 (4 in the window), every 5th on r1 (3)
     gpu = {0: (4, 90.0), 1: (5, 55.0)}
     steps = tuple(step_row(r, s, *phases[r], 100.0, 0.0, 4 * GIB, 5 * GIB, 2 * GIB,
-                           gpu_ms=gpu[r][1] if s % gpu[r][0] == 0 else None)
+                           gpu_ms=gpu[r][1] if s % gpu[r][0] == 0 else None,
+                           samples=64, tokens=64 * 512, flops=1.5e13 if s >= 10 else None,
+                           flops_counted=s == 10)
                   for r in (0, 1) for s in range(20))
+    counts = tuple(FlopCount(meta.started_at + 10, 1.5e13, "bf16", 0.98,
+                             "NVIDIA H100 80GB HBM3", 132, None, rank=r) for r in (0, 1))
     process = tuple(ProcessSample(r, 0, meta.started_at + t, 100.0, 2 * GIB, 256 * GIB, 32,
                                   4 * GIB, 5 * GIB, 80 * GIB) for r in (0, 1) for t in range(3))
     gpus = (GpuSample(0, 20.0, 5 * GIB, 80 * GIB, 55.0, 200.0),
             GpuSample(1, 60.0, 5 * GIB, 80 * GIB, 57.0, 210.0))
     system = tuple(SystemSample(0, "gpu-box", meta.started_at + t, 25.0, 30.0, 256 * GIB, gpus)
                    for t in range(3))
-    return RunData(meta, steps, process, system)
+    return RunData(meta, steps, process, system, counts)
 
 
 EXPECTED = """\
@@ -82,14 +88,14 @@ EXPECTED = """\
 |                                                                            |
 |  Step Time                                                                 |
 |  - Diagnosis: INPUT STRAGGLER [crit]                                       |
-|  - Scope: last 18 aligned steps across 2 ranks, 2 warm-up steps left out   |
-|    | missing r2                                                            |
+|  - Scope: last 17 aligned steps across 2 ranks, 2 warm-up steps left out,  |
+|    1 FLOP-counting step left out | missing r2                              |
 |  - Stats: median/worst | total 100.0/100.0ms | input 22.0/40.0ms |         |
 |    compute 78.0/96.0ms | wait 0.0/0.0ms                                    |
 |  - Ranks: median/worst | total r0/r0 | input r0/r1 | compute r1/r0 | wait  |
 |    r0/r0                                                                   |
 |  - GPU time: median/worst 72.5/90.0ms r0 (forward+backward+optimizer),     |
-|    from 3-4 of 18 steps (those timed)                                      |
+|    from 2-4 of 17 steps (those timed)                                      |
 |  - Why: r1 input was 40.0 ms vs 4.0 ms on the other ranks (+36.0 ms,       |
 |    36.0% of the 100.0 ms median step).                                     |
 |  - Next: Check r1's data path: its shard size, DataLoader num_workers,     |
@@ -99,10 +105,28 @@ EXPECTED = """\
 |    (22.0 of 100.0 ms, median rank).                                        |
 |  - Not measured: COMMUNICATION                                             |
 |                                                                            |
+|  Throughput                                                                |
+|  - Diagnosis: LOW MFU [warn]                                               |
+|  - Scope: last 17 aligned steps across 2 ranks, 2 warm-up steps left out,  |
+|    1 FLOP-counting step left out | missing r2                              |
+|  - Job: 1,280 samples/s | 655,360 tokens/s | 300 TFLOP/s | MFU 15.2%       |
+|  - Per rank: median/lowest | samples/s 640/640 r0 | tokens/s               |
+|    327,680/327,680 r0 | TFLOP/s 150/150 r0 | MFU 15.2%/15.2% r0            |
+|  - Peak: H100 SXM dense bf16 989.4 TFLOP/s (NVIDIA H100 Tensor Core GPU    |
+|    datasheet (2023))                                                       |
+|  - FLOPs: torch.utils.flop_counter.FlopCounterMode over one training step  |
+|    per batch shape (2 counts over all ranks, 98% of them in bf16), for 18  |
+|    of the window's 34 rank-steps; counted steps are left out of the        |
+|    window                                                                  |
+|  - Why: MFU was 15.2%: 150 TFLOP/s achieved per rank against a 989.4       |
+|    TFLOP/s peak (H100 SXM bf16), below 20%.                                |
+|  - Next: The GPUs wait for data first (see INPUT-BOUND): fix the input     |
+|    pipeline before tuning kernels; MFU rises with it.                      |
+|                                                                            |
 |  Step Memory                                                               |
 |  - Diagnosis: BALANCED                                                     |
-|  - Scope: last 18 aligned steps across 2 ranks, 2 warm-up steps left out   |
-|    | missing r2                                                            |
+|  - Scope: last 17 aligned steps across 2 ranks, 2 warm-up steps left out,  |
+|    1 FLOP-counting step left out | missing r2                              |
 |  - Stats: peak reserved med/worst 5.0/5.0 GiB r0 | pressure med/worst      |
 |    6.2%/6.2% r0 | RSS peak med/worst 2.0/2.0 GiB r0                        |
 |  - Why: No pressure, imbalance or creep: worst peak reserved 5.0 GiB       |

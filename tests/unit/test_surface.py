@@ -100,7 +100,7 @@ TRACEML_OPTIONS = {
     "--aggregator_bind_host", "--summary-window-rows", "--summary_window_rows",
     "--sample-interval", "--sample_interval", "--stall-timeout", "--stall_timeout",
     "--dashboard-port", "--dashboard_port", "--html",
-    "--no-trace", "--no_trace",
+    "--no-trace", "--no_trace", "--no-flops", "--no_flops", "--peak-tflops", "--peak_tflops",
 }
 
 

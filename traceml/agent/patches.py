@@ -24,6 +24,10 @@ Instrumented (SPEC R-AG-2):
   would do nothing: every optimizer overrides ``step``).
 * ``GradScaler.step`` — optimizer, and a skipped step (inf gradients) still
   ends the iteration.
+
+The fetch (else the outermost forward) also hands its batch to the probe's
+batch watch (`traceml.agent.batch`): a shape compare per batch, a record when
+the size changes.
 """
 
 from __future__ import annotations
@@ -101,7 +105,11 @@ def _wrap_next(probe: Probe) -> Callable[[Any], Any]:
             except BaseException:
                 ends(clock())
                 raise
-            ends(clock())
+            t = clock()
+            watch = probe.fetch_watch
+            if watch is not None:  # what the batch holds (`traceml.agent.batch`)
+                watch.see(batch, t)
+            ends(t)
             return batch
         return __next__
     return make
@@ -158,7 +166,15 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
                 finally:
                     probe.mute -= 1
             timer = probe.cuda_timer
-            begins(clock())
+            t = clock()
+            begins(t)
+            watch = probe.forward_watch
+            if watch is not None:  # no DataLoader (yet): a model's inputs are the batch
+                held = _HOLDS_PARAMETERS.get(id(self))
+                if held is None:
+                    held = _holds_parameters(self)
+                if held:  # not a loss module's
+                    watch.see(args or kwargs, t)
             if timer is not None:
                 probe.guarded(timer.start, FORWARD)
             try:
@@ -322,7 +338,7 @@ def _scaler_classes() -> list[type]:
     return classes
 
 
-def _wrap_compile(module_call: Patch) -> Callable[[Any], Any]:
+def _wrap_compile(probe: Probe, module_call: Patch) -> Callable[[Any], Any]:
     """``torch.compile``, which afterwards tells dynamo to run the ``Module.__call__``
     wrapper as it is and compile what it calls: otherwise a compiled module's
     frame is the wrapper's, and dynamo's messages (recompiles, graph breaks) name
@@ -331,6 +347,7 @@ def _wrap_compile(module_call: Patch) -> Callable[[Any], Any]:
     def make(orig: Any) -> Any:
         @functools.wraps(orig)
         def compile(*args: Any, **kwargs: Any) -> Any:
+            probe.compiled = True  # FLOPs are not counted in compiled regions
             compiled = orig(*args, **kwargs)
             try:
                 wrapper: Any = torch.nn.Module.__dict__.get("__call__")
@@ -357,7 +374,7 @@ class Instrumentation:
         ]
         self.patches += [Patch(cls, "step", _wrap_scaler_step(probe)) for cls in _scaler_classes()]
         if "compile" in vars(torch):
-            self.patches.append(Patch(torch, "compile", _wrap_compile(self.patches[1])))
+            self.patches.append(Patch(torch, "compile", _wrap_compile(probe, self.patches[1])))
         self.hooks = OptimizerHooks(probe)
         self.comm = CommTiming(probe, _compiling_check())
         self.installed = False

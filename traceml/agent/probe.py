@@ -37,6 +37,15 @@ class Probe:
         # (`traceml.agent.comm`), from whichever thread saw it complete.
         self.spans: list[tuple[float, float]] = []
         self._held_spans: list[tuple[float, float]] = []
+        # Batch sizes when they change, and FLOP counts: (time, *fields) records of
+        # `protocol.BATCH_FIELDS` / `FLOP_COUNT_FIELDS` (`traceml.agent.batch`, `flops`).
+        self.batches: list[tuple[Any, ...]] = []
+        self.flop_counts: list[tuple[Any, ...]] = []
+        self._held_records: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] = ([], [])
+        # The batch watches (`traceml.agent.batch.BatchWatch`); None: not watched.
+        self.fetch_watch: Any = None
+        self.forward_watch: Any = None
+        self.compiled = False  # torch.compile was called in this process
         self.taken_to = 0.0  # where the last take ended (its horizon, or a held mark)
         self._held: list[list[float]] = [[] for _ in range(NUM_EVENT_CODES)]
         self._held_marks: list[Mark] = []
@@ -109,6 +118,19 @@ class Probe:
         del self.spans[:n]
         self._held_spans = [s for s in spans if s[1] >= horizon]
         return [s for s in spans if s[1] < horizon]
+
+    def take_records(self) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        """The batch-size and FLOP-count records stamped before the last `take`
+        ended (sender thread, right after it), so each goes with its events."""
+        horizon = self.taken_to
+        out = []
+        for i, source in enumerate((self.batches, self.flop_counts)):
+            n = len(source)
+            records = self._held_records[i] + source[:n]
+            del source[:n]
+            self._held_records[i][:] = [r for r in records if r[0] >= horizon]
+            out.append([r for r in records if r[0] < horizon])
+        return out[0], out[1]
 
     def _cut(self, code: int, stream: list[float], horizon: float) -> list[float]:
         n = len(stream)

@@ -39,6 +39,7 @@ from traceml.stacks import StackFiles
 
 _ACTIVE: AgentRuntime | None = None
 RSS_TICK_S = 0.1  # the sender thread drains the log, stamped with RSS, this often
+FLOPS_AFTER_STEPS = 5  # optimizer steps (warm-up) before the first FLOP count
 
 
 def active() -> AgentRuntime | None:
@@ -74,6 +75,10 @@ class AgentRuntime:
         self._outbox_marks: list[tuple[float, Any]] = []
         self._outbox_rss: list[tuple[float, int | None]] = []
         self._outbox_spans: list[tuple[float, float]] = []
+        self._outbox_batches: list[tuple[Any, ...]] = []
+        self._outbox_flops: list[tuple[Any, ...]] = []
+        self._num_steps_seen = 0  # optimizer steps (or manual steps) taken from the log
+        self.flops: Any = None  # FlopCounting, in run mode
         self._num_queued = 0
         self._next_send = 0.0
         self._send_now = False  # traceml.summary() wants the steps in the store now
@@ -85,6 +90,7 @@ class AgentRuntime:
         self.cuda_timer: CudaPhaseTimer | None = None
         self._gpu_times_failed = False
         self.probe = Probe(time.perf_counter, self._fail)
+        self.flops_after_steps = FLOPS_AFTER_STEPS
         self.instrumentation: Any = None
         self._wall_offset = time.time() - time.perf_counter()
         self._rss = RssReader()
@@ -195,12 +201,54 @@ class AgentRuntime:
             from traceml.agent.patches import Instrumentation
 
             self.instrumentation = Instrumentation(self.probe)
+            self.watch_batches()
             self.instrumentation.install()
             self._watch_health()
         self.sender.start()
         _ACTIVE = self
         atexit.register(self.shutdown)
         os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def watch_batches(self) -> None:
+        """Samples, tokens and FLOPs per step (`traceml.agent.batch`, `flops`)."""
+        from traceml.agent.batch import BatchWatch
+        from traceml.agent.flops import FlopCounting
+
+        probe = self.probe
+        self.flops = FlopCounting(probe, self.env.count_flops, self._part_failed)
+        self.flops.force_batches = self._force_batches
+        probe.fetch_watch = BatchWatch(probe, protocol.BATCH_FROM_FETCH, self.flops.on_shape,
+                                       self._watch_failed)
+        probe.forward_watch = BatchWatch(probe, protocol.BATCH_FROM_FORWARD,
+                                         self.flops.on_shape, self._watch_failed)
+
+    def _force_batches(self) -> None:
+        for watch in (self.probe.fetch_watch, self.probe.forward_watch):
+            if watch is not None:
+                watch.force()
+
+    def _watch_failed(self, watch: Any, exc: BaseException) -> None:
+        """A batch could not be read: samples go unmeasured, the rest stays."""
+        probe = self.probe
+        probe.fetch_watch = None if probe.fetch_watch is watch else probe.fetch_watch
+        probe.forward_watch = None if probe.forward_watch is watch else probe.forward_watch
+        probe.batches.append((probe.clock(), None, None, None, watch.source))
+        self._part_failed("batch", exc)
+
+    def _part_failed(self, part: str, exc: BaseException) -> None:
+        self._warnings.to_stderr(part, f"traceml: {part} measurement disabled after an "
+                                 f"internal error: {exc!r}")
+
+    def _arm_flops(self, times: list[list[float]]) -> None:
+        """Sender thread: once warm-up's optimizer steps are done, the next batch is counted."""
+        if self.flops is None:
+            return
+        self._num_steps_seen += sum(len(times[c]) for c in (
+            protocol.OPTIMIZER_END, protocol.OPTIMIZER_SKIPPED, MANUAL_EXIT))
+        if self._num_steps_seen >= self.flops_after_steps:
+            self.flops.arm()
+            if self.flops.waiting():
+                self._force_batches()
 
     def shutdown(self) -> None:
         """At exit: close the last step, flush, close the socket (bounded)."""
@@ -209,6 +257,11 @@ class AgentRuntime:
             return
         if self._cuda is not None and not self.probe.off:
             self.probe.guarded(self._flush_device_peaks)
+        if self.flops is not None:
+            try:
+                self.flops.stop(reason="the run ended during the counted step")
+            except Exception as exc:
+                self._part_failed("flops", exc)
         self.probe.log(CLOSE)  # the sender's last flush closes the last step
         self.process_sampler.sample_at_next_call()  # and takes the exit sample
         self._uninstall()
@@ -284,7 +337,11 @@ class AgentRuntime:
         times, marks = probe.take(horizon, resolve)
         self._outbox_spans += probe.take_spans()
         incidents = self._watch_progress(times)
-        if any(times) or marks:
+        batches, flop_counts = probe.take_records()
+        self._outbox_batches += batches
+        self._outbox_flops += flop_counts
+        self._arm_flops(times)
+        if any(times) or marks or batches or flop_counts:
             # Read after these events, so it goes with the steps they finish:
             # stamped as the first of them.
             first = min([ts[0] for ts in times if ts] + [m[0] for m in marks[:1]])
@@ -303,10 +360,12 @@ class AgentRuntime:
         self._next_send = now + self.env.flush_interval_s
         payload = protocol.events_payload(self.num_batches, self._wall_offset, self._outbox,
                                           self._outbox_marks, self._outbox_rss,
-                                          self._outbox_spans)
+                                          self._outbox_spans, self._outbox_batches,
+                                          self._outbox_flops)
         self.num_batches += 1
         self._outbox = [[] for _ in range(NUM_EVENT_CODES)]
         self._outbox_marks, self._outbox_rss, self._outbox_spans = [], [], []
+        self._outbox_batches, self._outbox_flops = [], []
         self._num_queued = 0
         return [(protocol.KIND_EVENTS, payload), *incidents]
 

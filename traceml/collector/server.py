@@ -133,6 +133,9 @@ class Collector:
             if steps is None:
                 steps = self.rank_steps[state.sender.sender_id] = RankSteps()
             self.num_steps += self.store.add_steps(env.sender, steps.feed(env.payload))
+            if steps.flop_counts:
+                self.store.add_flop_counts(env.sender, steps.flop_counts)
+                steps.flop_counts = []
         elif env.kind == protocol.KIND_PROCESS:
             fields, rows = protocol.iter_rows(env.payload)
             self.store.add_process(env.sender, fields, rows)

@@ -23,6 +23,12 @@ Boundaries (SPEC R-AG-3):
   each phase's time excludes the phases inside it.
 * `trace_step` switches to manual boundaries: a step ends when the context
   exits and the next one begins at its first fetch or at the next enter.
+
+Samples and tokens (`traceml.agent.batch`): the rank logs a batch record when
+the size changes; every fetch the step takes as input (every counted
+forward, in a loop without a DataLoader) adds the record in effect.  A FLOP
+count ending in a step marks it counted; a step's FLOPs are those of the
+latest count, or of the batch record that began it (a shape counted before).
 """
 
 from __future__ import annotations
@@ -31,12 +37,17 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from traceml import phases, protocol
+from traceml.diagnosis.samples import FlopCount
 from traceml.errors import ProtocolError
 from traceml.protocol import (
+    BATCH,
+    BATCH_FROM_FORWARD,
     CLOSE,
     END,
     END_EXHAUSTED,
     END_UNCOUNTED,
+    FLOP_COUNT,
+    FORWARD,
     INPUT,
     MANUAL_ENTER,
     MANUAL_EXIT,
@@ -66,6 +77,10 @@ class StepTiming(NamedTuple):
     marks: tuple[Any, ...] = ()  # MARK payloads logged while the step ran
     rss_bytes: int | None = None  # the rank's RSS when the step finished
     collective_s: float | None = None  # time any collective was in flight; None: none timed
+    samples: int | None = None  # in the batches the step consumed; None: not measured
+    tokens: int | None = None
+    flops: float | None = None  # per step, counted once for the batch shape; None: not known
+    flops_counted: bool = False  # the FLOP counter ran in this step (slowed it)
 
     @property
     def wait_s(self) -> float:
@@ -101,6 +116,12 @@ class StepTracker:
         self._marks: list[Any] = []
         self._rss: int | None = None
         self._in_flight = InFlight()
+        self._batch: Any = None  # the batch record in effect (`protocol.BATCH_FIELDS`)
+        self._tally = BatchTally()
+        self._pending_tally = BatchTally()
+        self._flops: float | None = None
+        self._next_flops: tuple[float | None] | None = None  # for the next step, once it begins
+        self._counted = False
 
     # -- the event log ------------------------------------------------------
 
@@ -147,6 +168,10 @@ class StepTracker:
                 if self._open:
                     self._acc[phase] += own
                     self._counts[phase] += code != END_UNCOUNTED
+                    if (phase == FORWARD and code == END and not stack
+                            and self._batch is not None
+                            and self._batch[3] == BATCH_FROM_FORWARD):
+                        self._tally.add(self._batch[0], self._batch[1])
                     if code >= OPTIMIZER_END:
                         # An optimizer (or GradScaler) step finished: the
                         # iteration is complete.
@@ -172,6 +197,16 @@ class StepTracker:
                     self._pending_spans.append(t)
                 elif self._open:  # a collective launched before the step counts from its begin
                     self._in_flight.add(max(t[0], self._begin), t[1])
+            elif code == BATCH:
+                self._batch = t
+                if self._open and not self._complete and not self._undecided():
+                    self._flops = t[2]  # a batch of the running iteration
+                else:  # the next iteration's: its FLOPs start with it
+                    self._next_flops = (t[2],)
+            elif code == FLOP_COUNT:
+                self._flops = t[0]
+                self._next_flops = None
+                self._counted = self._counted or (bool(t[6]) and self._open)
             elif code == CLOSE:
                 self.close()
 
@@ -220,6 +255,9 @@ class StepTracker:
             self._pending_start = start
         self._pending_s += own
         self._pending_n += 1
+        batch = self._batch
+        if batch is not None and batch[3] != BATCH_FROM_FORWARD:
+            self._pending_tally.add(batch[0], batch[1])
 
     def _end_evaluation(self) -> None:
         """A fetch after a no-grad forward: that was an evaluation pass."""
@@ -238,6 +276,8 @@ class StepTracker:
         self._pending_start = None
         self._pending_s = 0.0
         self._pending_n = 0
+        if self._pending_tally.num:
+            self._pending_tally = BatchTally()
         if self._pending_spans or any(self._pending_comm_n):
             self._pending_comm = [0.0] * len(phases.PHASES)
             self._pending_comm_n = [0] * len(phases.PHASES)
@@ -247,6 +287,7 @@ class StepTracker:
         if self._pending_n:
             self._acc[INPUT] += self._pending_s
             self._counts[INPUT] += self._pending_n
+            self._tally.absorb(self._pending_tally)
             self._fetch_mode = True
         for phase, n in enumerate(self._pending_comm_n):
             if n:
@@ -287,6 +328,10 @@ class StepTracker:
         self._num_skipped = 0
         self._marks = []
         self._in_flight = InFlight()
+        self._tally = BatchTally()
+        self._counted = False
+        if self._next_flops is not None:
+            self._flops, self._next_flops = self._next_flops[0], None
 
     def _finish(self, end: float, keep: bool) -> None:
         self._open = False
@@ -295,13 +340,42 @@ class StepTracker:
         timing = StepTiming(self._next_step, self._begin, max(0.0, end - self._begin),
                             tuple(self._acc), tuple(self._counts),
                             self._num_skipped, tuple(self._marks), self._rss,
-                            self._in_flight.total_s())
+                            self._in_flight.total_s(), *self._tally.result(), self._flops,
+                            self._counted)
         self._next_step += 1
         self._emit(timing)
 
 
 _STARTS_STEP = frozenset(i for i, p in enumerate(phases.PHASES) if phases.starts_step(p))
 _COLLECTIVE = frozenset(i for i, p in enumerate(phases.PHASES) if p.collective)
+
+
+class BatchTally:
+    """Samples and tokens of the batches a step consumed; None once one was not measured."""
+
+    __slots__ = ("num", "samples", "tokens")
+
+    def __init__(self) -> None:
+        self.num = 0
+        self.samples: int | None = 0
+        self.tokens: int | None = 0
+
+    def add(self, samples: int | None, tokens: int | None) -> None:
+        self.num += 1
+        self.samples = None if samples is None or self.samples is None else self.samples + samples
+        self.tokens = None if tokens is None or self.tokens is None else self.tokens + tokens
+
+    def absorb(self, other: BatchTally) -> None:
+        if other.num:
+            self.num += other.num
+            self.samples = (None if other.samples is None or self.samples is None
+                            else self.samples + other.samples)
+            self.tokens = (None if other.tokens is None or self.tokens is None
+                           else self.tokens + other.tokens)
+
+    def result(self) -> tuple[int | None, int | None]:
+        """(samples, tokens); None for a step no batch was seen in."""
+        return (self.samples, self.tokens) if self.num else (None, None)
 
 
 class InFlight:
@@ -338,21 +412,25 @@ class InFlight:
 # events (perf_counter is nanoseconds on Linux and macOS): of a phase's end and
 # the next one's begin, the end goes first.
 _TIE_ORDER = {code: i for i, code in enumerate((
-    RSS, SPAN, END, END_UNCOUNTED, END_EXHAUSTED, OPTIMIZER_END, OPTIMIZER_SKIPPED, MARK, MANUAL_EXIT,
+    RSS, SPAN, BATCH, END, END_UNCOUNTED, END_EXHAUSTED, OPTIMIZER_END, OPTIMIZER_SKIPPED, MARK, FLOP_COUNT,
+    MANUAL_EXIT,
     CLOSE, MANUAL_ENTER, *range(len(phases.PHASES)), NOGRAD_FORWARD))}
 
 
 def merge_events(times: list[list[float]], marks: list[list[Any]],
-                 rss: list[list[Any]], spans: Sequence[Sequence[float]] = ()
-                 ) -> list[tuple[int, Any]]:
-    """One rank's per-code event times, device marks, RSS readings and
-    collective spans (at their completion) as one timeline of ``(code, time or
-    value)``."""
+                 rss: list[list[Any]], spans: Sequence[Sequence[float]] = (),
+                 batches: Sequence[Sequence[Any]] = (),
+                 flop_counts: Sequence[Sequence[Any]] = ()) -> list[tuple[int, Any]]:
+    """One rank's per-code event times, device marks, RSS readings, collective
+    spans (at their completion), batch records and FLOP counts as one timeline
+    of ``(code, time or value)``."""
     timeline: list[tuple[float, int, int, Any]] = [
         (t, _TIE_ORDER[code], code, t) for code, ts in enumerate(times) for t in ts]
     timeline += [(t, _TIE_ORDER[MARK], MARK, payload) for t, payload in marks]
     timeline += [(t, _TIE_ORDER[RSS], RSS, value) for t, value in rss]
     timeline += [(done, _TIE_ORDER[SPAN], SPAN, (launch, done)) for launch, done in spans]
+    timeline += [(r[0], _TIE_ORDER[BATCH], BATCH, tuple(r[1:])) for r in batches]
+    timeline += [(r[0], _TIE_ORDER[FLOP_COUNT], FLOP_COUNT, tuple(r[1:])) for r in flop_counts]
     timeline.sort(key=lambda e: (e[0], e[1]))
     return [(code, value) for _, _, code, value in timeline]
 
@@ -365,6 +443,7 @@ class RankSteps:
         self.tracker = StepTracker(self._emit)
         self._last_batch = -1
         self._wall_offset_s = 0.0
+        self.flop_counts: list[FlopCount] = []  # this rank's counts, for the store to take
 
     def feed(self, payload: dict[str, Any]) -> list[StepRecord]:
         """The steps finished by one events payload; ProtocolError when it is
@@ -377,13 +456,15 @@ class RankSteps:
         self._last_batch = batch.batch
         self._wall_offset_s = batch.wall_offset_s
         try:
-            self.tracker.replay(merge_events(batch.times, batch.marks, batch.rss, batch.spans))
+            self.tracker.replay(merge_events(batch.times, batch.marks, batch.rss, batch.spans,
+                                             batch.batches, batch.flop_counts))
         except (TypeError, ValueError, ArithmeticError, IndexError) as exc:
             # Well-formed but impossible (no rank logs this): nothing of the
             # batch is kept, and the next one starts afresh.
             self._records.clear()
             self.tracker.resync()
             raise ProtocolError(f"events that cannot be replayed: {exc!r}") from None
+        self.flop_counts += [FlopCount(self._wall_offset_s + r[0], *r[1:]) for r in batch.flop_counts]
         records, self._records = self._records, []
         return records
 
@@ -394,7 +475,8 @@ class RankSteps:
             wait_ms=t.wait_s * 1e3, phase_ms=tuple(s * 1e3 for s in t.phase_s),
             counts=t.counts, num_skipped=t.num_skipped, rss_bytes=t.rss_bytes,
             peak_allocated_bytes=alloc, peak_reserved_bytes=reserved, gpu_ms=tuple(gpu),
-            collective_ms=None if t.collective_s is None else t.collective_s * 1e3))
+            collective_ms=None if t.collective_s is None else t.collective_s * 1e3,
+            samples=t.samples, tokens=t.tokens, flops=t.flops, flops_counted=t.flops_counted))
 
 
 def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -21,6 +21,7 @@ from traceml.compare.model import (
     SectionCompare,
 )
 from traceml.compare.summary import RunSummary, SectionData
+from traceml.compare.throughput import speed_change
 from traceml.compare.verdict import memory_change, step_signal, time_change, verdict
 from traceml.report.model import SECTION_NAMES, SECTION_TITLES
 
@@ -46,6 +47,11 @@ SECTION_ROWS: Mapping[str, tuple[tuple[str, str], ...]] = {
         ("gpu_mem_used_peak_bytes", "GPU memory used peak"),
         ("gpu_power_avg_w", "GPU power avg"),
     ),
+    "throughput": (
+        ("samples_per_step", "Samples per step"), ("samples_per_s", "Samples/s"),
+        ("tokens_per_step", "Tokens per step"), ("tokens_per_s", "Tokens/s"),
+        ("achieved_tflops", "Achieved TFLOP/s"), ("mfu_pct", "MFU"),
+    ),
 }
 """The rows of each section's table, as (stats key, display name), in order."""
 
@@ -61,7 +67,8 @@ NOISE_ROWS = (("step_p50_ms", "Median step (p50)"), ("step_iqr_ms", "Step spread
 
 def compare_runs(a: RunSummary, b: RunSummary, threshold_pct: float) -> Comparison:
     """Compare B against A with a step-time threshold of ``threshold_pct`` % of A's step."""
-    time = time_change(a.section("step_time"), b.section("step_time"), threshold_pct)
+    time = speed_change(time_change(a.section("step_time"), b.section("step_time"), threshold_pct),
+                        a.section("throughput"), b.section("throughput"))
     unfit = unfit_for_speed(a, b)
     if unfit is not None:
         time = dataclasses.replace(time, direction="unknown", why=unfit)

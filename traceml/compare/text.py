@@ -111,8 +111,16 @@ def format_value(key: str, value: float | None) -> str:
         return f"{value:.1f}%"
     if key.endswith("_w"):
         return f"{value:.0f} W"
+    if key in RATE_UNITS:
+        return f"{value:,.4g} {RATE_UNITS[key]}"
     unit = " C" if key.endswith("_c") else " ms"
     return f"{value:.1f}{unit}"
+
+
+RATE_UNITS = {"samples_per_s": "samples/s", "tokens_per_s": "tokens/s",
+              "samples_per_step": "samples", "tokens_per_step": "tokens",
+              "achieved_tflops": "TFLOP/s"}
+"""Throughput keys and the unit each is shown in."""
 
 
 def format_delta(key: str, delta: float) -> str:
@@ -123,6 +131,8 @@ def format_delta(key: str, delta: float) -> str:
         return f"{delta:+.1f} pp"
     if key.endswith("_w"):
         return f"{delta:+.0f} W"
+    if key in RATE_UNITS:
+        return f"{delta:+,.4g} {RATE_UNITS[key]}"
     unit = " C" if key.endswith("_c") else " ms"
     return f"{delta:+.1f}{unit}"
 

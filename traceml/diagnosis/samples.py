@@ -40,6 +40,10 @@ class StepRow:
     gpu_ms: float | None = None  # GPU time of the GPU-timed phases; None off CUDA
     t: float | None = None  # unix seconds at step end; lets sample sections use the step window
     collective_ms: float | None = None  # any collective in flight (exposed or hidden); None: untimed
+    samples: int | None = None  # in the batches the step consumed; None: not measured
+    tokens: int | None = None  # token ids in them (2-D integer batches); None: not measured
+    flops: float | None = None  # FLOPs of the step (counted once per batch shape); None: unknown
+    flops_counted: bool = False  # the FLOP counter ran in this step: out of the timing window
 
     def ms(self, name: str) -> float:
         """Time of a phase, or of ``total``, ``compute`` or ``wait``; a phase the row
@@ -51,6 +55,22 @@ class StepRow:
         if name == "compute":
             return sum(self.phase_ms.get(n, 0.0) for n in _COMPUTE)
         return self.phase_ms.get(name, 0.0)
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """One FLOP count of a rank (`traceml.agent.flops`): one training step run under
+    torch's FLOP counter, or the reason it was not counted."""
+
+    t: float  # unix seconds, when the count ended
+    flops: float | None  # FLOPs of the step; None: abstained (``reason``)
+    dtype: str | None  # what most of them ran in: "bf16", "fp16", "tf32", "fp32", ...
+    dtype_share: float | None  # ...that dtype's share of the FLOPs, 0..1
+    device_name: str | None  # as torch.cuda.get_device_name() reports it; "cpu" on CPU
+    sm_count: int | None  # the device's multiprocessors (a MIG slice has fewer)
+    reason: str | None  # why flops is None
+    ran: bool = True  # the counter ran in a step (that step is out of the window)
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,6 +140,8 @@ class RunMeta:
     versions: dict[str, str]  # traceml, torch, python
     transport: dict[str, int]  # sent, dropped, gaps, rejected
     mode: str = "run"  # "run" or "watch" (watch: no step sections measured)
+    count_flops: bool = True  # False with --no-flops
+    peak_tflops: float | None = None  # --peak-tflops; None: the peak table's
 
 
 @dataclass(frozen=True)
@@ -150,10 +172,11 @@ class RunData:
     steps: tuple[StepRow, ...]
     process: tuple[ProcessSample, ...]
     system: tuple[SystemSample, ...]
+    flop_counts: tuple[FlopCount, ...] = ()
     incidents: tuple[Incident, ...] = ()
 
 
-_Row = TypeVar("_Row", StepRow, ProcessSample, GpuSample)
+_Row = TypeVar("_Row", StepRow, ProcessSample, GpuSample, FlopCount)
 
 
 def to_jsonable(run: RunData) -> dict[str, Json]:
@@ -169,6 +192,7 @@ def to_jsonable(run: RunData) -> dict[str, Json]:
         "steps": _encode_steps(run.steps),
         "process": _encode_rows(ProcessSample, run.process),
         "system": [_encode_system(s) for s in run.system],
+        "flop_counts": _encode_rows(FlopCount, run.flop_counts),
     }
 
 
@@ -182,6 +206,8 @@ def from_jsonable(obj: object) -> RunData:
         steps=_decode_rows(StepRow, top.get("steps")),
         process=_decode_rows(ProcessSample, top.get("process")),
         system=tuple(_decode_system(s) for s in _as_list(top.get("system"), "system")),
+        flop_counts=(_decode_rows(FlopCount, top["flop_counts"]) if "flop_counts" in top
+                     else ()),
     )
 
 

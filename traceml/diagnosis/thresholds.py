@@ -46,6 +46,14 @@ may be waiting for it) when it is at least this fraction of the candidate's."""
 COMM_SHARE_WARN_PCT = 10.0  # SPEC R-COMM-3 COMMUNICATION-BOUND: exposed communication share
 COMM_SHARE_CRIT_PCT = 20.0  # SPEC R-COMM-3
 
+# --- Throughput ---------------------------------------------------------------
+
+MFU_LOW_WARN_PCT = 20.0
+"""traceml (issue 18) LOW MFU: the job's model FLOPs utilization (achieved FLOP/s over
+the device's dense peak in the step's dtype) below this on a known accelerator. Large
+dense transformers reach 35-55 %; under 20 % something other than the model's math
+takes the time (input, communication, host work, or kernels too small to fill the GPU)."""
+
 # --- Step Memory --------------------------------------------------------------
 
 CREEP_MIN_GROWTH_BYTES = 256 * MIB  # SPEC §7: late - early >= max(256 MiB, 10 % of early)

@@ -4,7 +4,8 @@ Runs in the offline-analysis process. The step window is the last
 ``summary_window_rows`` steps that every rank present completed (aligned on
 the step index), after leaving out warm-up. Ranks that sent no steps at all
 (crashed before their first step, or their node never reported) are not
-waited for: they are listed as missing. Sample sections use each rank's (each
+waited for: they are listed as missing. A step in which the FLOP counter ran
+(on any rank) is left out too: the counter slowed it. Sample sections use each rank's (each
 node's) samples taken while the step window ran when steps carry end times,
 else all its samples; so a rank with samples is never missing from them.
 """
@@ -33,6 +34,7 @@ class Scope:
     first_step: int | None = None
     last_step: int | None = None
     num_samples: int | None = None  # samples used (process and system sections)
+    num_counted_steps: int | None = None  # steps left out because the FLOP counter ran in them
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class StepWindow:
     num_warmup_steps: int
     window_rows: int
     world_size: int
+    num_counted_steps: int = 0  # aligned steps left out: the FLOP counter ran in them
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -62,6 +65,7 @@ class StepWindow:
             num_warmup_steps=self.num_warmup_steps,
             first_step=self.steps[0] if self.steps else None,
             last_step=self.steps[-1] if self.steps else None,
+            num_counted_steps=self.num_counted_steps,
         )
 
     def time_span(self) -> tuple[float, float] | None:
@@ -87,10 +91,13 @@ def select_window(steps: Iterable[StepRow], window_rows: int, world_size: int) -
         per_rank.setdefault(row.rank, {})[row.step] = row  # a resent step replaces the first
     common = sorted(set.intersection(*(set(s) for s in per_rank.values()))) if per_rank else []
     warm = warmup_steps(len(common))
+    counted = {s for rows in per_rank.values() for s, row in rows.items() if row.flops_counted}
     kept = common[warm:]
     kept = kept[-window_rows:] if window_rows > 0 else []
+    num_counted = sum(s in counted for s in kept)
+    kept = [s for s in kept if s not in counted]
     by_rank = {rank: tuple(rows[s] for s in kept) for rank, rows in per_rank.items()}
-    return StepWindow(by_rank, tuple(kept), warm, window_rows, world_size)
+    return StepWindow(by_rank, tuple(kept), warm, window_rows, world_size, num_counted)
 
 
 def missing(ranks: Sequence[int], world_size: int) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ from traceml.errors import UsageError
 OWN_DESTS = (
     "mode", "logs_dir", "session_id", "aggregator_host", "aggregator_port",
     "aggregator_bind_host", "summary_window_rows", "sample_interval", "dashboard_port",
-    "html", "no_trace", "stall_timeout",
+    "html", "no_trace", "stall_timeout", "no_flops", "peak_tflops",
 )
 WORKER_LOG_DIR = "workers"  # in the session folder, without torch's --log-dir
 
@@ -108,6 +108,12 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
                        help="Also write final_summary.html.")
     group.add_argument("--no-trace", "--no_trace", dest="no_trace", action="store_true",
                        help="Launch the same way with no instrumentation (overhead baseline).")
+    group.add_argument("--no-flops", "--no_flops", dest="no_flops", action="store_true",
+                       help="Count no FLOPs (no MFU); samples and tokens per second stay.")
+    group.add_argument("--peak-tflops", "--peak_tflops", dest="peak_tflops",
+                       type=_positive_float, default=None,
+                       help="Peak TFLOP/s of one device for MFU, instead of traceml's "
+                            "table of accelerators.")
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -165,6 +171,8 @@ def parse(command: str, argv: Sequence[str]) -> RunConfig:
         worker_log_dir=worker_log_dir(ns, session_id),
         argv=tuple(argv),
         torch_args=torch_ns,
+        count_flops=not ns.no_flops,
+        peak_tflops=ns.peak_tflops or 0.0,
     )
 
 

@@ -111,7 +111,8 @@ class CollectorProcess:
 
 
 def run_start(session_id: str, command: list[str], mode: str, summary_window_rows: int,
-              expected_world_size: int, expected_nodes: int = 1) -> RunStart:
+              expected_world_size: int, expected_nodes: int = 1, count_flops: bool = True,
+              peak_tflops: float = 0.0) -> RunStart:
     """The record of a run starting now, under this interpreter and torch."""
     import torch
 
@@ -119,5 +120,6 @@ def run_start(session_id: str, command: list[str], mode: str, summary_window_row
         session_id=session_id, command=tuple(command), started_at=time.time(),
         traceml_version=__version__, torch_version=str(torch.__version__),
         python_version=platform.python_version(), summary_window_rows=summary_window_rows,
-        mode=mode, expected_world_size=expected_world_size, expected_nodes=expected_nodes)
+        mode=mode, expected_world_size=expected_world_size, expected_nodes=expected_nodes,
+        count_flops=int(count_flops), peak_tflops=peak_tflops)
 

@@ -129,6 +129,7 @@ def agent_env_for(cfg: RunConfig, endpoint: str, session_dir: Path, topo: Topolo
         sample_interval_s=cfg.sample_interval_s, arm_dir=arm_dir,
         session_dir=str(session_dir.resolve()), secure=topo.secure, secret=secret,
         stall_timeout_s=cfg.stall_timeout_s,
+        count_flops=cfg.count_flops,
     )
 
 
@@ -143,7 +144,8 @@ def record_start(collector: CollectorProcess, cfg: RunConfig) -> None:
     collector.record(run_start(
         cfg.session_id, ["traceml", cfg.command, *cfg.argv], mode=cfg.command,
         summary_window_rows=cfg.summary_window_rows,
-        expected_world_size=expected_world_size(cfg), expected_nodes=cfg.min_nodes))
+        expected_world_size=expected_world_size(cfg), expected_nodes=cfg.min_nodes,
+        count_flops=cfg.count_flops, peak_tflops=cfg.peak_tflops))
 
 
 def run(cfg: RunConfig) -> int:

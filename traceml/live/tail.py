@@ -11,11 +11,19 @@ however long the run is.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from pathlib import Path
 from typing import TypeVar
 
-from traceml.diagnosis.samples import Incident, ProcessSample, RunData, StepRow, SystemSample
+from traceml.diagnosis.samples import (
+    FlopCount,
+    Incident,
+    ProcessSample,
+    RunData,
+    StepRow,
+    SystemSample,
+)
 from traceml.report.session import summary_window
 from traceml.store import RunRecords, StoredStep, StoreReader, run_data
 
@@ -42,6 +50,7 @@ class StoreTail:
         self._process: dict[int, deque[ProcessSample]] = {}
         self._system: dict[int, deque[SystemSample]] = {}
         self._incidents: tuple[Incident, ...] = ()
+        self._flop_counts: tuple[FlopCount, ...] = ()
 
     def poll(self) -> tuple[RunData, int]:
         """The recent run (rows read so far, bounded) and the summary window it asked for."""
@@ -53,6 +62,7 @@ class StoreTail:
             process = reader.process_after(self._process_after, most * self.samples_kept)
             system = reader.system_after(self._system_after, most * self.samples_kept)
             self._incidents = reader.incidents()  # few: stalls and crashes, read whole
+            self._flop_counts = reader.flop_counts()  # a few rows per rank
         self._steps_after = steps.last_row_id
         self._process_after = process.last_row_id
         self._system_after = system.last_row_id
@@ -86,4 +96,5 @@ class StoreTail:
         process = tuple(sorted((s for q in self._process.values() for s in q),
                                key=lambda s: s.t))
         system = tuple(sorted((s for q in self._system.values() for s in q), key=lambda s: s.t))
-        return run_data(records, steps, process, system, self._incidents)
+        return dataclasses.replace(run_data(records, steps, process, system, self._incidents),
+                                   flop_counts=self._flop_counts)

@@ -22,6 +22,7 @@ from traceml.live.worker_output import OutputLine
 from traceml.report.model import SECTION_NAMES, SECTION_TITLES
 from traceml.report.page.gauges import Gauge, GaugeRow
 from traceml.report.page.snapshot import TABLE_PARTS, RankPhases, Snapshot
+from traceml.report.text import THROUGHPUT_UNITS, format_rate
 
 MAX_TABLE_RANKS = 16
 """Ranks shown in the phase table at most: the slowest by median step time."""
@@ -41,7 +42,7 @@ class View:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         snap = self.snap
-        top = Group(header(snap), phase_table(snap), diagnosis(snap),
+        top = Group(header(snap), phase_table(snap), *throughput(snap), diagnosis(snap),
                     gauge_table("System", snap.nodes), gauge_table("Process", snap.processes))
         yield top
         if self.output_where is not None:
@@ -141,6 +142,30 @@ def _cell(snap: Snapshot, row: RankPhases, phase: str) -> Text:
     return Text(text, style="bold red" if hot else "")
 
 
+def throughput_text(snap: Snapshot) -> str | None:
+    """``1,280 samples/s | 655,360 tokens/s | 300 TFLOP/s | MFU 15.2%`` for the job; None
+    until something of it is measured."""
+    job = snap.report.throughput.job
+    if job is None:
+        return None
+    shown = [format_rate(value, unit) for key, unit in THROUGHPUT_UNITS
+             if (value := getattr(job, key)) is not None]
+    return " | ".join(shown) or None
+
+
+def throughput(snap: Snapshot) -> tuple[RenderableType, ...]:
+    """The job's throughput under the phase table (nothing until it is measured)."""
+    text = throughput_text(snap)
+    if text is None:
+        return ()
+    line = Text("Throughput: ", style="bold")
+    line.append(text)
+    found = snap.report.throughput.diagnosis
+    if found.actionable:
+        line.append(f"  {found.label}", style=_SEVERITY_STYLE[found.severity])
+    return (line,)
+
+
 def _where(finding: Finding, section: str) -> str:
     where = SECTION_TITLES[section]
     return f"{where}, {format_ranks(finding.ranks)}" if finding.ranks else where
@@ -161,7 +186,7 @@ def diagnosis(snap: Snapshot) -> RenderableType:
             body.append(f"\n{other.label} [{other.severity}]: ", style=_SEVERITY_STYLE[other.severity])
             body.append(other.why)
     labels = " | ".join(f"{SECTION_TITLES[name]} {snap.report.section(name).diagnosis.label}"
-                        for name in SECTION_NAMES)
+                        for name in SECTION_NAMES if name != "throughput")  # it has its line
     body.append(f"\n{labels}", style="dim")
     return Group(text, Padding(body, (0, 0, 0, 2)))
 
@@ -226,6 +251,9 @@ def status_line(snap: Snapshot) -> str:
     if total is not None:
         parts.append(f"step time median {format_ms(total.median)} ms, worst "
                      f"{format_ms(total.worst)} ms (r{total.worst_rank})")
+    rates = throughput_text(snap)
+    if rates is not None:
+        parts.append(rates)
     finding = snap.report.primary.finding
     parts.append(f"{finding.label} [{finding.severity}]")
     return " | ".join(parts)

@@ -24,10 +24,16 @@ from traceml.diagnosis.step_time import (
     rank_step_times,
 )
 from traceml.diagnosis.system import diagnose_system, node_system
+from traceml.diagnosis.throughput import (
+    RankThroughput,
+    diagnose_throughput,
+    job_throughput,
+    rank_throughput,
+)
 from traceml.diagnosis.window import Scope, StepWindow, in_span, missing, select_window
 from traceml.report.model import SCHEMA_VERSION, Primary, Report, Section
 
-PRIMARY_ORDER = ("step_time", "step_memory", "system", "process")
+PRIMARY_ORDER = ("step_time", "step_memory", "system", "process", "throughput")
 """Section priority when two sections' diagnoses are equally severe."""
 
 
@@ -42,6 +48,7 @@ def build_report(run: RunData, summary_window_rows: int) -> Report:
         "system": system_section(run, window),
     }
     sections["step_time"] = fit_advice(sections["step_time"], sections["system"])
+    sections["throughput"] = throughput_section(run, window, node_of, sections["step_time"])
     ending = diagnose_ending(run)
     primary = (Primary("ending", ending.headline) if ending.headline is not None
                else choose_primary(sections))
@@ -119,6 +126,30 @@ def _phase_share(phase: str) -> Callable[[RankStepTimes], float | None]:
     return lambda times: times.share_pct(phase)
 
 
+def throughput_section(run: RunData, window: StepWindow, node_of: Mapping[int, int],
+                       step_time: Section) -> Section:
+    """Throughput: samples/s, tokens/s, achieved TFLOP/s and MFU per rank and for the job;
+    LOW MFU with advice fitting Step Time's findings."""
+    per_rank = rank_throughput(window, node_of, run.flop_counts, run.meta.peak_tflops)
+    rows = [per_rank[r] for r in sorted(per_rank)]
+    window_rows = [row for rank_rows in window.by_rank.values() for row in rank_rows]
+    job = job_throughput(per_rank, window_rows, run.flop_counts, run.meta)
+    stats = {key: _rank_stat(rows, _field(key), worst="min") for key in THROUGHPUT_STATS}
+    kinds = [f.kind for f in step_time.findings]
+    findings = diagnose_throughput(per_rank, job, kinds, _unmeasured_steps_why(run))
+    return Section("throughput", findings, window.scope(node_of, _num_nodes(run)), stats,
+                   tuple(rows), job)
+
+
+THROUGHPUT_STATS = ("samples_per_step", "tokens_per_step", "samples_per_s", "tokens_per_s",
+                    "achieved_tflops", "mfu_pct")
+"""Throughput's per-rank stats (worst: the lowest rank)."""
+
+
+def _field(name: str) -> Callable[[RankThroughput], float | None]:
+    return lambda row: getattr(row, name)
+
+
 def step_memory_section(run: RunData, window: StepWindow, node_of: Mapping[int, int]) -> Section:
     """Step Memory: per-rank peaks, capacity pressure and creep over the window."""
     capacity: dict[int, int] = {}
@@ -194,10 +225,12 @@ class _Ranked(Protocol):
 _Row = TypeVar("_Row", bound=_Ranked)
 
 
-def _rank_stat(rows: Sequence[_Row], value: Callable[[_Row], float | None]) -> MetricStat | None:
-    """Median and worst (highest) of a per-rank value; None when no rank measured it."""
+def _rank_stat(rows: Sequence[_Row], value: Callable[[_Row], float | None],
+               worst: Worst = "max") -> MetricStat | None:
+    """Median and worst (highest, or lowest) of a per-rank value; None when no rank
+    measured it."""
     located = [Located(v, row.rank, row.node_rank) for row in rows if (v := value(row)) is not None]
-    return metric_stat(located)
+    return metric_stat(located, worst)
 
 
 def _node_stat(

@@ -120,13 +120,16 @@ def finding_to_json(finding: Finding) -> dict[str, Json]:
 
 def section_to_json(section: Section) -> dict[str, Json]:
     """One section: diagnosis, findings, scope, stats and per-rank rows."""
-    return {
+    out: dict[str, Json] = {
         "diagnosis": finding_to_json(section.diagnosis),
         "findings": [finding_to_json(f) for f in section.findings],
         "scope": _plain(section.scope),
         "stats": {key: stat_to_json(stat) for key, stat in section.stats.items()},
         "ranks": [row_to_json(row) for row in section.ranks],
     }
+    if section.job is not None:
+        out["job"] = _plain(section.job)
+    return out
 
 
 def stat_to_json(stat: MetricStat | None) -> Json:
@@ -185,7 +188,7 @@ def flatten_summary(summary: Mapping[str, Json]) -> dict[str, float | str]:
     primary = _obj(summary.get("primary"))
     for key in ("section", "label", "severity"):
         _put(flat, f"traceml/primary/{key}", primary.get(key))
-    for name in ("step_time", "step_memory", "process", "system"):
+    for name in ("step_time", "step_memory", "process", "system", "throughput"):
         section = _obj(summary.get(name))
         diagnosis = _obj(section.get("diagnosis"))
         _put(flat, f"traceml/{name}/diagnosis", diagnosis.get("label"))
@@ -193,6 +196,8 @@ def flatten_summary(summary: Mapping[str, Json]) -> dict[str, float | str]:
         for stat_name, stat in _obj(section.get("stats")).items():
             for part in ("median", "worst"):
                 _put(flat, f"traceml/{name}/{stat_name}/{part}", _obj(stat).get(part))
+        for key, value in _obj(section.get("job")).items():
+            _put(flat, f"traceml/{name}/job/{key}", value)
     return flat
 
 

@@ -19,20 +19,22 @@ from traceml.diagnosis.stats import MetricStat
 from traceml.diagnosis.step_memory import RankMemory
 from traceml.diagnosis.step_time import RankStepTimes
 from traceml.diagnosis.system import NodeSystem
+from traceml.diagnosis.throughput import JobThroughput, RankThroughput
 from traceml.diagnosis.window import Scope
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.2"  # 1.2: ending, the throughput section, scope.num_counted_steps, GPU time
 """Version of final_summary.json; bump the major part on incompatible changes."""
 
-RankRow = Union[RankStepTimes, RankMemory, RankProcess, NodeSystem]
+RankRow = Union[RankStepTimes, RankMemory, RankProcess, NodeSystem, RankThroughput]
 """A per-rank row of a section (per node for System)."""
 
-SECTION_NAMES = ("step_time", "step_memory", "process", "system")
+SECTION_NAMES = ("step_time", "step_memory", "process", "system", "throughput")
 SECTION_TITLES: Mapping[str, str] = {
     "step_time": "Step Time",
     "step_memory": "Step Memory",
     "process": "Process",
     "system": "System",
+    "throughput": "Throughput",
     "ending": "Ending",  # not a section: how the run ended (`Report.ending`), told first
 }
 
@@ -46,6 +48,7 @@ class Section:
     scope: Scope
     stats: Mapping[str, MetricStat | None]  # fixed keys per section; None = not measured
     ranks: tuple[RankRow, ...]  # per rank, ascending (System: per node)
+    job: JobThroughput | None = None  # Throughput only: the job's sums and sources
 
     def __post_init__(self) -> None:
         assert self.findings, f"section {self.name} has no finding"
@@ -81,6 +84,7 @@ class Report:
     step_memory: Section
     process: Section
     system: Section
+    throughput: Section
     ending: Ending
 
     @property
@@ -95,5 +99,5 @@ class Report:
 
     @property
     def sections(self) -> tuple[Section, ...]:
-        """The sections in JSON order (step_time, step_memory, process, system)."""
+        """The sections in JSON order (step_time, step_memory, process, system, throughput)."""
         return tuple(self.section(name) for name in SECTION_NAMES)

@@ -82,6 +82,7 @@ _SCOPE = _obj({
     "first_step": _INT_OR_NULL,
     "last_step": _INT_OR_NULL,
     "num_samples": _INT_OR_NULL,
+    "num_counted_steps": _INT_OR_NULL,
 })
 
 _THIRDS = {"type": ["array", "null"], "items": _NUM, "minItems": 3, "maxItems": 3}
@@ -155,6 +156,28 @@ _SYSTEM_ROW = _obj({
     "gpus": {"type": "array", "items": _GPU_ROW},
 })
 
+_STR_OR_NULL = {"type": ["string", "null"]}
+
+_THROUGHPUT_ROW = _obj({
+    "rank": _INT,
+    "node_rank": _INT_OR_NULL,
+    "num_steps": _INT,
+    **{key: _NUM_OR_NULL for key in (
+        "samples_per_step", "tokens_per_step", "samples_per_s", "tokens_per_s",
+        "flops_per_step", "achieved_tflops", "peak_tflops", "mfu_pct")},
+    "device_name": _STR_OR_NULL,
+    "dtype": _STR_OR_NULL,
+})
+
+_THROUGHPUT_JOB = _obj({
+    **{key: _NUM_OR_NULL for key in (
+        "samples_per_s", "tokens_per_s", "achieved_tflops", "mfu_pct", "peak_tflops")},
+    "peak_device": _STR_OR_NULL,
+    "peak_dtype": _STR_OR_NULL,
+    "peak_source": _STR,
+    "flops_source": _STR,
+})
+
 SECTION_STATS: Mapping[str, tuple[str, ...]] = {
     "step_time": (
         *(p.column for p in phases.step_metrics()), "collective_ms",
@@ -172,6 +195,8 @@ SECTION_STATS: Mapping[str, tuple[str, ...]] = {
         "cpu_avg_pct", "ram_peak_pct", "gpu_util_avg_pct", "gpu_temp_peak_c",
         "gpu_mem_used_peak_bytes", "gpu_power_avg_w",
     ),
+    "throughput": ("samples_per_step", "tokens_per_step", "samples_per_s", "tokens_per_s",
+                   "achieved_tflops", "mfu_pct"),
 }
 """The stats keys of each section, in order; each value is a stat object or null."""
 
@@ -180,6 +205,7 @@ _ROWS: Mapping[str, Schema] = {
     "step_memory": _STEP_MEMORY_ROW,
     "process": _PROCESS_ROW,
     "system": _SYSTEM_ROW,
+    "throughput": _THROUGHPUT_ROW,
 }
 
 
@@ -190,6 +216,7 @@ def _section(name: str) -> dict[str, Any]:
         "scope": _SCOPE,
         "stats": _obj({key: _STAT for key in SECTION_STATS[name]}),
         "ranks": {"type": "array", "items": _ROWS[name]},
+        **({"job": _THROUGHPUT_JOB} if name == "throughput" else {}),
     })
 
 

@@ -3,7 +3,7 @@
 Runs in the offline-analysis process. Layout of the seed README's example: a
 header with the duration, the verdict and one next step, then one block per
 section (System, Process, Step Time, Step Memory) with Diagnosis, Scope, Stats,
-Ranks (Step Time) and Why. Long lines wrap inside the box. ASCII only.
+Ranks (Step Time), Job, Peak and FLOPs (Throughput) and Why. Long lines wrap inside the box. ASCII only.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from traceml.diagnosis.stats import MetricStat
 from traceml.diagnosis.step_time import RankStepTimes
 from traceml.report.model import SECTION_TITLES, Report, Section
 
-CARD_ORDER = ("system", "process", "step_time", "step_memory")
+CARD_ORDER = ("system", "process", "step_time", "throughput", "step_memory")
 
 _CARD_STATS: dict[str, tuple[tuple[str, str], ...]] = {
     "system": (("cpu_avg_pct", "CPU"), ("ram_peak_pct", "RAM peak"),
@@ -119,6 +119,8 @@ def _section_lines(section: Section, report: Report) -> list[str]:
     lines.append(f"- Scope: {_scope(section, report)}")
     if section.name == "step_time":
         lines += _step_time_stats(section)
+    elif section.name == "throughput":
+        lines += throughput_lines(section)
     elif stats := _stats_text(section):
         lines.append(f"- Stats: {stats}")
     lines.append(f"- Why: {diagnosis.why}")
@@ -141,6 +143,8 @@ def _scope(section: Section, report: Report) -> str:
         return (f"ranks {len(scope.ranks)}/{report.meta.world_size} | "
                 f"samples {scope.num_samples}{missing}")
     warm = f", {scope.num_warmup_steps} warm-up steps left out" if scope.num_warmup_steps else ""
+    if scope.num_counted_steps:
+        warm += f", {_count(scope.num_counted_steps, 'FLOP-counting step')} left out"
     return (f"last {scope.num_steps} aligned steps across {_count(len(scope.ranks), 'rank')}"
             f"{warm}{missing}")
 
@@ -176,6 +180,50 @@ def _gpu_time(section: Section) -> list[str]:
     where = f" r{stat.worst_rank}" if len(rows) > 1 else ""
     return [f"- GPU time: median/worst {stat.median:.1f}/{stat.worst:.1f}ms{where} "
             f"({parts}), from {of} (those timed)"]
+
+
+def format_rate(value: float | None, unit: str) -> str:
+    """``1,234.5 samples/s``; ``0.0312 TFLOP/s``; ``MFU 31.2%``; "not measured" for None."""
+    if value is None:
+        return f"{unit} not measured"
+    if unit == "MFU":
+        return f"MFU {value:.1f}%"
+    if unit == "TFLOP/s":
+        return f"{value:.3g} TFLOP/s"
+    return f"{format_count(value)} {unit}"
+
+
+def format_count(value: float) -> str:
+    """``1,281``, ``640.5``, ``3.125``: thousands with separators, else 4 digits."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+THROUGHPUT_UNITS = (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"),
+                    ("achieved_tflops", "TFLOP/s"), ("mfu_pct", "MFU"))
+"""The Throughput numbers every view shows, as (field, unit)."""
+
+
+def throughput_lines(section: Section) -> list[str]:
+    """The job's throughput, the ranks' spread, the peak and the FLOPs' source."""
+    job = section.job
+    if job is None:
+        return []
+    lines = ["- Job: " + " | ".join(format_rate(getattr(job, key), unit)
+                                    for key, unit in THROUGHPUT_UNITS)]
+    if len(section.scope.ranks) > 1:
+        per = [f"{unit} {_spread(key, stat)} r{stat.worst_rank}"
+               for key, unit in THROUGHPUT_UNITS if (stat := section.stats.get(key))]
+        if per:
+            lines.append("- Per rank: median/lowest | " + " | ".join(per))
+    lines.append(f"- Peak: {job.peak_source}")
+    lines.append(f"- FLOPs: {job.flops_source}")
+    return lines
+
+
+def _spread(key: str, stat: MetricStat) -> str:
+    if key.endswith("_pct"):
+        return f"{stat.median:.1f}%/{stat.worst:.1f}%"
+    return f"{format_count(stat.median)}/{format_count(stat.worst)}"
 
 
 def _in_flight(part: phases.Phase, section: Section) -> str:

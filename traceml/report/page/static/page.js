@@ -10,7 +10,11 @@
     "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
   const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
   const SECTIONS = [["step_time", "Step Time"], ["step_memory", "Step Memory"],
-    ["process", "Process"], ["system", "System"], ["ending", "Ending"]];
+    ["process", "Process"], ["system", "System"], ["throughput", "Throughput"],
+    ["ending", "Ending"]];
+  // The throughput numbers shown, as [key, unit] (traceml/report/text.py THROUGHPUT_UNITS).
+  const RATES = [["samples_per_s", "samples/s"], ["tokens_per_s", "tokens/s"],
+    ["achieved_tflops", "TFLOP/s"], ["mfu_pct", "MFU"]];
   const SVG_NS = "http" + "://www.w3.org/2000/svg";
   const state = { doc: null, renders: 0 };
 
@@ -323,6 +327,31 @@
     })));
   }
 
+  function fmtRate(v, unit) {
+    if (v === null || v === undefined) return "–";
+    if (unit === "MFU") return v.toFixed(1) + "%";
+    if (unit === "TFLOP/s") return v.toPrecision(3);
+    return Math.abs(v) >= 1000 ? Math.round(v).toLocaleString("en-US") : String(+v.toPrecision(4));
+  }
+
+  function renderThroughput(doc) {
+    const tp = doc.summary.throughput;
+    if (!tp || !tp.ranks.length) {
+      fill("throughput", el("p", { class: "empty" }, "Waiting for the first steps…"));
+      return;
+    }
+    const job = tp.job;
+    const head = el("tr", {}, ["rank"].concat(RATES.map((r) => r[1])).map((h) => el("th", {}, h)));
+    const body = tp.ranks.map((r) => el("tr", { "data-rank": String(r.rank) },
+      [el("td", {}, "r" + r.rank)].concat(RATES.map(([k, u]) => el("td", {}, fmtRate(r[k], u))))));
+    const total = el("tr", { class: "worst", "data-job": "true" }, [el("td", {}, "job")]
+      .concat(RATES.map(([k, u]) => el("td", {}, fmtRate(job[k], u)))));
+    fill("throughput", [
+      el("table", {}, [el("thead", {}, head), el("tbody", {}, body.concat([total]))]),
+      el("p", { class: "why", "data-source": "peak" }, "Peak: " + job.peak_source),
+      el("p", { class: "why", "data-source": "flops" }, "FLOPs: " + job.flops_source)]);
+  }
+
   function renderGauges(doc) {
     const rows = doc.nodes.concat(doc.processes);
     fill("gauges", rows.length ? rows.map(gaugeRow) : el("p", { class: "empty" }, "No samples yet."));
@@ -332,6 +361,7 @@
     const out = [];
     for (const [key, title] of SECTIONS) {
       out.push(el("div", { class: "section-title" }, title));
+      if (!doc.summary[key]) continue;  // a summary from before the section existed
       for (const f of doc.summary[key].findings) {
         out.push(el("div", { class: "finding", "data-kind": f.kind }, [
           el("div", {}, [el("strong", {}, f.label + " "), sevBadge(f.severity),
@@ -353,6 +383,7 @@
     renderPhaseCharts(doc);
     renderHeatmap(doc);
     renderMemory(doc);
+    renderThroughput(doc);
     renderGauges(doc);
     renderFindings(doc);
     const v = doc.summary.meta.versions;
