@@ -54,7 +54,9 @@ MARK = END + 8  # device data of the running step (CUDA): the payload is DEVICE_
 CLOSE = END + 9  # process exit: the last step ends with its optimizer step
 RSS = END + 10  # a reading of the rank's RSS (bytes or None), for the steps finished after it
 SPAN = END + 11  # a collective completed: the payload is its (launch, completion) times
-NUM_EVENT_CODES = END + 12
+EVAL_FORWARD = END + 12  # an outermost forward with grad disabled of a module that trains begins
+COPY = END + 13  # a host-to-device copy on the training thread begins (ends with END)
+NUM_EVENT_CODES = END + 14
 DEVICE_MARK_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes",
                       *(p.gpu_column for p in phases.gpu_timed()))
 # A rank sends its events early once this many wait: ~2 MB of JSON, well

@@ -45,7 +45,8 @@ from traceml.protocol import (
 )
 
 STORE_FILENAME = "telemetry.sqlite"
-SCHEMA_VERSION = 2  # 2: a column per phase of traceml.phases (communication), collective_ms
+SCHEMA_VERSION = 3  # 2: a column per phase of traceml.phases (communication), collective_ms;
+# 3: boundary, eval_ms, num_eval
 JOIN_ERROR_PREFIX = "join_error/"
 
 
@@ -69,13 +70,17 @@ class StepRecord:
     peak_reserved_bytes: int | None = None
     gpu_ms: tuple[float | None, ...] = ()  # per GPU-timed phase; empty off CUDA
     collective_ms: float | None = None  # any collective in flight; None: none timed
+    boundary: str = phases.STEP_BOUNDARIES[0]  # what ended the step
+    eval_ms: float = 0.0  # evaluation wall time that ended where the step began
+    num_eval: int = 0  # ...in this many evaluation passes
 
     def values(self) -> tuple[Any, ...]:
         """The record in :data:`STEP_COLUMNS` order."""
         gpu = self.gpu_ms or (None,) * len(phases.gpu_timed())
         return (self.step, self.t_begin, self.total_ms, self.wait_ms, *self.phase_ms,
                 *self.counts, self.num_skipped, self.rss_bytes, self.peak_allocated_bytes,
-                self.peak_reserved_bytes, *gpu, self.collective_ms)
+                self.peak_reserved_bytes, *gpu, self.collective_ms, self.boundary, self.eval_ms,
+                self.num_eval)
 
     def columns(self) -> dict[str, Any]:
         """The record by :data:`STEP_COLUMNS` name."""
@@ -86,7 +91,8 @@ STEP_COLUMNS: tuple[str, ...] = (
     "step", "t_begin", "total_ms", "wait_ms",
     *(p.column for p in phases.PHASES), *(p.count_column for p in phases.PHASES),
     "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-    *(p.gpu_column for p in phases.gpu_timed()), "collective_ms",
+    *(p.gpu_column for p in phases.gpu_timed()), "collective_ms", "boundary", "eval_ms",
+    "num_eval",
 )
 """The steps table's columns after (rank, restart, node_rank), from the phase table."""
 
@@ -143,8 +149,11 @@ class NewRows(Generic[_T]):
     last_row_id: int
 
 
-_STEP_INT = {"step", "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+_STEP_INT = {"step", "num_skipped", "num_eval", "rss_bytes", "peak_allocated_bytes",
+             "peak_reserved_bytes",
              *(p.count_column for p in phases.PHASES)}
+
+_STEP_TYPE = {"boundary": "TEXT"}
 
 _SENDER_COLUMNS = ("sender_id", "role", "host", "pid", "node_rank", "rank", "local_rank",
                    "world_size", "restart", "first_seen", "last_seen", "num_messages",
@@ -162,7 +171,8 @@ _DDL = [
         num_dropped INTEGER NOT NULL DEFAULT 0, said_bye INTEGER NOT NULL DEFAULT 0)""",
     "CREATE TABLE IF NOT EXISTS steps (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
     "node_rank INTEGER NOT NULL, "
-    + ", ".join(f"{c} {'INTEGER' if c in _STEP_INT else 'REAL'}" for c in STEP_COLUMNS)
+    + ", ".join(f"{c} {_STEP_TYPE.get(c, 'INTEGER' if c in _STEP_INT else 'REAL')}"
+                for c in STEP_COLUMNS)
     + ", PRIMARY KEY (rank, restart, step))",
     "CREATE TABLE IF NOT EXISTS rejected (reason TEXT PRIMARY KEY, count INTEGER NOT NULL)",
     "CREATE TABLE IF NOT EXISTS process (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
@@ -397,6 +407,9 @@ def _step_row(r: Mapping[str, Any]) -> StepRow:
         peak_reserved_bytes=r["peak_reserved_bytes"], rss_bytes=r["rss_bytes"],
         t=(r["t_begin"] + r["total_ms"] / 1e3) if r["t_begin"] is not None else None,
         gpu_ms=_gpu_ms(r), collective_ms=r.get("collective_ms"),
+        boundary=r.get("boundary") or phases.STEP_BOUNDARIES[0],
+        eval_ms=r.get("eval_ms") or 0.0, num_eval=r.get("num_eval") or 0,
+        num_input=r.get(phases.PHASES[0].count_column) or 0,
     )
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from tests.unit.test_compare_verdict import GIB, summary, tight
 from traceml.compare.cli import main
+from traceml.report.model import SCHEMA_VERSION
 
 
 def write(folder: Path, doc: Any) -> Path:
@@ -122,7 +123,7 @@ def test_schema_minor_difference_is_stated(runs: dict[str, Path], tmp_path: Path
     doc = summary(tight(100.0), session="b")
     doc["schema_version"] = "1.4"
     main([str(runs["base"]), str(write(tmp_path / "b", doc)), "--output", str(tmp_path / "c")])
-    assert "Note: Summary schema versions differ (A 1.1, B 1.4)" in capsys.readouterr().out
+    assert f"Note: Summary schema versions differ (A {SCHEMA_VERSION}, B 1.4)" in capsys.readouterr().out
 
 
 def test_summary_not_matching_its_schema_is_stated(runs: dict[str, Path], tmp_path: Path,
@@ -131,7 +132,7 @@ def test_summary_not_matching_its_schema_is_stated(runs: dict[str, Path], tmp_pa
     del doc["system"]
     main([str(runs["base"]), str(write(tmp_path / "b", doc)), "--output", str(tmp_path / "c")])
     out = capsys.readouterr().out
-    assert "B does not fully match summary schema 1.1 (1 problems, first: $: missing key" in out
+    assert f"B does not fully match summary schema {SCHEMA_VERSION} (1 problems, first: $: missing key" in out
 
 
 # --- bad input: exit 2, one line -------------------------------------------------------

@@ -26,6 +26,7 @@ from traceml.diagnosis.samples import (
 )
 from traceml.diagnosis.stats import Distribution
 from traceml.report import build_report, report_to_json, validate_summary
+from traceml.report.model import SCHEMA_VERSION
 
 MIB = 1024**2
 GIB = 1024**3
@@ -285,11 +286,12 @@ def test_missing_quantiles_are_inconclusive() -> None:
 
 def test_schema_version_and_world_size_differences_are_stated() -> None:
     b = summary(tight(100.0), world=2)
-    b["schema_version"] = "1.2"
+    b["schema_version"] = "1.9"
     result = compare(summary(tight(100.0)), b)
     assert result.verdict.label == "NO CHANGE"
     assert result.notes == (
-        ("Summary schema versions differ (A 1.1, B 1.2); values only one side has are not "
+        (f"Summary schema versions differ (A {SCHEMA_VERSION}, B 1.9); values only one side "
+         "has are not "
          "compared."),
         "World sizes differ (A 1 rank, B 2 ranks); values are medians over ranks.",
     )

@@ -12,7 +12,7 @@ from tests.rows import step_record
 from traceml.errors import UsageError
 from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, RunEnd, RunStart, Sender
 from traceml.report.session import load_run
-from traceml.store import JoinError, SenderState, StoreError, StoreReader, StoreWriter
+from traceml.store import SCHEMA_VERSION, JoinError, SenderState, StoreError, StoreReader, StoreWriter
 
 T0 = 1_700_000_000.0
 START = RunStart(session_id="s1", command=("traceml", "run", "train.py"), started_at=T0,
@@ -77,7 +77,7 @@ def test_the_meta_table_keeps_one_json_value_per_field(tmp_path: Path) -> None:
     assert (meta["started_at"], meta["summary_window_rows"], meta["mode"]) == (
         str(T0), "50", '"run"')
     assert (meta["ended_at"], meta["exit_code"], meta["store_schema_version"]) == (
-        str(T0 + 30), "3", "2")
+        str(T0 + 30), "3", str(SCHEMA_VERSION))
     assert meta[f"join_error/{T0 + 1:.6f}"] == '"node on a has --nnodes \'4\'"'
 
 

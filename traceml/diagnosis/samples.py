@@ -39,6 +39,10 @@ class StepRow:
     gpu_ms: float | None = None  # GPU time of the GPU-timed phases; None off CUDA
     t: float | None = None  # unix seconds at step end; lets sample sections use the step window
     collective_ms: float | None = None  # any collective in flight (exposed or hidden); None: untimed
+    boundary: str = "optimizer"  # what ended it: one of `traceml.phases.STEP_BOUNDARIES`
+    eval_ms: float = 0.0  # evaluation wall time that ended where this step began
+    num_eval: int = 0  # ...and how many evaluation passes
+    num_input: int = 0  # DataLoader fetches in the step
 
     def ms(self, name: str) -> float:
         """Time of a phase, or of ``total``, ``compute`` or ``wait``; a phase the row

@@ -33,6 +33,8 @@ class Scope:
     first_step: int | None = None
     last_step: int | None = None
     num_samples: int | None = None  # samples used (process and system sections)
+    step_boundary: str | None = None  # Step Time: what ended the steps (phases.STEP_BOUNDARIES)
+    input_source: str | None = None  # Step Time: what input time is (step_loop.INPUT_SOURCES)
 
 
 @dataclass(frozen=True)

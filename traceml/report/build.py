@@ -14,6 +14,7 @@ from traceml.diagnosis.finding import Finding, severity_rank
 from traceml.diagnosis.process import diagnose_process, rank_process
 from traceml.diagnosis.samples import RunData
 from traceml.diagnosis.stats import Located, MetricStat, Worst, metric_stat
+from traceml.diagnosis.step_loop import boundary_rule, evaluation_by_rank, input_source
 from traceml.diagnosis.step_memory import diagnose_step_memory, rank_memory
 from traceml.diagnosis.step_time import (
     PHASES,
@@ -101,11 +102,25 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
         rows, lambda t: t.collective_ms.mean if t.collective_ms is not None else None)
     for phase in SHARES:
         stats[f"{phase}_share_pct"] = _rank_stat(rows, _phase_share(phase))
+    stats.update(_evaluation_stats(run, node_of))
     findings = diagnose_step_time(times, _unmeasured_steps_why(run), run.meta.device)
     if ended_before_first_step(run):
         findings = (_ended_before_first_step(run.meta.exit_code), *findings)
-    return Section("step_time", findings, window.scope(node_of, _num_nodes(run)), stats,
-                   tuple(rows))
+    scope = dataclasses.replace(
+        window.scope(node_of, _num_nodes(run)),
+        step_boundary=boundary_rule(r for rank_rows in window.by_rank.values() for r in rank_rows),
+        input_source=input_source(window.by_rank))
+    return Section("step_time", findings, scope, stats, tuple(rows))
+
+
+def _evaluation_stats(run: RunData, node_of: Mapping[int, int]) -> dict[str, MetricStat | None]:
+    """Evaluation kept out of the steps over the whole run: wall time and passes
+    per rank (median and worst); None when no rank evaluated."""
+    evals = evaluation_by_rank(run.steps)
+    located = [(Located(ms, rank, node_of.get(rank)), Located(n, rank, node_of.get(rank)))
+               for rank, (ms, n) in sorted(evals.items())]
+    return {"eval_total_ms": metric_stat([ms for ms, _ in located]),
+            "num_eval": metric_stat([n for _, n in located])}
 
 
 def ended_before_first_step(run: RunData) -> bool:

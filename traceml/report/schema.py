@@ -81,6 +81,9 @@ _SCOPE = _obj({
     "first_step": _INT_OR_NULL,
     "last_step": _INT_OR_NULL,
     "num_samples": _INT_OR_NULL,
+    "step_boundary": {"type": ["string", "null"], "enum": [*phases.STEP_BOUNDARIES, None]},
+    "input_source": {"type": ["string", "null"],
+                     "enum": ["dataloader", "before_forward", "copies", None]},
 })
 
 _THIRDS = {"type": ["array", "null"], "items": _NUM, "minItems": 3, "maxItems": 3}
@@ -156,6 +159,7 @@ SECTION_STATS: Mapping[str, tuple[str, ...]] = {
     "step_time": (
         *(p.column for p in phases.step_metrics()), "collective_ms",
         *(f"{p.name}_share_pct" for p in phases.share_metrics()),
+        "eval_total_ms", "num_eval",
     ),
     "step_memory": (
         "peak_allocated_bytes", "peak_reserved_bytes", "pressure_pct", "allocated_growth_bytes",

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from traceml import phases
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
 from traceml.diagnosis.stats import MetricStat
+from traceml.diagnosis.step_loop import BOUNDARY_TEXT, INPUT_TEXT
 from traceml.report.model import Report, Section
 
 CARD_ORDER = ("system", "process", "step_time", "step_memory")
@@ -117,8 +118,9 @@ def _scope(section: Section, report: Report) -> str:
         return (f"ranks {len(scope.ranks)}/{report.meta.world_size} | "
                 f"samples {scope.num_samples}{missing}")
     warm = f", {scope.num_warmup_steps} warm-up steps left out" if scope.num_warmup_steps else ""
+    rule = f" | steps: {BOUNDARY_TEXT[scope.step_boundary]}" if scope.step_boundary else ""
     return (f"last {scope.num_steps} aligned steps across {_count(len(scope.ranks), 'rank')}"
-            f"{warm}{missing}")
+            f"{warm}{missing}{rule}")
 
 
 def _step_time_stats(section: Section) -> list[str]:
@@ -134,6 +136,12 @@ def _step_time_stats(section: Section) -> list[str]:
         ranks = " | ".join(f"{p.name} r{stat.median_rank}/r{stat.worst_rank}"
                            for p, stat in shown)
         lines.append(f"- Ranks: median/worst | {ranks}")
+    if section.scope.input_source:
+        lines.append(f"- Input: {INPUT_TEXT[section.scope.input_source]}")
+    evals, num = section.stats.get("eval_total_ms"), section.stats.get("num_eval")
+    if evals is not None and num is not None:
+        lines.append(f"- Evaluation: {num.median:.0f} passes, {evals.median / 1e3:.2f} s of wall "
+                     "time (median rank), kept out of the steps")
     return lines
 
 
