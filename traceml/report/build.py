@@ -51,12 +51,23 @@ SATURATED_INPUT_NEXT = (
     "fewer ranks or workers per host.")
 
 
+NO_LOADER_INPUT_NEXT = (
+    "Batches are built on the training thread (no DataLoader): build them ahead in a "
+    "DataLoader with num_workers > 0 (a Dataset around get_batch), or in a background "
+    "thread that keeps the next batches ready; use pinned memory and non_blocking copies.")
+
+
 def fit_advice(step_time: Section, system: Section) -> Section:
     """Step Time's advice, fitted to what else was found: on a host whose CPUs are
-    saturated, INPUT-BOUND's "raise num_workers" would make it worse."""
-    if not any(f.kind == "CPU_PRESSURE" for f in system.findings):
+    saturated, INPUT-BOUND's "raise num_workers" would make it worse; a loop
+    without a DataLoader has no workers to raise."""
+    if any(f.kind == "CPU_PRESSURE" for f in system.findings):
+        advice = SATURATED_INPUT_NEXT
+    elif step_time.scope.input_source not in (None, "dataloader"):
+        advice = NO_LOADER_INPUT_NEXT
+    else:
         return step_time
-    findings = tuple(dataclasses.replace(f, next=SATURATED_INPUT_NEXT)
+    findings = tuple(dataclasses.replace(f, next=advice)
                      if f.kind == "INPUT_BOUND" else f for f in step_time.findings)
     return dataclasses.replace(step_time, findings=findings)
 
