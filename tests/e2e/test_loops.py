@@ -23,6 +23,7 @@ def card_text(res: RunResult) -> str:
 
 
 def run(tmp_path: Path, *args: str) -> tuple[RunResult, dict[str, Any], dict[str, Any]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     res = run_traceml(tmp_path, "run", HANDMADE, *args)
     assert_ok(res)
     assert res.summary is not None
@@ -78,3 +79,30 @@ def test_slow_get_batch_without_a_dataloader_is_input_bound(tmp_path: Path) -> N
     assert step_time["diagnosis"]["label"] == "INPUT-BOUND", step_time["findings"]
     assert "DataLoader" in step_time["diagnosis"]["next"]  # ...to build batches in workers
     assert "- Input: time before the first forward; no DataLoader" in card_text(res)
+
+
+def test_a_slow_step_every_50_is_an_outlier_finding_with_its_period(tmp_path: Path) -> None:
+    # A 300 ms "checkpoint" after every 50th of 200 iterations of ~10 ms.
+    args = ("--steps", "200", "--forward-ms", "10")
+    res, counts, step_time = run(tmp_path / "slow", *args, "--slow-every", "50",
+                                 "--slow-ms", "300")
+    assert len(res.steps) == counts["iterations"] == 200
+    outliers = step_time["diagnosis"]
+    assert outliers["label"] == "OUTLIER STEPS" and res.summary is not None
+    assert res.summary["primary"]["label"] == "OUTLIER STEPS"
+    evidence = outliers["evidence"]
+    # The pause after iteration 49 is where step 50's batch was made, and so on;
+    # the one after the last iteration is in no step.
+    assert evidence["period_steps"] == 50 and evidence["num_outlier_steps"] == 3
+    slow = [s for s in res.steps if s["step"] in (50, 100, 150)]
+    share = 100 * sum(s["total_ms"] for s in slow) / sum(
+        s["total_ms"] for s in res.steps[5:])  # the window: warm-up left out
+    assert evidence["outlier_share_pct"] == pytest.approx(share, rel=1e-6)
+    assert "every 50 steps" in outliers["why"] and f"{share:.1f}% of wall time" in outliers["why"]
+    # The typical step is diagnosed as the same loop without the pauses is.
+    _, _, plain = run(tmp_path / "plain", *args)
+    typical = [f["label"] for f in step_time["findings"][1:]]
+    assert plain["diagnosis"]["label"] == "COMPUTE-BOUND" and "COMPUTE-BOUND" in typical
+    assert step_time["stats"]["total_ms"]["median"] == pytest.approx(
+        plain["stats"]["total_ms"]["median"], rel=0.25)
+    assert "- Also: COMPUTE-BOUND" in card_text(res)

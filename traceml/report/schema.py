@@ -92,6 +92,8 @@ _STEP_TIME_ROW = _obj({
     "rank": _INT,
     "node_rank": _INT_OR_NULL,
     "num_steps": _INT,
+    "num_outlier_steps": _INT,
+    "outlier_total_ms": _NUM,
     **{p.column: _DIST for p in phases.step_metrics()},
     "collective_ms": _DIST_OR_NULL,
     **{f"{p.name}_share_pct": _NUM_OR_NULL for p in phases.share_metrics()},

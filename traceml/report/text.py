@@ -129,13 +129,14 @@ def _step_time_stats(section: Section) -> list[str]:
         return stat is not None and stat.worst > 0
     shown = [(p, stat) for p in phases.visible(_STEP_PARTS, spent)
              if (stat := section.stats.get(p.column))]
-    stats = " | ".join(f"{p.name} {stat.median:.1f}/{stat.worst:.1f}ms{_in_flight(p, section)}"
+    stats = " | ".join(f"{p.name} {stat.median:.1f}/{stat.worst:.1f}{_in_flight(p, section)}"
                        for p, stat in shown)
-    lines = [f"- Stats: median/worst | {stats}"]
+    lines = [f"- Typical step, ms (a rank's mean step without outlier steps; median/worst "
+             f"rank) | {stats}"]
     if len(section.scope.ranks) > 1:
         ranks = " | ".join(f"{p.name} r{stat.median_rank}/r{stat.worst_rank}"
                            for p, stat in shown)
-        lines.append(f"- Ranks: median/worst | {ranks}")
+        lines.append(f"- Ranks: the median/worst rank | {ranks}")
     if section.scope.input_source:
         lines.append(f"- Input: {INPUT_TEXT[section.scope.input_source]}")
     evals, num = section.stats.get("eval_total_ms"), section.stats.get("num_eval")
@@ -149,7 +150,7 @@ def _in_flight(part: phases.Phase, section: Section) -> str:
     """`` (in flight 8.1ms)`` after communication: collectives' whole time, the
     part backward hid included."""
     stat = section.stats.get("collective_ms")
-    return f" (in flight {stat.median:.1f}ms)" if part.collective and stat else ""
+    return f" (in flight {stat.median:.1f})" if part.collective and stat else ""
 
 
 def _stats_text(section: Section) -> str:
