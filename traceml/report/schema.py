@@ -87,6 +87,8 @@ _SCOPE = _obj({
 })
 
 _THIRDS = {"type": ["array", "null"], "items": _NUM, "minItems": 3, "maxItems": 3}
+_TREND = _obj({"start": _NUM, "slope_per_step": _NUM, "r2": _NUM, "num_steps": _INT},
+              nullable=True)
 
 _STEP_TIME_ROW = _obj({
     "rank": _INT,
@@ -109,6 +111,8 @@ _STEP_MEMORY_ROW = _obj({
     "device_total_bytes": _INT_OR_NULL,
     "allocated_thirds_bytes": _THIRDS,
     "rss_thirds_bytes": _THIRDS,
+    "allocated_trend": _TREND,
+    "rss_trend": _TREND,
     "pressure_pct": _NUM_OR_NULL,
     "allocated_growth_bytes": _NUM_OR_NULL,
     "rss_growth_bytes": _NUM_OR_NULL,
