@@ -545,3 +545,21 @@ def test_host_to_device_copies_are_input() -> None:
     assert len(s.steps) == 3
     assert s.steps[1].phase_s == pytest.approx((1.75, 2, 3, 1, 0))
     assert s.steps[1].counts == (1, 1, 1, 1, 0)
+
+
+def test_accumulation_with_the_optimizer_step_after_the_last_fetch_is_one_step() -> None:
+    # Lightning accumulating 2 batches: the first micro-batch runs its closure
+    # outside the optimizer step, the last one inside optimizer.step(closure).
+    s = Script()
+    for _ in range(3):
+        s.phase(INPUT, 1)
+        s.phase(FORWARD, 2)
+        s.phase(BACKWARD, 3)
+        s.phase(INPUT, 1)
+        s.log(OPTIMIZER)
+        s.phase(FORWARD, 2)
+        s.phase(BACKWARD, 3)
+        s.log(OPTIMIZER_END)
+    s.log(CLOSE)
+    assert [t.step for t in s.steps] == [0, 1, 2]
+    assert all(t.counts == (2, 2, 2, 1, 0) for t in s.steps)

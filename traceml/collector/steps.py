@@ -194,7 +194,9 @@ class StepTracker:
                         self._complete = True
                         self._last_opt_end = t
                         self._num_skipped += code == OPTIMIZER_SKIPPED
-                        self._optimizer_seen = True
+                        if not self._optimizer_seen:  # held steps go first, in order
+                            self._optimizer_seen = True
+                            self._commit_backward()
                     elif (phase == BACKWARD and not stack and not self._optimizer_seen
                           and not self._manual):
                         # No optimizer step seen yet: the backward ends the iteration.
@@ -355,9 +357,10 @@ class StepTracker:
         self._drop_pending()
 
     def _on_training(self, now: float, code: int) -> None:
-        if self._by_backward and self._open and self._complete and code != FORWARD \
-                and not self._pending_n:
-            # Not a new iteration: its first optimizer step, or another backward.
+        if self._by_backward and self._open and self._complete and (
+                code == OPTIMIZER or (code != FORWARD and not self._pending_n)):
+            # Not a new iteration: its first optimizer step (after the last
+            # micro-batch's fetch, Lightning's accumulation), or another backward.
             if code == OPTIMIZER:
                 self._adopt_optimizer()
             self._complete = False
