@@ -66,6 +66,13 @@ class Script:
         self.phase(OPTIMIZER, opt)
         self.gap(tail)
 
+    def micro_batch(self, fetch: float = 1, fwd: float = 2, bwd: float = 3) -> None:
+        """A fetch (none when 0), a forward and a backward."""
+        if fetch:
+            self.phase(INPUT, fetch)
+        self.phase(FORWARD, fwd)
+        self.phase(BACKWARD, bwd)
+
     def eval_pass(self, batches: int, fetch: float = 4, fwd: float = 5) -> None:
         for _ in range(batches):
             self.phase(INPUT, fetch)
@@ -425,8 +432,7 @@ def test_manual_parameter_updates_end_steps_at_backward() -> None:
     # No torch.optim: forward, backward, then the loop updates p.data itself.
     s = Script()
     for _ in range(5):
-        s.phase(FORWARD, 2)
-        s.phase(BACKWARD, 3)
+        s.micro_batch(fetch=0)
         s.gap(1)  # the update
     s.log(CLOSE)
     assert len(s.steps) == 5
@@ -439,8 +445,7 @@ def test_manual_parameter_updates_end_steps_at_backward() -> None:
 def test_two_backwards_without_optimizer_are_one_step() -> None:
     s = Script()
     for _ in range(3):
-        s.phase(FORWARD, 2)
-        s.phase(BACKWARD, 3)
+        s.micro_batch(fetch=0)
         s.phase(BACKWARD, 1)  # a second loss, retain_graph
         s.gap(1)
     s.log(CLOSE)
@@ -453,9 +458,7 @@ def test_accumulation_before_the_first_optimizer_step_is_one_step() -> None:
     s = Script()
     for _ in range(3):
         for _ in range(4):
-            s.phase(INPUT, 1)
-            s.phase(FORWARD, 2)
-            s.phase(BACKWARD, 3)
+            s.micro_batch()
         s.phase(OPTIMIZER, 1)
         s.gap(0.5)
     s.log(CLOSE)
@@ -469,8 +472,7 @@ def test_accumulation_before_the_first_optimizer_step_is_one_step() -> None:
 def test_backward_ended_steps_are_emitted_once_enough_are_held() -> None:
     s = Script()
     for _ in range(HOLD_BACKWARD_STEPS + 2):
-        s.phase(FORWARD, 2)
-        s.phase(BACKWARD, 3)
+        s.micro_batch(fetch=0)
     assert len(s.steps) == HOLD_BACKWARD_STEPS + 1  # before the run ends
     s.log(CLOSE)
     assert [t.step for t in s.steps] == list(range(HOLD_BACKWARD_STEPS + 2))
@@ -500,8 +502,7 @@ def test_predictions_between_closure_steps_are_evaluation() -> None:
     s = Script()
     for _ in range(4):
         s.log(OPTIMIZER)
-        s.phase(FORWARD, 2)
-        s.phase(BACKWARD, 3)
+        s.micro_batch(fetch=0)
         s.log(OPTIMIZER_END)
         s.log(EVAL_FORWARD)  # the trained model predicts
         s.gap(3)
@@ -552,13 +553,10 @@ def test_accumulation_with_the_optimizer_step_after_the_last_fetch_is_one_step()
     # outside the optimizer step, the last one inside optimizer.step(closure).
     s = Script()
     for _ in range(3):
-        s.phase(INPUT, 1)
-        s.phase(FORWARD, 2)
-        s.phase(BACKWARD, 3)
+        s.micro_batch()
         s.phase(INPUT, 1)
         s.log(OPTIMIZER)
-        s.phase(FORWARD, 2)
-        s.phase(BACKWARD, 3)
+        s.micro_batch(fetch=0)
         s.log(OPTIMIZER_END)
     s.log(CLOSE)
     assert [t.step for t in s.steps] == [0, 1, 2]
