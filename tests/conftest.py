@@ -40,6 +40,7 @@ def _torch_surface() -> dict[str, Any] | None:
         "backward": torch.Tensor.__dict__["backward"],
         "autograd_backward": torch.autograd.backward,
         "next": dataloader._BaseDataLoaderIter.__dict__["__next__"],
+        "copies": [name in torch.Tensor.__dict__ for name in ("to", "cuda", "pin_memory")],
         "pre_hooks": len(opt_mod._global_optimizer_pre_hooks),
         "post_hooks": len(opt_mod._global_optimizer_post_hooks),
     }

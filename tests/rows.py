@@ -20,6 +20,8 @@ def step_row(rank: int, step: int, input_ms: float, forward_ms: float, backward_
     phase_ms = {p.name: 0.0 for p in phases.PHASES} | {
         "input": input_ms, "forward": forward_ms, "backward": backward_ms,
         "optimizer": optimizer_ms}
+    if len(rest) < 8:  # a step with input time fetched it from a DataLoader
+        named.setdefault("num_input", 1 if input_ms else 0)
     return StepRow(rank, step, phase_ms, total_ms, wait_ms, *rest, **named)
 
 

@@ -64,6 +64,12 @@ COMPUTE = Phase("compute", "Compute", "#76b7b2")
 WAIT = Phase("wait", "Wait", "#e15759")
 """Untraced time: total minus every phase, never negative."""
 
+STEP_BOUNDARIES = ("optimizer", "backward", "trace_step")
+"""What ended a rank's steps: its optimizer steps; its backward passes, when no
+torch.optim step was ever seen (a loop that updates parameters itself); or
+``traceml.trace_step``."""
+
+
 def code(name: str) -> int:
     """The wire code of a phase's begin event (its position in :data:`PHASES`)."""
     for index, phase in enumerate(PHASES):

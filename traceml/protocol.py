@@ -58,7 +58,9 @@ RSS = END + 10  # a reading of the rank's RSS (bytes or None), for the steps fin
 SPAN = END + 11  # a collective completed: the payload is its (launch, completion) times
 BATCH = END + 12  # a batch of another size began to be used: the payload is BATCH_FIELDS
 FLOP_COUNT = END + 13  # a FLOP count ended in the running step: FLOP_COUNT_FIELDS
-NUM_EVENT_CODES = END + 14
+EVAL_FORWARD = END + 14  # an outermost forward with grad disabled of a module that trains begins
+COPY = END + 15  # a host-to-device copy on the training thread begins (ends with END)
+NUM_EVENT_CODES = END + 16
 DEVICE_MARK_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes",
                       *(p.gpu_column for p in phases.gpu_timed()))
 # What a batch holds (`traceml.agent.batch`), logged when it changes: samples

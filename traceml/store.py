@@ -49,7 +49,8 @@ from traceml.protocol import (
 
 STORE_FILENAME = "telemetry.sqlite"
 SCHEMA_VERSION = 3  # 2: a column per phase (communication), collective_ms
-# 3: samples, tokens, flops, flops_counted per step; the flop_counts and incidents tables
+# 3: samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval per step; the
+# flop_counts and incidents tables
 JOIN_ERROR_PREFIX = "join_error/"
 
 
@@ -77,6 +78,9 @@ class StepRecord:
     tokens: int | None = None
     flops: float | None = None  # per step, from the latest count; None: not known
     flops_counted: bool = False  # the FLOP counter ran in this step
+    boundary: str = phases.STEP_BOUNDARIES[0]  # what ended the step
+    eval_ms: float = 0.0  # evaluation wall time that ended where the step began
+    num_eval: int = 0  # ...in this many evaluation passes
 
     def values(self) -> tuple[Any, ...]:
         """The record in :data:`STEP_COLUMNS` order."""
@@ -84,7 +88,7 @@ class StepRecord:
         return (self.step, self.t_begin, self.total_ms, self.wait_ms, *self.phase_ms,
                 *self.counts, self.num_skipped, self.rss_bytes, self.peak_allocated_bytes,
                 self.peak_reserved_bytes, *gpu, self.collective_ms, self.samples, self.tokens,
-                self.flops, int(self.flops_counted))
+                self.flops, int(self.flops_counted), self.boundary, self.eval_ms, self.num_eval)
 
     def columns(self) -> dict[str, Any]:
         """The record by :data:`STEP_COLUMNS` name."""
@@ -96,7 +100,7 @@ STEP_COLUMNS: tuple[str, ...] = (
     *(p.column for p in phases.PHASES), *(p.count_column for p in phases.PHASES),
     "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
     *(p.gpu_column for p in phases.gpu_timed()), "collective_ms",
-    "samples", "tokens", "flops", "flops_counted",
+    "samples", "tokens", "flops", "flops_counted", "boundary", "eval_ms", "num_eval",
 )
 """The steps table's columns after (rank, restart, node_rank), from the phase table."""
 
@@ -153,10 +157,13 @@ class NewRows(Generic[_T]):
     last_row_id: int
 
 
-_STEP_INT = {"step", "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-             *(p.count_column for p in phases.PHASES), "samples", "tokens", "flops_counted"}
+_STEP_INT = {"step", "num_skipped", "num_eval", "rss_bytes", "peak_allocated_bytes",
+             "peak_reserved_bytes", *(p.count_column for p in phases.PHASES), "samples", "tokens",
+             "flops_counted"}
 _FLOP_COUNT_COLUMNS = ("t", "flops", "dtype", "dtype_share", "device_name", "sm_count",
                        "reason", "ran")
+
+_STEP_TYPE = {"boundary": "TEXT"}
 
 _SENDER_COLUMNS = ("sender_id", "role", "host", "pid", "node_rank", "rank", "local_rank",
                    "world_size", "restart", "first_seen", "last_seen", "num_messages",
@@ -174,7 +181,8 @@ _DDL = [
         num_dropped INTEGER NOT NULL DEFAULT 0, said_bye INTEGER NOT NULL DEFAULT 0)""",
     "CREATE TABLE IF NOT EXISTS steps (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
     "node_rank INTEGER NOT NULL, "
-    + ", ".join(f"{c} {'INTEGER' if c in _STEP_INT else 'REAL'}" for c in STEP_COLUMNS)
+    + ", ".join(f"{c} {_STEP_TYPE.get(c, 'INTEGER' if c in _STEP_INT else 'REAL')}"
+                for c in STEP_COLUMNS)
     + ", PRIMARY KEY (rank, restart, step))",
     "CREATE TABLE IF NOT EXISTS flop_counts (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
     "node_rank INTEGER NOT NULL, t REAL NOT NULL, flops REAL, dtype TEXT, dtype_share REAL, "
@@ -471,6 +479,9 @@ def _step_row(r: Mapping[str, Any]) -> StepRow:
         gpu_ms=_gpu_ms(r), collective_ms=r.get("collective_ms"),
         samples=r.get("samples"), tokens=r.get("tokens"), flops=r.get("flops"),
         flops_counted=bool(r.get("flops_counted")),
+        boundary=r.get("boundary") or phases.STEP_BOUNDARIES[0],
+        eval_ms=r.get("eval_ms") or 0.0, num_eval=r.get("num_eval") or 0,
+        num_input=r.get(phases.PHASES[0].count_column) or 0,
     )
 
 

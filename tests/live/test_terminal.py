@@ -34,7 +34,7 @@ r0       11  5.00/6.00  30.0/30.0  56.0/56.0  10.0/10.0  0.00/0.00  101/102
 r1       11  41.0/42.0  30.0/30.0  20.0/20.0  10.0/10.0  0.00/0.00  101/102
 worst               r1         r0         r0         r0         r0       r0
 Diagnosis: INPUT STRAGGLER [crit] (Step Time, r1)
-  r1 input was 41.1 ms vs 5.1 ms on the other ranks (+36.0 ms, 35.6% of the 101.1 ms median step).
+  r1 input was 41.1 ms vs 5.1 ms on the other ranks (+36.0 ms, 35.6% of the 101.1 ms typical step).
   Next: Check r1's data path: its shard size, DataLoader num_workers, and storage or preprocessing
   load on its node; every rank should load alike.
   Step Time INPUT STRAGGLER | Step Memory BALANCED | Process NORMAL | System NORMAL
@@ -65,7 +65,7 @@ r1       11  41.0/42.0  30.0/30.0  20.0/20.0  10.0/10.0  0.00/0.00  101/102
 worst               r1         r0         r0         r0         r0       r0
 Diagnosis: INPUT STRAGGLER [crit] (Step Time, r1)
   r1 input was 41.1 ms vs 5.1 ms on the other ranks (+36.0 ms, 35.6% of the
-  101.1 ms median step).
+  101.1 ms typical step).
   Next: Check r1's data path: its shard size, DataLoader num_workers, and
   storage or preprocessing load on its node; every rank should load alike.
   Step Time INPUT STRAGGLER | Step Memory BALANCED | Process NORMAL | System

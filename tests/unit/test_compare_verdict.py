@@ -149,9 +149,21 @@ def test_change_below_the_relative_threshold_is_no_change() -> None:
     assert compare(a, b, threshold_pct=3.0).verdict.label == "REGRESSION"
 
 
-def test_a_few_slow_steps_move_the_mean_but_are_no_change() -> None:
+def test_a_few_slow_steps_are_outliers_not_a_change() -> None:
     a = summary(tight(100.0))
     b = summary(tight(100.0), outlier_ms=600.0)  # one 0.6 s pause in 55 steps
+    assert b["step_time"]["ranks"][0]["num_outlier_steps"] == 1  # kept out of the typical step
+    assert "OUTLIER STEPS" in [f["label"] for f in b["step_time"]["findings"]]
+    assert compare(a, b).verdict.label == "NO CHANGE"
+
+
+def test_a_few_slow_steps_move_an_older_summarys_mean_but_are_no_change() -> None:
+    a = summary(tight(100.0))
+    b = summary(tight(100.0), outlier_ms=600.0)  # one 0.6 s pause in 55 steps
+    # Before schema 1.2 the mean had the pause in it.
+    b["schema_version"] = "1.1"
+    row = b["step_time"]["ranks"][0]
+    row["total_ms"]["mean"] += 600.0 / row["num_steps"]
     result = compare(a, b)
     assert result.time.delta_pct is not None and result.time.delta_pct > 10.0
     assert not result.time.median_moved

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
@@ -46,18 +47,38 @@ def growing(start: int, per_step: int) -> Callable[[int, int], Memory]:
 @pytest.mark.parametrize(
     ("start", "per_step", "creeps"),
     [
-        # 30 window steps: the late third's median is 20 steps after the early one's
-        (GIB, 14 * MIB, True),  # +280 MiB: above the 256 MiB floor
-        (GIB, 12 * MIB, False),  # +240 MiB: below it
-        (20 * GIB, 95 * MIB, False),  # +1.9 GiB: above 256 MiB, below 10 % of 20 GiB
-        (20 * GIB, 110 * MIB, True),  # +2.1 GiB: above 10 % of 20 GiB
+        # 30 window steps: the line rises 29 steps' worth
+        (GIB, 3 * MIB, False),  # +87 MiB: above 64 MiB, below 10 % of 1 GiB
+        (GIB, 4 * MIB, True),  # +116 MiB: above both
+        (100 * MIB, 2 * MIB, False),  # +58 MiB: above 10 % of 100 MiB, below 64 MiB
+        (100 * MIB, 5 * MIB // 2, True),  # +72.5 MiB
+        (20 * GIB, 70 * MIB, False),  # +1.98 GiB: below 10 % of 20 GiB
+        (20 * GIB, 72 * MIB, True),  # +2.04 GiB
     ],
 )
-def test_device_creep_needs_max_of_256_mib_and_ten_percent(
+def test_device_creep_needs_max_of_64_mib_and_ten_percent(
     start: int, per_step: int, creeps: bool
 ) -> None:
     found = device_creep(memory_of(1, growing(start, per_step)))
     assert kinds(found) == (["MEMORY_CREEP"] if creeps else [])
+
+
+def test_steady_growth_through_noise_is_creep_and_flat_noise_never() -> None:
+    rng = random.Random(7)
+    noisy = [rng.uniform(-60, 60) * MIB for _ in range(200)]
+    rising = memory_of(2, lambda r, s: (None, None, GIB + 4 * MIB * s + int(noisy[s])),
+                       num_steps=200, capacity=None)
+    assert [(f.kind, f.ranks) for f in rss_creep(rising)] == [("RSS_CREEP", (0, 1))]
+    for seed in range(20):
+        noise = random.Random(seed).uniform
+        flat = memory_of(8, lambda r, s, noise=noise: (None, None, GIB + int(noise(-300, 300) * MIB)),
+                         num_steps=200, capacity=None)
+        assert rss_creep(flat) == []
+
+
+def test_one_jump_halfway_is_not_creep() -> None:
+    jump = memory_of(1, lambda r, s: (None, None, GIB + (GIB if s >= 18 else 0)), capacity=None)
+    assert rss_creep(jump) == []
 
 
 def test_device_creep_names_the_leaking_rank_of_two() -> None:
@@ -65,7 +86,8 @@ def test_device_creep_names_the_leaking_rank_of_two() -> None:
     found = device_creep(mem)
     assert [(f.label, f.severity, f.ranks) for f in found] == [("MEMORY CREEP", "warn", (1,))]
     assert found[0].why.startswith("r1 device peak allocated rose")
-    assert (found[0].evidence["growth_bytes"] or 0) > 256 * MIB
+    assert found[0].evidence["growth_bytes"] == pytest.approx(29 * 50 * MIB)
+    assert found[0].evidence["slope_bytes_per_step"] == pytest.approx(50 * MIB)
 
 
 def test_rise_then_fall_is_not_creep() -> None:

@@ -199,3 +199,56 @@ def test_a_module_call_patched_by_another_tool_is_called_as_it_is() -> None:
         assert [t.counts for t in steps()] == [(1, 1, 1, 1, 0)] * 2
         assert len(compiled_calls) == 3  # the nested compiled module ran compiled
         assert seen == (["Sequential", "Linear", "Linear"] * 3 if foreign else [])
+
+
+def test_evaluating_the_trained_model_is_told_from_a_teacher(steps: Steps) -> None:
+    from traceml.protocol import EVAL_FORWARD, NOGRAD_FORWARD
+
+    model, teacher = nn.Linear(8, 1), nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        teacher(x)
+    model(x).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        model(x)  # the trained model, evaluated
+        teacher(x)
+    times, _ = steps.probe.take(float("inf"))
+    assert len(times[EVAL_FORWARD]) == 1 and len(times[NOGRAD_FORWARD]) == 2
+
+
+def test_host_to_device_copies_are_timed_outside_the_phases_only() -> None:
+    # No accelerator here: the meta device stands in for one (a non-CPU result).
+    from traceml.protocol import COPY
+
+    probe = Probe(time.perf_counter, lambda e: None)
+    inst = Instrumentation(probe, copies=True)
+
+    class Casts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.to("meta")  # inside forward: forward time
+            return self.lin(x.to(torch.float32))
+
+    model = Casts()
+    inst.install()
+    try:
+        x = torch.randn(4, 8)
+        assert x.to("meta").device.type == "meta"
+        assert x.to(torch.float32) is x  # no copy: nothing logged
+        model(x).sum().backward()
+        assert torch.Tensor.to.__doc__ == torch._C.TensorBase.to.__doc__
+    finally:
+        inst.uninstall()
+    assert "to" not in torch.Tensor.__dict__
+    times, _ = probe.take(float("inf"))
+    assert len(times[COPY]) == 1
+
+
+def test_copies_are_not_patched_without_an_accelerator() -> None:
+    inst = Instrumentation(Probe(time.perf_counter, lambda e: None))
+    assert torch.cuda.is_available() or not any(p.name == "to" for p in inst.patches)

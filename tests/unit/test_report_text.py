@@ -89,15 +89,17 @@ EXPECTED = """\
 |  Step Time                                                                 |
 |  - Diagnosis: INPUT STRAGGLER [crit]                                       |
 |  - Scope: last 17 aligned steps across 2 ranks, 2 warm-up steps left out,  |
-|    1 FLOP-counting step left out | missing r2                              |
-|  - Stats: median/worst | total 100.0/100.0ms | input 22.0/40.0ms |         |
-|    compute 78.0/96.0ms | wait 0.0/0.0ms                                    |
-|  - Ranks: median/worst | total r0/r0 | input r0/r1 | compute r1/r0 | wait  |
-|    r0/r0                                                                   |
+|    1 FLOP-counting step left out | missing r2 | steps: optimizer           |
+|  - Typical step, ms (a rank's mean step without outlier steps;             |
+|    median/worst rank) | total 100.0/100.0 | input 22.0/40.0 | compute      |
+|    78.0/96.0 | wait 0.0/0.0                                                |
+|  - Ranks: the median/worst rank | total r0/r0 | input r0/r1 | compute      |
+|    r1/r0 | wait r0/r0                                                      |
+|  - Input: DataLoader fetches and host-to-device copies                     |
 |  - GPU time: median/worst 72.5/90.0ms r0 (forward+backward+optimizer),     |
 |    from 2-4 of 17 steps (those timed)                                      |
 |  - Why: r1 input was 40.0 ms vs 4.0 ms on the other ranks (+36.0 ms,       |
-|    36.0% of the 100.0 ms median step).                                     |
+|    36.0% of the 100.0 ms typical step).                                    |
 |  - Next: Check r1's data path: its shard size, DataLoader num_workers,     |
 |    and storage or preprocessing load on its node; every rank should load   |
 |    alike.                                                                  |

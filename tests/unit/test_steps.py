@@ -9,14 +9,22 @@ from typing import Any
 import pytest
 
 from traceml import protocol
-from traceml.collector.steps import RankSteps, StepTiming, StepTracker, merge_device_marks
+from traceml.collector.steps import (
+    HOLD_BACKWARD_STEPS,
+    RankSteps,
+    StepTiming,
+    StepTracker,
+    merge_device_marks,
+)
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     BACKWARD,
     CLOSE,
+    COPY,
     END,
     END_EXHAUSTED,
     END_UNCOUNTED,
+    EVAL_FORWARD,
     FORWARD,
     INPUT,
     MANUAL_ENTER,
@@ -63,6 +71,13 @@ class Script:
         self.phase(BACKWARD, bwd)
         self.phase(OPTIMIZER, opt)
         self.gap(tail)
+
+    def micro_batch(self, fetch: float = 1, fwd: float = 2, bwd: float = 3) -> None:
+        """A fetch (none when 0), a forward and a backward."""
+        if fetch:
+            self.phase(INPUT, fetch)
+        self.phase(FORWARD, fwd)
+        self.phase(BACKWARD, bwd)
 
     def eval_pass(self, batches: int, fetch: float = 4, fwd: float = 5) -> None:
         for _ in range(batches):
@@ -115,14 +130,19 @@ def test_two_optimizers_with_dataloader_is_one_step() -> None:
     assert s.steps[0].total_s == pytest.approx(13)
 
 
-def test_without_dataloader_forward_begins_the_step() -> None:
+def test_without_dataloader_the_time_before_the_forward_is_input() -> None:
+    # get_batch() after the optimizer step: the next step's input.
     s = Script()
     for _ in range(3):
         s.train_iter(fetch=0, tail=2)
     s.log(CLOSE)
     assert len(s.steps) == 3
-    assert s.steps[0].total_s == pytest.approx(8)
+    assert s.steps[0].total_s == pytest.approx(6)  # the first step begins at its forward
     assert s.steps[0].phase_s == (0, 2, 3, 1, 0)
+    assert s.steps[1].total_s == pytest.approx(8)
+    assert s.steps[1].phase_s == (2, 2, 3, 1, 0)
+    assert s.steps[1].counts == (0, 1, 1, 1, 0)  # no fetch
+    assert [t.boundary for t in s.steps] == ["optimizer"] * 3
 
 
 def test_closure_optimizer_time_is_exclusive() -> None:
@@ -422,3 +442,136 @@ def test_a_step_with_an_untimed_device_mark_has_no_gpu_times() -> None:
     assert merge_device_marks((timed, untimed)) == (100, 200, None, None, None)
     assert merge_device_marks((timed, [50, 300, 2.0, 3.0, 1.0])) == (100, 300, 4.0, 6.0, 2.0)
     assert merge_device_marks((untimed,)) == (None,) * 5
+def test_manual_parameter_updates_end_steps_at_backward() -> None:
+    # No torch.optim: forward, backward, then the loop updates p.data itself.
+    s = Script()
+    for _ in range(5):
+        s.micro_batch(fetch=0)
+        s.gap(1)  # the update
+    s.log(CLOSE)
+    assert len(s.steps) == 5
+    assert [t.boundary for t in s.steps] == ["backward"] * 5
+    assert s.steps[1].total_s == pytest.approx(6)  # the update is the step's (wait)
+    assert s.steps[1].phase_s == (0, 2, 3, 0, 0) and s.steps[1].wait_s == pytest.approx(1)
+    assert [t.step for t in s.steps] == list(range(5))
+
+
+def test_two_backwards_without_optimizer_are_one_step() -> None:
+    s = Script()
+    for _ in range(3):
+        s.micro_batch(fetch=0)
+        s.phase(BACKWARD, 1)  # a second loss, retain_graph
+        s.gap(1)
+    s.log(CLOSE)
+    assert len(s.steps) == 3 and s.steps[0].counts == (0, 1, 2, 0, 0)
+
+
+def test_accumulation_before_the_first_optimizer_step_is_one_step() -> None:
+    # The backward passes before the first optimizer step looked like steps of
+    # their own until it came: held back, they merge.
+    s = Script()
+    for _ in range(3):
+        for _ in range(4):
+            s.micro_batch()
+        s.phase(OPTIMIZER, 1)
+        s.gap(0.5)
+    s.log(CLOSE)
+    assert len(s.steps) == 3
+    assert s.steps[0].counts == (4, 4, 4, 1, 0)
+    assert s.steps[0].total_s == pytest.approx(25.5)
+    assert [t.boundary for t in s.steps] == ["optimizer"] * 3
+    assert [t.step for t in s.steps] == [0, 1, 2]
+
+
+def test_backward_ended_steps_are_emitted_once_enough_are_held() -> None:
+    s = Script()
+    for _ in range(HOLD_BACKWARD_STEPS + 2):
+        s.micro_batch(fetch=0)
+    assert len(s.steps) == HOLD_BACKWARD_STEPS + 1  # before the run ends
+    s.log(CLOSE)
+    assert [t.step for t in s.steps] == list(range(HOLD_BACKWARD_STEPS + 2))
+
+
+def test_evaluation_without_a_dataloader_is_kept_out_and_counted() -> None:
+    # Every 2 steps the loop calls its model under no_grad on batches it builds.
+    s = Script()
+    for i in range(6):
+        if i and i % 2 == 0:
+            for _ in range(3):
+                s.gap(1)  # the evaluation's batch
+                s.log(EVAL_FORWARD)
+                s.gap(4)
+        s.train_iter(fetch=0, tail=0)
+        s.gap(0.5)  # get_batch: the next step's input
+    s.log(CLOSE)
+    assert len(s.steps) == 6
+    assert all(t.total_s <= 6.5 + 1e-9 for t in s.steps)
+    assert [t.num_eval for t in s.steps] == [0, 0, 1, 0, 1, 0]
+    assert s.steps[2].eval_s == pytest.approx(15.5)  # the batch after it included
+    assert s.steps[3].phase_s == (0.5, 2, 3, 1, 0)
+
+
+def test_predictions_between_closure_steps_are_evaluation() -> None:
+    # LBFGS: optimizer.step(closure), then predict and plot without grad.
+    s = Script()
+    for _ in range(4):
+        s.log(OPTIMIZER)
+        s.micro_batch(fetch=0)
+        s.log(OPTIMIZER_END)
+        s.log(EVAL_FORWARD)  # the trained model predicts
+        s.gap(3)
+        s.log(NOGRAD_FORWARD)  # the criterion on the prediction
+        s.gap(10)  # plotting
+    s.log(CLOSE)
+    assert len(s.steps) == 4
+    assert all(t.total_s == pytest.approx(5) for t in s.steps)
+    assert [t.num_eval for t in s.steps] == [0, 1, 1, 1]
+    assert s.steps[1].eval_s == pytest.approx(13)
+
+
+def test_a_target_network_inside_the_iteration_is_not_evaluation() -> None:
+    s = Script()
+    for _ in range(3):
+        s.phase(INPUT, 1)
+        s.phase(FORWARD, 2)
+        s.log(EVAL_FORWARD)  # the same network, without grad, for the target
+        s.gap(1)
+        s.phase(BACKWARD, 3)
+        s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    assert len(s.steps) == 3 and all(t.num_eval == 0 for t in s.steps)
+    assert s.steps[1].total_s == pytest.approx(8)
+
+
+def test_host_to_device_copies_are_input() -> None:
+    s = Script()
+    for _ in range(3):
+        s.phase(INPUT, 1)
+        s.log(COPY)  # batch.to(device) after the fetch
+        s.gap(0.5)
+        s.log(END)
+        s.phase(FORWARD, 2)
+        s.log(COPY)  # a copy between forward and backward
+        s.gap(0.25)
+        s.log(END)
+        s.phase(BACKWARD, 3)
+        s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    assert len(s.steps) == 3
+    assert s.steps[1].phase_s == pytest.approx((1.75, 2, 3, 1, 0))
+    assert s.steps[1].counts == (1, 1, 1, 1, 0)
+
+
+def test_accumulation_with_the_optimizer_step_after_the_last_fetch_is_one_step() -> None:
+    # Lightning accumulating 2 batches: the first micro-batch runs its closure
+    # outside the optimizer step, the last one inside optimizer.step(closure).
+    s = Script()
+    for _ in range(3):
+        s.micro_batch()
+        s.phase(INPUT, 1)
+        s.log(OPTIMIZER)
+        s.micro_batch(fetch=0)
+        s.log(OPTIMIZER_END)
+    s.log(CLOSE)
+    assert [t.step for t in s.steps] == [0, 1, 2]
+    assert all(t.counts == (2, 2, 2, 1, 0) for t in s.steps)

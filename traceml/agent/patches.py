@@ -17,7 +17,8 @@ Instrumented (SPEC R-AG-2):
   parameter-free module such as a loss adds time, not a forward count); not
   while torch.compile traces (no graph breaks) nor inside backward (activation
   checkpointing recomputes forward there).  Without grad it is a possible
-  evaluation pass.
+  evaluation pass: ``EVAL_FORWARD`` for a module that has run with grad (the
+  trained model), ``NOGRAD_FORWARD`` for any other (a frozen teacher, a metric).
 * ``torch.autograd.backward`` — backward, re-entrancy guarded
   (``Tensor.backward`` calls it; not patching both saves a frame a step).
 * global optimizer step pre/post hooks — optimizer (patching the base class
@@ -28,6 +29,13 @@ Instrumented (SPEC R-AG-2):
 The fetch (else the outermost forward) also hands its batch to the probe's
 batch watch (`traceml.agent.batch`): a shape compare per batch, a record when
 the size changes.
+* ``Tensor.to``/``Tensor.cuda``/``Tensor.pin_memory`` — input: a copy of a host
+  tensor to a device (or into pinned memory) on the training thread outside
+  forward, backward and the optimizer step, the batch's way to the device.
+  Installed only when the process can see an accelerator (`copy_timing`): on
+  a CPU-only host no such copy exists, and every ``.to`` would pay a Python
+  frame for nothing.  With one it costs a frame per call and, inside a
+  forward, one attribute check.
 """
 
 from __future__ import annotations
@@ -46,9 +54,11 @@ from traceml.agent.comm import CommTiming
 from traceml.agent.probe import Probe
 from traceml.protocol import (
     BACKWARD,
+    COPY,
     END,
     END_EXHAUSTED,
     END_UNCOUNTED,
+    EVAL_FORWARD,
     FORWARD,
     INPUT,
     NOGRAD_FORWARD,
@@ -142,8 +152,8 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
     is_compiling = _compiling_check()
     grad_enabled = torch.is_grad_enabled
     clock = probe.clock
-    begins, evaluates, ends, ends_uncounted = (
-        probe.appenders[c] for c in (FORWARD, NOGRAD_FORWARD, END, END_UNCOUNTED))
+    begins, evaluates, evaluates_trained, ends, ends_uncounted = (
+        probe.appenders[c] for c in (FORWARD, NOGRAD_FORWARD, EVAL_FORWARD, END, END_UNCOUNTED))
 
     def make(orig: Any) -> Any:
         # torch's dispatch, inline: nested calls (every submodule of a timed
@@ -160,7 +170,8 @@ def _wrap_module_call(probe: Probe) -> Callable[[Any], Any]:
                 return self._call_impl(*args, **kwargs)
             probe.mute += 1
             if not grad_enabled():
-                evaluates(clock())
+                # A module known from a timed forward with parameters trains.
+                (evaluates_trained if _HOLDS_PARAMETERS.get(id(self)) else evaluates)(clock())
                 try:
                     return orig(self, *args, **kwargs)
                 finally:
@@ -230,6 +241,59 @@ def _wrap_backward(probe: Probe) -> Callable[[Any], Any]:
         backward.__wrapped__ = orig  # type: ignore[attr-defined]
         return backward
     return make
+
+
+class _AddedPatch(Patch):
+    """Set an attribute the owner only inherits; delete it on uninstall."""
+
+    def install(self) -> None:
+        self.original = getattr(self.owner, self.name)
+        assert self.name not in self.owner.__dict__, f"{self.name} is already patched"
+        setattr(self.owner, self.name, self.make(self.original))
+
+    def uninstall(self) -> None:
+        if self.original is not None:
+            delattr(self.owner, self.name)
+            self.original = None
+
+
+def _wrap_copy(probe: Probe, pinning: bool = False) -> Callable[[Any], Any]:
+    """``Tensor.to``/``cuda``/``pin_memory``: a host tensor copied to a device
+    (into pinned memory: ``pinning``) outside the timed phases is input.  Logged
+    once the result shows it was a copy; nothing is logged between the two
+    clock reads, so the events stay in order."""
+    clock = probe.clock
+    begins, ends = probe.appenders[COPY], probe.appenders[END]
+
+    def make(orig: Any) -> Any:
+        def copy(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if (probe.mute or probe.opt_depth or probe.off or not self.is_cpu
+                    or get_ident() != probe.thread_id):
+                return orig(self, *args, **kwargs)
+            start = clock()
+            out = orig(self, *args, **kwargs)
+            if out is not self and (pinning or not out.is_cpu):
+                begins(start)
+                ends(clock())
+            return out
+        copy.__doc__ = orig.__doc__
+        copy.__wrapped__ = orig  # type: ignore[attr-defined]
+        return copy
+    return make
+
+
+def copy_timing() -> bool:
+    """Whether host-to-device copies can happen here (an accelerator is visible)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    return bool(torch.cuda.is_available())
+
+
+def _copy_patches(probe: Probe) -> list[Patch]:
+    return [_AddedPatch(torch.Tensor, "to", _wrap_copy(probe)),
+            _AddedPatch(torch.Tensor, "cuda", _wrap_copy(probe)),
+            _AddedPatch(torch.Tensor, "pin_memory", _wrap_copy(probe, pinning=True))]
 
 
 def _optimizer_begins(probe: Probe) -> None:
@@ -365,7 +429,7 @@ def _wrap_compile(probe: Probe, module_call: Patch) -> Callable[[Any], Any]:
 class Instrumentation:
     """All patches of one rank, installed and removed together."""
 
-    def __init__(self, probe: Probe) -> None:
+    def __init__(self, probe: Probe, copies: bool | None = None) -> None:
         self.probe = probe
         self.patches: list[Patch] = [
             Patch(_dataloader._BaseDataLoaderIter, "__next__", _wrap_next(probe)),
@@ -375,6 +439,8 @@ class Instrumentation:
         self.patches += [Patch(cls, "step", _wrap_scaler_step(probe)) for cls in _scaler_classes()]
         if "compile" in vars(torch):
             self.patches.append(Patch(torch, "compile", _wrap_compile(probe, self.patches[1])))
+        if copy_timing() if copies is None else copies:
+            self.patches += _copy_patches(probe)
         self.hooks = OptimizerHooks(probe)
         self.comm = CommTiming(probe, _compiling_check())
         self.installed = False

@@ -44,6 +44,10 @@ class StepRow:
     tokens: int | None = None  # token ids in them (2-D integer batches); None: not measured
     flops: float | None = None  # FLOPs of the step (counted once per batch shape); None: unknown
     flops_counted: bool = False  # the FLOP counter ran in this step: out of the timing window
+    boundary: str = "optimizer"  # what ended it: one of `traceml.phases.STEP_BOUNDARIES`
+    eval_ms: float = 0.0  # evaluation wall time that ended where this step began
+    num_eval: int = 0  # ...and how many evaluation passes
+    num_input: int = 0  # DataLoader fetches in the step
 
     def ms(self, name: str) -> float:
         """Time of a phase, or of ``total``, ``compute`` or ``wait``; a phase the row

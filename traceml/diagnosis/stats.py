@@ -132,6 +132,35 @@ def thirds(values: Sequence[float]) -> tuple[float, float, float]:
     return early, middle, late
 
 
+@dataclass(frozen=True)
+class Trend:
+    """A least-squares line through a per-step series (index 0, 1, ...)."""
+
+    start: float  # the line's value at the first step
+    slope_per_step: float
+    r2: float  # how steadily the series follows it: the variance the line explains, 0..1
+    num_steps: int
+
+    @property
+    def growth(self) -> float:
+        """The line's rise from the first step to the last."""
+        return self.slope_per_step * (self.num_steps - 1)
+
+
+def trend(values: Sequence[float]) -> Trend:
+    """The least-squares line through ``values`` (>= 2 of them) and its R²."""
+    n = len(values)
+    if n < 2:
+        raise ValueError("trend needs at least two values")
+    x_mean, y_mean = (n - 1) / 2, statistics.fmean(values)
+    sxx = sum((i - x_mean) ** 2 for i in range(n))
+    sxy = sum((i - x_mean) * (v - y_mean) for i, v in enumerate(values))
+    syy = sum((v - y_mean) ** 2 for v in values)
+    slope = sxy / sxx
+    r2 = sxy * sxy / (sxx * syy) if syy > 0 else 0.0
+    return Trend(y_mean - slope * x_mean, slope, r2, n)
+
+
 def pct(part: float, whole: float) -> float | None:
     """``part`` as a percentage of ``whole``; None when ``whole`` is not positive."""
     return 100.0 * part / whole if whole > 0 else None

@@ -2,10 +2,11 @@
 
 Runs in the offline-analysis process. Works on per-rank summaries of the step
 window's per-step memory: device peak allocated/reserved (CUDA) and host RSS.
-Device capacity comes from the process samples. Creep compares the medians of
-the early, middle and late thirds of the window; device creep uses peak
-*allocated* (live tensors: a leak), host creep uses RSS and also runs on
-CPU-only runs.
+Device capacity comes from the process samples. Creep is a steady trend over
+the window: a least-squares line that rises by at least max(64 MiB, 10 % of
+where it started) and explains most of the variance (R² >= 0.8); device creep
+uses peak *allocated* (live tensors: a leak), host creep uses RSS and also runs
+on CPU-only runs. The medians of the window's thirds are kept for the report.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from traceml.diagnosis.finding import (
     not_measured,
     order_findings,
 )
-from traceml.diagnosis.stats import pct, thirds
+from traceml.diagnosis.stats import Trend, pct, thirds, trend
 from traceml.diagnosis.window import StepWindow
 
 Thirds = tuple[float, float, float]
@@ -41,6 +42,8 @@ class RankMemory:
     device_total_bytes: int | None  # capacity, from process samples
     allocated_thirds_bytes: Thirds | None  # medians of early/middle/late thirds
     rss_thirds_bytes: Thirds | None
+    allocated_trend: Trend | None = None  # the line through the window's steps
+    rss_trend: Trend | None = None
 
     @property
     def pressure_pct(self) -> float | None:
@@ -51,15 +54,14 @@ class RankMemory:
 
     @property
     def allocated_growth_bytes(self) -> float | None:
-        """Late - early third of peak allocated (creep or not); None when too few steps."""
-        trend = self.allocated_thirds_bytes
-        return trend[2] - trend[0] if trend is not None else None
+        """Peak allocated's trend from the window's first step to its last (creep or
+        not); None when too few steps."""
+        return self.allocated_trend.growth if self.allocated_trend is not None else None
 
     @property
     def rss_growth_bytes(self) -> float | None:
-        """Late - early third of host RSS; None when not measured or too few steps."""
-        trend = self.rss_thirds_bytes
-        return trend[2] - trend[0] if trend is not None else None
+        """Host RSS's trend over the window; None when not measured or too few steps."""
+        return self.rss_trend.growth if self.rss_trend is not None else None
 
 
 def rank_memory(
@@ -83,6 +85,8 @@ def rank_memory(
             device_total_bytes=capacity.get(rank),
             allocated_thirds_bytes=_thirds_of(allocated),
             rss_thirds_bytes=_thirds_of(rss),
+            allocated_trend=_trend_of(allocated),
+            rss_trend=_trend_of(rss),
         )
     return out
 
@@ -91,21 +95,28 @@ def _thirds_of(values: Sequence[int]) -> Thirds | None:
     return thirds([float(v) for v in values]) if len(values) >= thresholds.CREEP_MIN_STEPS else None
 
 
-def creep_growth(trend: Thirds | None) -> float | None:
-    """Late - early when memory rose through all three thirds by >= max(256 MiB, 10 %)."""
-    if trend is None:
+def _trend_of(values: Sequence[int]) -> Trend | None:
+    if len(values) < thresholds.CREEP_MIN_STEPS:
         return None
-    early, middle, late = trend
-    growth = late - early
-    floor = max(thresholds.CREEP_MIN_GROWTH_BYTES, thresholds.CREEP_MIN_GROWTH_PCT * early / 100)
-    return growth if early < middle < late and growth >= floor else None
+    return trend([float(v) for v in values])
+
+
+def creep_growth(line: Trend | None) -> float | None:
+    """The trend's growth when memory rose steadily (R² >= 0.8) by at least
+    max(64 MiB, 10 % of where it started); else None."""
+    if line is None:
+        return None
+    floor = max(thresholds.CREEP_MIN_GROWTH_BYTES,
+                thresholds.CREEP_MIN_GROWTH_PCT * max(line.start, 0.0) / 100)
+    steady = line.r2 >= thresholds.CREEP_MIN_R2
+    return line.growth if steady and line.growth >= floor else None
 
 
 def device_creep(mem: Mapping[int, RankMemory]) -> list[Finding]:
     """MEMORY CREEP: device peak allocated rises steadily over the window."""
     if all(m.peak_allocated_bytes is None for m in mem.values()):
         return [_device_not_measured()]
-    trends = {r: m.allocated_thirds_bytes for r, m in mem.items()}
+    trends = {r: m.allocated_trend for r, m in mem.items()}
     return _creep(trends, "MEMORY_CREEP", "MEMORY CREEP", "device peak allocated",
                   "Look for tensors kept across steps (losses or outputs stored without "
                   ".detach()/.item(), growing caches); compare torch.cuda.memory_snapshot() "
@@ -116,27 +127,32 @@ def rss_creep(mem: Mapping[int, RankMemory]) -> list[Finding]:
     """HOST RSS CREEP: a rank's host RSS rises steadily over the window (CPU runs too)."""
     if all(m.rss_peak_bytes is None for m in mem.values()):
         return [not_measured("HOST RSS", "Host RSS per step was not recorded.")]
-    trends = {r: m.rss_thirds_bytes for r, m in mem.items()}
+    trends = {r: m.rss_trend for r, m in mem.items()}
     return _creep(trends, "RSS_CREEP", "HOST RSS CREEP", "host RSS",
                   "Look for Python objects that accumulate across steps (metric lists, cached "
                   "batches, tensors kept on CPU); tracemalloc snapshots show what grows.")
 
 
 def _creep(
-    trends: Mapping[int, Thirds | None], kind: str, label: str, what: str, next_step: str
+    trends: Mapping[int, Trend | None], kind: str, label: str, what: str, next_step: str
 ) -> list[Finding]:
     growth = {r: g for r, t in trends.items() if (g := creep_growth(t)) is not None}
     if not growth:
         return []
     ranks = tuple(sorted(growth, key=lambda r: -growth[r]))
-    early, middle, late = trends[ranks[0]] or (0.0, 0.0, 0.0)
+    line = trends[ranks[0]]
+    assert line is not None
+    end = line.start + line.growth
     why = (
-        f"r{ranks[0]} {what} rose {format_bytes(early)} -> {format_bytes(middle)} -> "
-        f"{format_bytes(late)} over the window's thirds (+{format_bytes(late - early)})"
+        f"r{ranks[0]} {what} rose steadily over the window's {line.num_steps} steps, "
+        f"{format_bytes(line.start)} -> {format_bytes(end)} (+{format_bytes(line.growth)}, "
+        f"+{pct(line.growth, line.start) or 0.0:.0f}%; {format_bytes(line.slope_per_step)} "
+        f"per step, R^2 {line.r2:.2f})"
     )
     why += f"; also {format_ranks(ranks[1:])}." if len(ranks) > 1 else "."
-    evidence = {"rank": ranks[0], "early_bytes": early, "middle_bytes": middle,
-                "late_bytes": late, "growth_bytes": late - early}
+    evidence = {"rank": ranks[0], "start_bytes": line.start, "end_bytes": end,
+                "growth_bytes": line.growth, "slope_bytes_per_step": line.slope_per_step,
+                "r2": line.r2}
     return [Finding(kind, label, "warn", why, next_step, ranks, evidence)]
 
 

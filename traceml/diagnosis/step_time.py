@@ -2,9 +2,12 @@
 stragglers (offline analysis).
 
 Runs in the offline-analysis process. Works on per-rank phase distributions of
-the step window (the parts of `traceml.phases`). Shares are the median over
-ranks of part mean / step mean; COMMUNICATION-BOUND reads the smallest share
-instead, since a slow rank makes every other rank wait in its collectives.
+the step window's typical steps (the parts of `traceml.phases`): outlier steps
+(`traceml.diagnosis.outliers`) are left out and reported on their own, and the
+section's diagnosis is the finding with the most wall time to win back. Shares
+are the median over ranks of part mean / step mean over the typical steps;
+COMMUNICATION-BOUND reads the smallest share instead, since a slow rank makes
+every other rank wait in its collectives.
 Stragglers are found from each rank's own work, never from time it waited in a
 collective for another rank (`traceml.diagnosis.stragglers`).
 """
@@ -26,6 +29,7 @@ from traceml.diagnosis.finding import (
     not_measured,
     order_findings,
 )
+from traceml.diagnosis.outliers import RankOutliers, find_outliers, outlier_steps
 from traceml.diagnosis.stats import Distribution, distribution
 from traceml.diagnosis.window import StepWindow
 
@@ -38,17 +42,18 @@ SHARES = tuple(p.name for p in phases.share_metrics())
 
 @dataclass(frozen=True)
 class RankStepTimes:
-    """One rank's per-step time distributions (ms) over the window."""
+    """One rank's per-step time distributions (ms) over the window's typical steps."""
 
     rank: int
     node_rank: int | None
-    num_steps: int
-    dists: Mapping[str, Distribution]  # one of PHASES -> its distribution
+    num_steps: int  # window steps, outliers included
+    dists: Mapping[str, Distribution]  # one of PHASES -> its distribution (outliers left out)
     collective_ms: Distribution | None = None  # collectives in flight; None: not timed
     # CUDA: GPU time of the GPU-timed phases, over the steps that carry it (the
     # agent times a sample of steps); None off CUDA or when no step carries it.
     gpu_ms: Distribution | None = None
     num_gpu_timed_steps: int | None = None  # steps with GPU times; None off CUDA
+    outliers: RankOutliers | None = None
 
     def dist(self, phase: str) -> Distribution:
         """The distribution of one of PHASES."""
@@ -71,7 +76,10 @@ class RankStepTimes:
     def json_fields(self) -> dict[str, object]:
         """The row as final_summary.json writes it: ``<phase>_ms`` distributions and
         ``<part>_share_pct`` shares."""
+        outliers = self.outliers
         return {"rank": self.rank, "node_rank": self.node_rank, "num_steps": self.num_steps,
+                "num_outlier_steps": len(outliers.steps) if outliers else 0,
+                "outlier_total_ms": sum(outliers.outlier_ms) if outliers else 0.0,
                 **{f"{p}_ms": self.dists[p] for p in PHASES},
                 "collective_ms": self.collective_ms,
                 **{f"{p}_share_pct": self.share_pct(p) for p in SHARES},
@@ -79,21 +87,25 @@ class RankStepTimes:
 
 
 def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int, RankStepTimes]:
-    """Per-rank distributions of every phase; ranks without window steps are left out."""
+    """Per-rank distributions of every phase over the typical steps (outlier steps
+    left out); ranks without window steps are left out."""
     out = {}
-    for rank, rows in window.by_rank.items():
-        if not rows:
+    for rank, every in window.by_rank.items():
+        if not every:
             continue
+        outliers = find_outliers(rank, every)
+        slow = set(outliers.steps)
+        rows = [r for r in every if r.step not in slow]
         dists = {p: distribution([r.ms(p) for r in rows]) for p in PHASES}
         # Timed once any step timed a collective; a step without one had none in flight.
         flights = [r.collective_ms for r in rows]
         collective = None if all(f is None for f in flights) else distribution(
             [f or 0.0 for f in flights])
-        gpu = [r.gpu_ms for r in rows if r.gpu_ms is not None]
-        on_cuda = bool(gpu) or any(r.peak_allocated_bytes is not None for r in rows)
-        out[rank] = RankStepTimes(rank, node_of.get(rank), len(rows), dists, collective,
+        gpu = [r.gpu_ms for r in every if r.gpu_ms is not None]
+        on_cuda = bool(gpu) or any(r.peak_allocated_bytes is not None for r in every)
+        out[rank] = RankStepTimes(rank, node_of.get(rank), len(every), dists, collective,
                                   distribution(gpu) if gpu else None,
-                                  len(gpu) if on_cuda else None)
+                                  len(gpu) if on_cuda else None, outliers)
     return out
 
 
@@ -269,4 +281,23 @@ def diagnose_step_time(
             "read as its own compute."))
     if not any(f.measured for f in found):
         found += compute_bound(times, device)
-    return order_findings(found, balanced(times))
+    typical = order_findings(found, balanced(times))
+    outliers = outlier_steps({r: t.outliers for r, t in times.items() if t.outliers})
+    if not outliers:
+        return typical
+    gain = outliers[0].evidence.get("win_back_ms") or 0.0
+    if outliers[0].actionable and gain > win_back_ms(typical[0], times):
+        return (*outliers, *typical)
+    return (typical[0], *outliers, *typical[1:])
+
+
+def win_back_ms(finding: Finding, times: Mapping[int, RankStepTimes]) -> float:
+    """The wall time over the window's typical steps an actionable Step Time
+    finding would win back if fixed: its per-step excess (a straggler's) or
+    phase time (input, wait, communication) times the typical steps; 0 for
+    info findings (a healthy COMPUTE-BOUND)."""
+    if not finding.actionable:
+        return 0.0
+    per_step = next((v for k in ("excess_ms", "input_ms", "wait_ms", "communication_ms")
+                     if (v := finding.evidence.get(k)) is not None), 0.0)
+    return per_step * statistics.median(t.total_ms.count for t in times.values())

@@ -163,7 +163,7 @@ def _straggler(kind: tuple[str, str], found: list[Excess], step_ms: float,
     ranks = tuple(dict.fromkeys(e.rank for e in found))
     why = (f"r{worst.rank} {_part_text(worst.part)} was {worst.value_ms:.1f} ms vs "
            f"{worst.reference_ms:.1f} ms on the other ranks (+{worst.excess_ms:.1f} ms, "
-           f"{excess_pct:.1f}% of the {step_ms:.1f} ms median step).")
+           f"{excess_pct:.1f}% of the {step_ms:.1f} ms typical step).")
     if len(ranks) > 1:
         why = why[:-1] + f"; slow too: {format_ranks(ranks[1:])}."
     evidence = {"rank": worst.rank, "value_ms": worst.value_ms,
@@ -206,7 +206,7 @@ def _unclear(explained: list[Excess], step_ms: float) -> Finding:
     worst = max(explained, key=lambda e: e.excess_ms)
     why = (f"r{worst.rank} {_part_text(worst.part)} took +{worst.excess_ms:.1f} ms per step "
            f"over the other ranks ({100.0 * worst.excess_ms / step_ms:.1f}% of the "
-           f"{step_ms:.1f} ms median step), but another rank's slower input or host work "
+           f"{step_ms:.1f} ms typical step), but another rank's slower input or host work "
            f"may explain it (r{worst.rank} may be waiting for that rank in a collective "
            "traceml did not time), so which rank is slow cannot be told.")
     return Finding("STRAGGLER_UNCLEAR", "UNCLEAR STRAGGLER", "info", why,

@@ -56,10 +56,21 @@ takes the time (input, communication, host work, or kernels too small to fill th
 
 # --- Step Memory --------------------------------------------------------------
 
-CREEP_MIN_GROWTH_BYTES = 256 * MIB  # SPEC §7: late - early >= max(256 MiB, 10 % of early)
-CREEP_MIN_GROWTH_PCT = 10.0  # SPEC §7
+CREEP_MIN_GROWTH_BYTES = 64 * MIB
+"""traceml (issue 17; SPEC §7 started from 256 MiB between the window's thirds): creep
+is a least-squares trend over the window that rises at least this much from its
+first step to its last...  (Thirds compared at 256 MiB sat on the floor: a loop
+keeping 1 MB per step for 300 steps was found on one run and missed on the next.)"""
+
+CREEP_MIN_GROWTH_PCT = 10.0
+"""...and at least this share of where the trend started (SPEC §7's 10 %)..."""
+
+CREEP_MIN_R2 = 0.8
+"""...and rises steadily: the line explains at least this share of the variance (R²),
+so allocator noise on a flat run, or one jump halfway, is not creep."""
+
 CREEP_MIN_STEPS = 9
-"""Creep needs at least 3 steps in each third of the window; fewer steps: no verdict."""
+"""Creep needs at least this many steps in the window; fewer steps: no verdict."""
 
 PRESSURE_WARN_PCT = 92.0  # SPEC §7 HIGH PRESSURE: device peak reserved / capacity
 PRESSURE_CRIT_PCT = 97.0  # SPEC §7
@@ -85,3 +96,27 @@ RAM_PRESSURE_PCT = 85.0  # SPEC §7: host RAM, peak over the samples
 RAM_PRESSURE_CRIT_PCT = 95.0  # traceml
 LOW_GPU_UTIL_PCT = 30.0  # SPEC §7: a GPU's average utilization below this
 HIGH_GPU_TEMP_C = 85.0  # SPEC §7: a GPU's peak temperature at or above this
+
+# --- Outlier steps --------------------------------------------------------------
+
+OUTLIER_STEP_RATIO = 2.0
+"""traceml (issue 17): a step that took at least this many times its rank's median
+step is an outlier. The typical step the Step Time rules diagnose leaves them out."""
+
+OUTLIER_MAD_FACTOR = 10.0
+"""...and at least this many median absolute deviations above the median step: on a
+busy host whose steps spread wide, a step twice the median is noise, not an outlier.
+(10 MADs are about 7 standard deviations of normal noise.)"""
+
+OUTLIER_MIN_STEPS = 10
+"""Outliers are looked for only in windows of at least this many steps."""
+
+OUTLIER_MAX_FRACTION = 0.2
+"""More slow steps than this fraction of the window are not outliers but how the
+run goes (every other step slow): they stay in the typical step."""
+
+OUTLIER_WARN_PCT = 10.0
+"""OUTLIER STEPS is warn when the outliers' time beyond the median step is this
+share of the window's wall time (crit at OUTLIER_CRIT_PCT); info below."""
+
+OUTLIER_CRIT_PCT = 20.0

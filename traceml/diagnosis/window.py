@@ -35,6 +35,8 @@ class Scope:
     last_step: int | None = None
     num_samples: int | None = None  # samples used (process and system sections)
     num_counted_steps: int | None = None  # steps left out because the FLOP counter ran in them
+    step_boundary: str | None = None  # Step Time: what ended the steps (phases.STEP_BOUNDARIES)
+    input_source: str | None = None  # Step Time: what input time is (step_loop.INPUT_SOURCES)
 
 
 @dataclass(frozen=True)

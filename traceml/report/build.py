@@ -15,6 +15,7 @@ from traceml.diagnosis.finding import severity_rank
 from traceml.diagnosis.process import diagnose_process, rank_process
 from traceml.diagnosis.samples import RunData
 from traceml.diagnosis.stats import Located, MetricStat, Worst, metric_stat
+from traceml.diagnosis.step_loop import boundary_rule, evaluation_by_rank, input_source
 from traceml.diagnosis.step_memory import diagnose_step_memory, rank_memory
 from traceml.diagnosis.step_time import (
     PHASES,
@@ -61,12 +62,23 @@ SATURATED_INPUT_NEXT = (
     "fewer ranks or workers per host.")
 
 
+NO_LOADER_INPUT_NEXT = (
+    "Batches are built on the training thread (no DataLoader): build them ahead in a "
+    "DataLoader with num_workers > 0 (a Dataset around get_batch), or in a background "
+    "thread that keeps the next batches ready; use pinned memory and non_blocking copies.")
+
+
 def fit_advice(step_time: Section, system: Section) -> Section:
     """Step Time's advice, fitted to what else was found: on a host whose CPUs are
-    saturated, INPUT-BOUND's "raise num_workers" would make it worse."""
-    if not any(f.kind == "CPU_PRESSURE" for f in system.findings):
+    saturated, INPUT-BOUND's "raise num_workers" would make it worse; a loop
+    without a DataLoader has no workers to raise."""
+    if any(f.kind == "CPU_PRESSURE" for f in system.findings):
+        advice = SATURATED_INPUT_NEXT
+    elif step_time.scope.input_source not in (None, "dataloader"):
+        advice = NO_LOADER_INPUT_NEXT
+    else:
         return step_time
-    findings = tuple(dataclasses.replace(f, next=SATURATED_INPUT_NEXT)
+    findings = tuple(dataclasses.replace(f, next=advice)
                      if f.kind == "INPUT_BOUND" else f for f in step_time.findings)
     return dataclasses.replace(step_time, findings=findings)
 
@@ -113,9 +125,23 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
     for phase in SHARES:
         stats[f"{phase}_share_pct"] = _rank_stat(rows, _phase_share(phase))
     stats["gpu_ms"] = _rank_stat(rows, lambda t: t.gpu_ms.mean if t.gpu_ms is not None else None)
+    stats.update(_evaluation_stats(run, node_of))
     findings = diagnose_step_time(times, _unmeasured_steps_why(run), run.meta.device)
-    return Section("step_time", findings, window.scope(node_of, _num_nodes(run)), stats,
-                   tuple(rows))
+    scope = dataclasses.replace(
+        window.scope(node_of, _num_nodes(run)),
+        step_boundary=boundary_rule(r for rank_rows in window.by_rank.values() for r in rank_rows),
+        input_source=input_source(window.by_rank))
+    return Section("step_time", findings, scope, stats, tuple(rows))
+
+
+def _evaluation_stats(run: RunData, node_of: Mapping[int, int]) -> dict[str, MetricStat | None]:
+    """Evaluation kept out of the steps over the whole run: wall time and passes
+    per rank (median and worst); None when no rank evaluated."""
+    evals = evaluation_by_rank(run.steps)
+    located = [(Located(ms, rank, node_of.get(rank)), Located(n, rank, node_of.get(rank)))
+               for rank, (ms, n) in sorted(evals.items())]
+    return {"eval_total_ms": metric_stat([ms for ms, _ in located]),
+            "num_eval": metric_stat([n for _, n in located])}
 
 
 def _phase_mean(phase: str) -> Callable[[RankStepTimes], float]:

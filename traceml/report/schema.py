@@ -83,14 +83,21 @@ _SCOPE = _obj({
     "last_step": _INT_OR_NULL,
     "num_samples": _INT_OR_NULL,
     "num_counted_steps": _INT_OR_NULL,
+    "step_boundary": {"type": ["string", "null"], "enum": [*phases.STEP_BOUNDARIES, None]},
+    "input_source": {"type": ["string", "null"],
+                     "enum": ["dataloader", "before_forward", "copies", None]},
 })
 
 _THIRDS = {"type": ["array", "null"], "items": _NUM, "minItems": 3, "maxItems": 3}
+_TREND = _obj({"start": _NUM, "slope_per_step": _NUM, "r2": _NUM, "num_steps": _INT},
+              nullable=True)
 
 _STEP_TIME_ROW = _obj({
     "rank": _INT,
     "node_rank": _INT_OR_NULL,
     "num_steps": _INT,
+    "num_outlier_steps": _INT,
+    "outlier_total_ms": _NUM,
     **{p.column: _DIST for p in phases.step_metrics()},
     "collective_ms": _DIST_OR_NULL,
     **{f"{p.name}_share_pct": _NUM_OR_NULL for p in phases.share_metrics()},
@@ -108,6 +115,8 @@ _STEP_MEMORY_ROW = _obj({
     "device_total_bytes": _INT_OR_NULL,
     "allocated_thirds_bytes": _THIRDS,
     "rss_thirds_bytes": _THIRDS,
+    "allocated_trend": _TREND,
+    "rss_trend": _TREND,
     "pressure_pct": _NUM_OR_NULL,
     "allocated_growth_bytes": _NUM_OR_NULL,
     "rss_growth_bytes": _NUM_OR_NULL,
@@ -182,6 +191,7 @@ SECTION_STATS: Mapping[str, tuple[str, ...]] = {
     "step_time": (
         *(p.column for p in phases.step_metrics()), "collective_ms",
         *(f"{p.name}_share_pct" for p in phases.share_metrics()), "gpu_ms",
+        "eval_total_ms", "num_eval",
     ),
     "step_memory": (
         "peak_allocated_bytes", "peak_reserved_bytes", "pressure_pct", "allocated_growth_bytes",

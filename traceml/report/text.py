@@ -15,6 +15,7 @@ from traceml import phases
 from traceml.diagnosis.ending import STOPPING_EXCEPTIONS
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
 from traceml.diagnosis.stats import MetricStat
+from traceml.diagnosis.step_loop import BOUNDARY_TEXT, INPUT_TEXT
 from traceml.diagnosis.step_time import RankStepTimes
 from traceml.report.model import SECTION_TITLES, Report, Section
 
@@ -145,8 +146,9 @@ def _scope(section: Section, report: Report) -> str:
     warm = f", {scope.num_warmup_steps} warm-up steps left out" if scope.num_warmup_steps else ""
     if scope.num_counted_steps:
         warm += f", {_count(scope.num_counted_steps, 'FLOP-counting step')} left out"
+    rule = f" | steps: {BOUNDARY_TEXT[scope.step_boundary]}" if scope.step_boundary else ""
     return (f"last {scope.num_steps} aligned steps across {_count(len(scope.ranks), 'rank')}"
-            f"{warm}{missing}")
+            f"{warm}{missing}{rule}")
 
 
 def _step_time_stats(section: Section) -> list[str]:
@@ -155,13 +157,20 @@ def _step_time_stats(section: Section) -> list[str]:
         return stat is not None and stat.worst > 0
     shown = [(p, stat) for p in phases.visible(_STEP_PARTS, spent)
              if (stat := section.stats.get(p.column))]
-    stats = " | ".join(f"{p.name} {stat.median:.1f}/{stat.worst:.1f}ms{_in_flight(p, section)}"
+    stats = " | ".join(f"{p.name} {stat.median:.1f}/{stat.worst:.1f}{_in_flight(p, section)}"
                        for p, stat in shown)
-    lines = [f"- Stats: median/worst | {stats}"]
+    lines = [f"- Typical step, ms (a rank's mean step without outlier steps; median/worst "
+             f"rank) | {stats}"]
     if len(section.scope.ranks) > 1:
         ranks = " | ".join(f"{p.name} r{stat.median_rank}/r{stat.worst_rank}"
                            for p, stat in shown)
-        lines.append(f"- Ranks: median/worst | {ranks}")
+        lines.append(f"- Ranks: the median/worst rank | {ranks}")
+    if section.scope.input_source:
+        lines.append(f"- Input: {INPUT_TEXT[section.scope.input_source]}")
+    evals, num = section.stats.get("eval_total_ms"), section.stats.get("num_eval")
+    if evals is not None and num is not None:
+        lines.append(f"- Evaluation: {num.median:.0f} passes, {evals.median / 1e3:.2f} s of wall "
+                     "time (median rank), kept out of the steps")
     return lines + _gpu_time(section)
 
 
@@ -230,7 +239,7 @@ def _in_flight(part: phases.Phase, section: Section) -> str:
     """`` (in flight 8.1ms)`` after communication: collectives' whole time, the
     part backward hid included."""
     stat = section.stats.get("collective_ms")
-    return f" (in flight {stat.median:.1f}ms)" if part.collective and stat else ""
+    return f" (in flight {stat.median:.1f})" if part.collective and stat else ""
 
 
 def _stats_text(section: Section) -> str:
