@@ -48,6 +48,7 @@ from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import CLOSE, Sender
 from traceml.report.page.render import SNAPSHOT_PATH
+from traceml.security import new_secret
 from traceml.store import StoreReader
 
 
@@ -266,14 +267,15 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
+        secret = new_secret()
         collector = CollectorProcess(CollectorConfig(
             session_id="bench", bind_host="127.0.0.1", port=0,
             db_path=os.path.join(tmp, "telemetry.sqlite"), parent_pid=os.getpid(),
-            dashboard_port=free_port() if args.dashboard else None))
+            dashboard_port=free_port() if args.dashboard else None, secret=secret))
         poller = (DashboardPoller(collector.ready["dashboard"]["url"]) if args.dashboard
                   else None)
         env = AgentEnv(session_id="bench", endpoint=f"tcp://127.0.0.1:{collector.port}",
-                       launcher_pid=os.getppid())
+                       launcher_pid=os.getppid(), secure=True, secret=secret)
         runtime = AgentRuntime(env, Sender("rank", socket.gethostname(), os.getpid(), 0, rank=0))
         runtime.sender.start()
         if args.device.startswith("cuda") and not runtime.watch_cuda():

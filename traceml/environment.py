@@ -41,8 +41,10 @@ Set by the user (read by the launcher, passed on to the workers):
     The session secret for CURVE keys; the same value on every node.
 ``TRACEML_SECRET_FILE``
     A file holding the session secret; it must not be readable by group or
-    others (``chmod 600``).  Without either, the secret is derived from the
-    session id.
+    others (``chmod 600``).  Without either: on one node the launcher makes a
+    random secret for the run and hands it to its workers in
+    ``TRACEML_SECRET``; on several nodes it is derived from the session id
+    (the launcher warns).
 
 Set by torch's elastic agent in every worker (read only, into `TorchRank`):
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK`` (the node rank) and
@@ -59,6 +61,8 @@ from dataclasses import dataclass
 from traceml.errors import UsageError
 
 PREFIX = "TRACEML_"
+SECRET_HINT = ("set TRACEML_SECRET, or TRACEML_SECRET_FILE (chmod 600), to the same value "
+               "on every node")
 
 
 @dataclass(frozen=True)

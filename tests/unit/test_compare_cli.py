@@ -122,7 +122,7 @@ def test_schema_minor_difference_is_stated(runs: dict[str, Path], tmp_path: Path
     doc = summary(tight(100.0), session="b")
     doc["schema_version"] = "1.4"
     main([str(runs["base"]), str(write(tmp_path / "b", doc)), "--output", str(tmp_path / "c")])
-    assert "Note: Summary schema versions differ (A 1.1, B 1.4)" in capsys.readouterr().out
+    assert "Note: Summary schema versions differ (A 1.2, B 1.4)" in capsys.readouterr().out
 
 
 def test_summary_not_matching_its_schema_is_stated(runs: dict[str, Path], tmp_path: Path,
@@ -131,7 +131,7 @@ def test_summary_not_matching_its_schema_is_stated(runs: dict[str, Path], tmp_pa
     del doc["system"]
     main([str(runs["base"]), str(write(tmp_path / "b", doc)), "--output", str(tmp_path / "c")])
     out = capsys.readouterr().out
-    assert "B does not fully match summary schema 1.1 (1 problems, first: $: missing key" in out
+    assert "B does not fully match summary schema 1.2 (1 problems, first: $: missing key" in out
 
 
 # --- bad input: exit 2, one line -------------------------------------------------------

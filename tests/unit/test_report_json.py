@@ -49,7 +49,7 @@ def test_top_level_and_meta_keys_follow_r_out_3() -> None:
     doc = as_json(build_report(cpu_run(), 10_000))
     assert list(doc) == ["schema_version", "meta", "primary", "step_time", "step_memory",
                          "process", "system"]
-    assert doc["schema_version"] == "1.1"
+    assert doc["schema_version"] == "1.2"
     meta = doc["meta"]
     assert meta["started_at"] == "2026-01-01T00:00:00.000+00:00"
     assert meta["ended_at"] == "2026-01-01T00:01:01.250+00:00"

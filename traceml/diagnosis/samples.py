@@ -119,6 +119,8 @@ class RunMeta:
     versions: dict[str, str]  # traceml, torch, python
     transport: dict[str, int]  # sent, dropped, gaps, rejected
     mode: str = "run"  # "run" or "watch" (watch: no step sections measured)
+    # Messages the collector rejected and stored rows skipped, by reason.
+    rejected: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)

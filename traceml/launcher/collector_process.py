@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import IO, Any
 
 import orjson
@@ -23,7 +24,7 @@ from traceml import environment, protocol
 from traceml.collector.server import CollectorConfig
 from traceml.errors import UsageError
 from traceml.protocol import Control, Envelope, RunEnd, RunStart, Sender, StopCollector
-from traceml.security import secure_client, session_keys
+from traceml.security import derive_keys, launcher_keys, new_secret, secure_client
 from traceml.version import __version__
 
 READY_TIMEOUT_S = 20.0
@@ -40,10 +41,17 @@ def _read_line(stream: IO[bytes], timeout_s: float) -> bytes:
 
 
 class CollectorProcess:
-    """Handle on the running collector: its port, a control socket, its exit."""
+    """Handle on the running collector: its port, a control socket, its exit.
+
+    The control socket speaks with the launcher's own key, made here for this
+    collector alone: only it may send control messages.  ``keys`` are the
+    session's client keys, for every other sender."""
 
     def __init__(self, config: CollectorConfig) -> None:
+        launcher_secret = new_secret()
+        config = replace(config, launcher_secret=launcher_secret)
         self.config = config
+        self.keys = derive_keys(config.secret or config.session_id, config.session_id)
         env = environment.without_traceml(os.environ)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "traceml.collector"],
@@ -66,9 +74,7 @@ class CollectorProcess:
         self._control = self._context.socket(zmq.PUSH)
         self._control.setsockopt(zmq.LINGER, 2000)
         self._control.setsockopt(zmq.SNDHWM, 100)
-        keys = session_keys(config.secure, config.secret, config.session_id)
-        if keys is not None:
-            secure_client(self._control, keys)
+        secure_client(self._control, launcher_keys(self.keys, launcher_secret))
         host = "127.0.0.1" if config.bind_host in ("0.0.0.0", "") else config.bind_host
         self._control.connect(f"tcp://{host}:{self.port}")
         self._identity = Sender(role="launcher", host=socket.gethostname(), pid=os.getpid(),

@@ -31,7 +31,7 @@ from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
 from traceml.protocol import RunEnd
-from traceml.security import session_keys
+from traceml.security import new_secret, session_keys
 from traceml.store import STORE_FILENAME
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
@@ -91,8 +91,7 @@ def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
             session_id=cfg.session_id, bind_host=topo.bind_host, port=topo.port,
             db_path=str(session_dir / STORE_FILENAME), parent_pid=os.getpid(),
             dashboard_port=cfg.dashboard_port if cfg.mode == "dashboard" else None,  # live views
-            secure=topo.secure, secret=secret,
-            join_port=topo.join_port if cfg.multi_node else None,
+            secret=secret, join_port=topo.join_port if cfg.multi_node else None,
             expected={"nnodes": cfg.torch.nnodes, "nproc_per_node": cfg.torch.nproc_per_node},
         ))
     except UsageError:
@@ -111,7 +110,7 @@ def agent_env_for(cfg: RunConfig, endpoint: str, session_dir: Path, topo: Topolo
         session_id=cfg.session_id, endpoint=endpoint, launcher_pid=os.getpid(),
         mode="run" if cfg.command == "run" else "watch", node_rank=cfg.node_rank,
         sample_interval_s=cfg.sample_interval_s, arm_dir=arm_dir,
-        session_dir=str(session_dir.resolve()), secure=topo.secure, secret=secret,
+        session_dir=str(session_dir.resolve()), secure=True, secret=secret,
     )
 
 
@@ -129,13 +128,30 @@ def record_start(collector: CollectorProcess, cfg: RunConfig) -> None:
         expected_world_size=expected_world_size(cfg), expected_nodes=cfg.min_nodes))
 
 
+def session_secret(cfg: RunConfig, topo: Topology) -> str | None:
+    """The secret every sender's key derives from: the user's (environment); on one node a new
+    one for this run; else None (derived from the session id: the node that runs
+    the collector says what that exposes)."""
+    secret = environment.user_secret(os.environ)
+    if secret is not None:
+        return secret
+    if not cfg.multi_node:
+        return new_secret()
+    if topo.collector_here or topo.may_host:
+        print(f"traceml: warning: no session secret: anyone who can reach "
+              f"{topo.bind_host}:{topo.port} and knows the session id (it is on the command "
+              f"line) can send to this run's collector; {environment.SECRET_HINT}",
+              file=sys.stderr)
+    return None
+
+
 def run(cfg: RunConfig) -> int:
     """Run the training under traceml; returns the training's exit status."""
     check_script(cfg)
     if cfg.no_trace:
         return run_torch(torch_namespace(cfg, redirect_output=False))
     topo = topology.resolve(cfg)
-    secret = environment.user_secret(os.environ)
+    secret = session_secret(cfg, topo)
     session_dir = session_dir_for(cfg, topo.collector_here or topo.may_host)
     collector = None
     if topo.collector_here or topo.may_host:
@@ -153,11 +169,11 @@ def run(cfg: RunConfig) -> int:
 def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
                collector: CollectorProcess | None, session_dir: Path) -> int:
     """Run torch's launch with the node's helpers around it; end with the summary."""
-    keys = session_keys(topo.secure, agent_env.secret, cfg.session_id)
+    keys = session_keys(True, agent_env.secret, cfg.session_id)
     sampler = SystemSampler(agent_env.endpoint, cfg.session_id,
                             cfg.node_rank if topo.static else None, cfg.sample_interval_s, keys)
     sampler.start()
-    helpers = node_helpers(cfg, topo, collector, session_dir)
+    helpers = node_helpers(cfg, topo, collector, session_dir, keys)
     if cfg.command == "watch":
         helpers.append(ProcessWatcher(agent_env.endpoint, cfg.session_id,
                                       cfg.node_rank if topo.static else None,
@@ -186,7 +202,7 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
 
 
 def node_helpers(cfg: RunConfig, topo: Topology, collector: CollectorProcess | None,
-                 session_dir: Path) -> list[Any]:
+                 session_dir: Path, keys: Any) -> list[Any]:
     """Threads that watch the rendezvous and check this node against node 0."""
     if not cfg.multi_node:
         return []
@@ -195,7 +211,7 @@ def node_helpers(cfg: RunConfig, topo: Topology, collector: CollectorProcess | N
     rendezvous = topology.rendezvous_address(cfg)
     helpers: list[Any] = [Waiting(cfg, rendezvous, db_path, skip)]
     if collector is None:
-        helpers.append(JoinCheck(cfg, topo.connect_host, topo.join_port))
+        helpers.append(JoinCheck(cfg, topo.connect_host, topo.join_port, keys))
     else:
         helpers.append(SilenceWatch(session_dir, max(15.0, 10 * cfg.sample_interval_s)))
     for helper in helpers:

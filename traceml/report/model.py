@@ -20,7 +20,7 @@ from traceml.diagnosis.step_time import RankStepTimes
 from traceml.diagnosis.system import NodeSystem
 from traceml.diagnosis.window import Scope
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"  # 1.2: meta.rejected
 """Version of final_summary.json; bump the major part on incompatible changes."""
 
 RankRow = Union[RankStepTimes, RankMemory, RankProcess, NodeSystem]

@@ -9,7 +9,7 @@ Ranks (Step Time) and Why. Long lines wrap inside the box. ASCII only.
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from traceml import phases
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
@@ -76,7 +76,16 @@ def _overview(report: Report) -> list[str]:
     if dropped or gaps:
         lines.append(f"Telemetry: {dropped} messages dropped, {gaps} sequence gaps; "
                      "some samples are missing.")
+    if meta.rejected:
+        lines.append(rejected_line(meta.rejected))
     return lines
+
+
+def rejected_line(rejected: Mapping[str, int]) -> str:
+    """One line: what the collector refused (and stored rows skipped), by reason."""
+    parts = ", ".join(f"{reason} {n}" for reason, n in
+                      sorted(rejected.items(), key=lambda item: (-item[1], item[0])))
+    return f"Rejected: {sum(rejected.values())} ({parts}); none of it is in this summary."
 
 
 def _count(num: int, noun: str) -> str:
