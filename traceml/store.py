@@ -531,7 +531,7 @@ def run_data(records: RunRecords, steps: tuple[StepRow, ...], process: tuple[Pro
 def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
               process: tuple[ProcessSample, ...]) -> RunMeta:
     start = records.start or _NO_START
-    world_size, missing = _ranks(records)
+    world_size, missing = _ranks(records, steps)
     exit_code = records.end.exit_code if records.end is not None else None
     cuda = any(s.peak_allocated_bytes is not None for s in steps) or any(
         p.device_total_bytes is not None for p in process)
@@ -553,12 +553,13 @@ def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
     )
 
 
-def _ranks(records: RunRecords) -> tuple[int, tuple[int, ...]]:
+def _ranks(records: RunRecords, steps: tuple[StepRow, ...]) -> tuple[int, tuple[int, ...]]:
     """The world size and the ranks missing from it."""
     start = records.start or _NO_START
     ranked = [s for s in records.senders if s.sender.rank is not None]
     reported = [s.sender.world_size for s in records.senders if s.sender.world_size]
-    world_size = max(reported + [start.expected_world_size, len({s.sender.rank for s in ranked})])
+    world_size = max(reported + [start.expected_world_size, len({s.sender.rank for s in ranked}),
+                                 1 + max((s.rank for s in steps), default=-1)])
     # A rank that never said goodbye was lost (killed, or its node died): its data
     # stops early.  Watch mode has no agent to say goodbye.
     seen = {s.sender.rank for s in ranked if s.said_bye or start.mode != "run"}

@@ -149,10 +149,18 @@ def _timestamped(payload: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
+MAX_CLOCK_S = 1e11  # a rank's perf_counter and its offset to epoch seconds stay under it
+
+
 def _events(payload: dict[str, Any]) -> protocol.EventBatch:
     batch = protocol.check_events(payload)
-    if batch.batch < 0 or not -1e11 <= batch.wall_offset_s <= 1e11:
+    if batch.batch < 0 or not -MAX_CLOCK_S <= batch.wall_offset_s <= MAX_CLOCK_S:
         raise ProtocolError("batch number or clock offset out of range")
+    stamps = [t for ts in batch.times for t in ts]
+    stamps += [m[0] for m in batch.marks] + [r[0] for r in batch.rss]
+    stamps += [t for span in batch.spans for t in span]
+    if stamps and not -MAX_CLOCK_S <= min(stamps) <= max(stamps) <= MAX_CLOCK_S:
+        raise ProtocolError("event times out of range")
     return batch
 
 

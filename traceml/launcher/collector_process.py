@@ -101,7 +101,11 @@ class CollectorProcess:
             pass  # collector gone; the launcher reports that at the end
 
     def stop(self) -> int | None:
-        """Ask the collector to drain and exit; returns its exit status (None: killed)."""
+        """Ask the collector to drain and exit; returns its exit status (None: killed).
+
+        Once stopped, it returns the same status again."""
+        if self._control.closed:
+            return self.proc.returncode
         if self.alive():
             self._send(StopCollector())
         else:
