@@ -328,6 +328,8 @@ class RunEnd:
 
     ended_at: float  # unix seconds
     exit_code: int  # the training's, as a shell reports it
+    # False: the collector died or hung before the end (the launcher's own record)
+    telemetry_complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -385,6 +387,8 @@ def record_from_json(cls: type[_Record], obj: Mapping[str, Any]) -> _Record:
 
 def _field_value(kind: str, value: Any, name: str) -> Any:
     if kind == "str" and isinstance(value, str):
+        return value
+    if kind == "bool" and type(value) is bool:
         return value
     if kind == "int" and type(value) is int:
         return value

@@ -226,12 +226,26 @@ class StoreWriter:
         self._execute("BEGIN")
 
     def commit(self) -> None:
-        self._execute("COMMIT")
-        self._execute("BEGIN")
+        """Commit the batch and begin the next; StoreError when the batch could not
+        be written (a full disk: it is lost, and the next batch begins anyway)."""
+        try:
+            self._execute("COMMIT")
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                self.db.execute("BEGIN")
 
     def close(self) -> None:
-        self._execute("COMMIT")
-        self.db.close()
+        """Commit and fold the write-ahead log into the file: the closed store is one
+        self-contained file (no ``-wal`` beside it), synced to disk."""
+        try:
+            self._execute("COMMIT")
+            with contextlib.suppress(StoreError):  # a reader still open keeps the log
+                self._execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._execute("PRAGMA journal_mode=DELETE")
+        finally:
+            self.db.close()
 
     def save_run(self, record: RunStart | RunEnd) -> None:
         """The launcher's record of the run's start or end."""
@@ -533,6 +547,7 @@ def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
     start = records.start or _NO_START
     world_size, missing = _ranks(records, steps)
     exit_code = records.end.exit_code if records.end is not None else None
+    complete = records.end.telemetry_complete if records.end is not None else True
     cuda = any(s.peak_allocated_bytes is not None for s in steps) or any(
         p.device_total_bytes is not None for p in process)
     senders = records.senders
@@ -540,7 +555,7 @@ def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
         session_id=start.session_id, command=list(start.command),
         started_at=start.started_at,
         ended_at=records.end.ended_at if records.end is not None else start.started_at,
-        exit_code=exit_code, partial=bool(missing) or exit_code != 0,
+        exit_code=exit_code, partial=bool(missing) or exit_code != 0 or not complete,
         world_size=world_size, missing_ranks=missing, nodes=_nodes(senders),
         device="cuda" if cuda else "cpu",
         versions={"traceml": start.traceml_version, "torch": start.torch_version,
@@ -549,7 +564,7 @@ def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
                    "dropped": sum(s.num_dropped for s in senders),
                    "gaps": sum(s.num_gaps for s in senders),
                    "rejected": sum(records.rejected.values())},
-        mode=start.mode, rejected=dict(records.rejected),
+        mode=start.mode, rejected=dict(records.rejected), telemetry_complete=complete,
     )
 
 

@@ -103,6 +103,7 @@ class Collector:
         self.owners: dict[tuple[Any, ...], tuple[str, int]] = {}  # who speaks for what
         self.rejected: dict[str, int] = {}
         self.ended = False
+        self.store_failed = False
         self.num_steps = 0
         self._prefix = intake.session_prefix(config.session_id)
 
@@ -116,6 +117,7 @@ class Collector:
         except (ProtocolError, ValueError, TypeError, KeyError, ArithmeticError):
             self.reject("events that cannot be replayed")
         except StoreError:
+            self.store_failed = True
             self.reject("not stored: the store failed")
 
     def all_said_bye(self) -> bool:
@@ -195,9 +197,20 @@ class Collector:
             self.ended = True
 
     def flush(self) -> None:
-        if self.rejected:
-            self.store.save_rejected(self.rejected)
-        self.store.commit()
+        """Commit what was stored; a store that cannot be written (a full disk)
+        is remembered, and the run goes on."""
+        try:
+            if self.rejected:
+                self.store.save_rejected(self.rejected)
+            self.store.commit()
+        except StoreError:
+            self.store_failed = True
+
+    def close(self) -> None:
+        try:
+            self.store.close()
+        except StoreError:
+            self.store_failed = True
 
 
 MAX_STEP_MS = 1e12  # 31 years
@@ -341,19 +354,26 @@ def join_problem(request: dict[str, Any], config: CollectorConfig) -> str:
 
 
 def serve(config: CollectorConfig, dashboard: LiveServer | None = None) -> int:
-    """Run until the launcher ends the session; returns the exit status.
+    """Run until the launcher ends the session; returns the exit status (3: the
+    store could not be written, so what arrived is not all stored).
 
     ``dashboard`` is started when the configuration asks for one (``dashboard_port``)."""
+    # Ctrl-C and the job's SIGTERM (``timeout``, ``scancel`` of the process group) are
+    # the launcher's to handle: it stops this process once the run is over.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     context = zmq.Context()
     try:
         listener = Listener(context, config)
     except zmq.ZMQError as exc:
-        print(orjson.dumps({"error": f"cannot listen on {config.bind_host}:{config.port}: "
-                                     f"{exc.strerror}"}).decode(), flush=True)
-        context.destroy(0)
-        return 2
-    store = StoreWriter(config.db_path)
+        return _not_ready(context, f"cannot listen on {config.bind_host}:{config.port}: "
+                                   f"{exc.strerror}")
+    try:
+        store = StoreWriter(config.db_path)
+    except StoreError as exc:
+        listener.close()
+        return _not_ready(context, f"cannot write telemetry to {config.db_path}: {exc}",
+                          store_error=True)
     collector = Collector(config, store)
     ready: dict[str, Any] = {"port": listener.port, "pid": os.getpid()}
     dashboard = _start_dashboard(dashboard, config, ready)
@@ -362,12 +382,19 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None) -> int:
         _loop(listener, collector, config)
     finally:
         collector.flush()
-        store.close()
+        collector.close()
         if dashboard is not None:
             dashboard.finish()
         listener.close()
         context.term()
-    return 0
+    return 3 if collector.store_failed else 0
+
+
+def _not_ready(context: Any, error: str, store_error: bool = False) -> int:
+    """Say why the collector cannot run, on the line the launcher waits for."""
+    print(orjson.dumps({"error": error, "store_error": store_error}).decode(), flush=True)
+    context.destroy(0)
+    return 2
 
 
 def _start_dashboard(dashboard: LiveServer | None, config: CollectorConfig,

@@ -121,6 +121,8 @@ class RunMeta:
     mode: str = "run"  # "run" or "watch" (watch: no step sections measured)
     # Messages the collector rejected and stored rows skipped, by reason.
     rejected: dict[str, int] = dataclasses.field(default_factory=dict)
+    # False: the collector died or hung before the end; what came after is missing.
+    telemetry_complete: bool = True
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ def check_session_id(command: str, ns: argparse.Namespace, max_nodes: int) -> No
     if ns.session_id is not None and not SESSION_ID_RE.match(ns.session_id):
         raise UsageError(
             f"traceml {command}: invalid --session-id {ns.session_id!r}: use letters, digits, "
-            "'_', '.' and '-' only"
+            "'_', '.' and '-' only (not '.' or '..' alone)"
         )
     if max_nodes > 1 and ns.session_id is None:
         raise UsageError(

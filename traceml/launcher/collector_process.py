@@ -25,6 +25,7 @@ from traceml.collector.server import CollectorConfig
 from traceml.errors import UsageError
 from traceml.protocol import Control, Envelope, RunEnd, RunStart, Sender, StopCollector
 from traceml.security import derive_keys, launcher_keys, new_secret, secure_client
+from traceml.store import StoreError, StoreWriter
 from traceml.version import __version__
 
 READY_TIMEOUT_S = 20.0
@@ -38,6 +39,10 @@ def _read_line(stream: IO[bytes], timeout_s: float) -> bytes:
     reader.start()
     reader.join(timeout_s)
     return result[0] if result else b""
+
+
+class StoreUnwritable(UsageError):
+    """The collector cannot create the store (a full disk, a read-only folder)."""
 
 
 class CollectorProcess:
@@ -66,6 +71,8 @@ class CollectorProcess:
             self.proc.kill()
             self.proc.wait()
             reason = ready.get("error", "it did not start")
+            if ready.get("store_error"):
+                raise StoreUnwritable(f"traceml: warning: {reason}")
             raise UsageError(f"traceml: collector failed: {reason}; pick another "
                              "--aggregator-port or free that one")
         self.port = int(ready["port"])
@@ -118,6 +125,27 @@ class CollectorProcess:
             self.proc.kill()
             self.proc.wait()
             return None
+
+
+def end_run(collector: CollectorProcess, exit_code: int) -> RunEnd:
+    """Tell the collector how the run ended and stop it; returns the end record.
+
+    A collector that died, hung (then killed) or could not write the store
+    leaves the record incomplete: the launcher writes it into the store itself
+    when it can, and the summary states that the telemetry stopped early."""
+    was_alive = collector.alive()
+    end = RunEnd(ended_at=time.time(), exit_code=exit_code)
+    collector.record(end)
+    if collector.stop() == 0 and was_alive:
+        return end
+    end = replace(end, telemetry_complete=False)
+    try:
+        store = StoreWriter(collector.config.db_path)
+        store.save_run(end)
+        store.close()
+    except StoreError:
+        pass  # a full disk: the summary gets the record from the launcher
+    return end
 
 
 def run_start(session_id: str, command: list[str], mode: str, summary_window_rows: int,

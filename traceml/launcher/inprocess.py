@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -21,9 +20,8 @@ from typing import Any
 from traceml.collector.server import CollectorConfig
 from traceml.config import DEFAULT_WINDOW_ROWS
 from traceml.environment import AgentEnv, TorchRank
-from traceml.launcher.collector_process import CollectorProcess, run_start
+from traceml.launcher.collector_process import CollectorProcess, end_run, run_start
 from traceml.launcher.system_sampler import SystemSampler
-from traceml.protocol import RunEnd
 from traceml.security import new_secret
 from traceml.store import STORE_FILENAME
 
@@ -72,6 +70,6 @@ class InProcessSession:
 
         self.runtime.shutdown()
         self.sampler.stop()
-        self.collector.record(RunEnd(ended_at=time.time(), exit_code=1 if self.failed else 0))
-        self.collector.stop()
-        finish(self.session_dir, collector_alive=True)
+        alive = self.collector.alive()
+        end = end_run(self.collector, 1 if self.failed else 0)
+        finish(self.session_dir, collector_alive=alive, end=end)

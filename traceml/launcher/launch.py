@@ -4,10 +4,10 @@ injected, the collector alongside, and the end-of-run output (launcher side).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +23,18 @@ from traceml.environment import AgentEnv
 from traceml.errors import UsageError
 from traceml.launcher import topology
 from traceml.launcher.args import torch_namespace
-from traceml.launcher.collector_process import CollectorProcess, run_start
+from traceml.launcher.collector_process import (
+    CollectorProcess,
+    StoreUnwritable,
+    end_run,
+    run_start,
+)
 from traceml.launcher.ending import finish
 from traceml.launcher.nodes import JoinCheck, SilenceWatch, Waiting, wait_for_nodes
 from traceml.launcher.process_watcher import ProcessWatcher
 from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
-from traceml.protocol import RunEnd
 from traceml.security import new_secret, session_keys
 from traceml.store import STORE_FILENAME
 
@@ -75,12 +79,30 @@ def check_script(cfg: RunConfig) -> None:
 
 
 def session_dir_for(cfg: RunConfig, hosting: bool) -> Path:
+    """The session folder; when this launcher hosts the collector, it claims the
+    folder by creating the store file (exclusively: of two runs started at once
+    with one session id, one stops here)."""
     path = Path(cfg.logs_dir) / cfg.session_id
-    if hosting and (path / STORE_FILENAME).exists():
-        raise UsageError(f"traceml {cfg.command}: session folder {path} already holds a run; "
-                         "pass another --session-id or remove that folder")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if hosting:
+            os.close(os.open(path / STORE_FILENAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        if path.is_dir():
+            raise UsageError(f"traceml {cfg.command}: session folder {path} already holds a "
+                             "run; pass another --session-id or remove that folder") from None
+        raise _unwritable(cfg, path, "a file is in the way") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreUnwritable(f"traceml: warning: cannot create {path}: "
+                                  f"{exc.strerror}") from None
+        raise _unwritable(cfg, path, exc.strerror or str(exc)) from None
     return path
+
+
+def _unwritable(cfg: RunConfig, path: Path, reason: str) -> UsageError:
+    return UsageError(f"traceml {cfg.command}: cannot write the session folder {path}: "
+                      f"{reason}; give --logs-dir a folder you can write")
 
 
 def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
@@ -94,8 +116,11 @@ def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
             secret=secret, join_port=topo.join_port if cfg.multi_node else None,
             expected={"nnodes": cfg.torch.nnodes, "nproc_per_node": cfg.torch.nproc_per_node},
         ))
-    except UsageError:
-        if topo.may_host:
+    except UsageError as exc:
+        store = session_dir / STORE_FILENAME
+        if store.stat().st_size == 0:
+            store.unlink()  # claimed, never written: the folder stays free for a retry
+        if topo.may_host and not isinstance(exc, StoreUnwritable):
             return None
         raise
 
@@ -152,10 +177,14 @@ def run(cfg: RunConfig) -> int:
         return run_torch(torch_namespace(cfg, redirect_output=False))
     topo = topology.resolve(cfg)
     secret = session_secret(cfg, topo)
-    session_dir = session_dir_for(cfg, topo.collector_here or topo.may_host)
-    collector = None
-    if topo.collector_here or topo.may_host:
-        collector = start_collector(cfg, topo, session_dir, secret)
+    try:
+        session_dir = session_dir_for(cfg, topo.collector_here or topo.may_host)
+        collector = None
+        if topo.collector_here or topo.may_host:
+            collector = start_collector(cfg, topo, session_dir, secret)
+    except StoreUnwritable as exc:  # a full disk: the training still runs, untraced
+        print(f"{exc}; the training runs without traceml", file=sys.stderr)
+        return run_torch(torch_namespace(cfg, redirect_output=False))
     if collector is not None:
         record_start(collector, cfg)
     port = collector.port if collector is not None else topo.port
@@ -189,6 +218,7 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
     except KeyboardInterrupt:
         pass
     finally:
+        hold_signals()
         for helper in helpers:
             helper.stop()
         sampler.stop()
@@ -199,6 +229,22 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
             print(f"traceml: this node's telemetry went to {agent_env.endpoint}; "
                   "node 0 writes the summary", file=sys.stderr)
     return exit_code
+
+
+def hold_signals() -> None:
+    """From here on the summary is written: a second Ctrl-C, or the job's SIGTERM
+    (``timeout``, ``scancel``), says so once instead of aborting it (the
+    collector and the stop are bounded in time)."""
+    said: list[int] = []
+
+    def still_writing(signum: int, frame: Any) -> None:
+        if not said:
+            said.append(signum)
+            print("traceml: writing the summary; it takes a few seconds", file=sys.stderr,
+                  flush=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, still_writing)
 
 
 def node_helpers(cfg: RunConfig, topo: Topology, collector: CollectorProcess | None,
@@ -227,9 +273,8 @@ def end_session(cfg: RunConfig, collector: CollectorProcess, session_dir: Path,
             print(f"traceml: no goodbye from {', '.join(missing)}; writing the summary "
                   "without waiting longer", file=sys.stderr)
     collector_alive = collector.alive()
-    collector.record(RunEnd(ended_at=time.time(), exit_code=exit_code))
-    collector.stop()
-    finish(session_dir, collector_alive, html=cfg.html)
+    end = end_run(collector, exit_code)
+    finish(session_dir, collector_alive, html=cfg.html, end=end)
 
 
 def expected_world_size(cfg: RunConfig) -> int:

@@ -76,6 +76,9 @@ def _overview(report: Report) -> list[str]:
     if dropped or gaps:
         lines.append(f"Telemetry: {dropped} messages dropped, {gaps} sequence gaps; "
                      "some samples are missing.")
+    if not meta.telemetry_complete:
+        lines.append("Telemetry stopped early: the collector died or hung before the run "
+                     "ended; the exit status and end time are the launcher's.")
     if meta.rejected:
         lines.append(rejected_line(meta.rejected))
     return lines
