@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_store, run_traceml, script, wait_until
+from tests.conftest import read_store, read_summary, run_traceml, script, wait_until
 
 LOOP = script("loop.py")
 
@@ -86,6 +86,12 @@ def test_collector_killed_mid_run(tmp_path: Path) -> None:
     assert "collector stopped" in err
     assert time.monotonic() - killed_at < 30
     assert (evidence / "rank0.json").exists()
+    # The summary still says how the run ended, and that its telemetry stopped early.
+    summary = read_summary(tmp_path / "logs" / "k")
+    assert summary is not None
+    assert (summary["meta"]["exit_code"], summary["meta"]["telemetry_complete"]) == (0, False)
+    assert summary["meta"]["ended_at"] > summary["meta"]["started_at"]
+    assert "Telemetry stopped early" in out
 
 
 def _collector_pid(launcher_pid: int) -> int | None:
