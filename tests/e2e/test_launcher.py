@@ -152,6 +152,15 @@ def test_worker_killed_reports_signal_status(tmp_path: Path) -> None:
     (["run", "--mode", "fancy", "x.py"], "invalid choice"),
     (["frobnicate"], "unknown command"),
     (["run"], "required"),
+    (["run", "--session-id", "..", "x.py"], "invalid --session-id"),
+    (["run", "--session-id", ".", "x.py"], "invalid --session-id"),
+    (["run", "--nnodes", "2:1", "x.py"], "bad --nnodes"),
+    (["run", "--nproc-per-node", "0", "x.py"], "bad --nproc-per-node"),
+    (["run", "--nproc-per-node", "abc", "x.py"], "bad --nproc-per-node"),
+    (["run", "--master-port", "99999", "x.py"], "bad --master-port"),
+    (["run", "--no-python", "/missing"], "--no-python command not found"),
+    (["run", "--sample-interval", "inf", "x.py"], "--sample-interval"),
+    (["run", "--sample-interval", "nan", "x.py"], "--sample-interval"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "traceml", *args], capture_output=True,
@@ -161,6 +170,29 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: s
     assert len(lines) == 1, proc.stderr
     assert needle in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_logs_dir_that_cannot_hold_a_session_is_one_line_exit_2(tmp_path: Path) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    # Root ignores permission bits: a read-only mount is what refuses it.
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs",
+                              str(read_only)], capture_output=True).returncode == 0
+    try:
+        for logs in (a_file, *([read_only] if mounted else [])):
+            proc = subprocess.run(
+                [sys.executable, "-m", "traceml", "run", "--logs-dir", str(logs),
+                 script("env_dump.py")], capture_output=True, text=True, cwd=tmp_path,
+                timeout=60)
+            assert proc.returncode == 2, proc.stderr
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and "give --logs-dir a folder you can write" in lines[0], \
+                proc.stderr
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(read_only)], check=False)
 
 
 def test_port_in_use_is_one_line_exit_2(tmp_path: Path) -> None:

@@ -137,3 +137,20 @@ def test_bad_stored_records_leave_a_summary(tmp_path: Path) -> None:
         "foreign session": 2, "stored sender row with bad values": 1,
         "stored meta row with bad values": 1, "stored RunStart with bad values": 1,
         "stored process row with bad values": 1, "stored system row with bad values": 1}
+
+
+def test_report_on_a_store_with_garbage_pages_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    from traceml.cli import main
+
+    _store(tmp_path / "telemetry.sqlite")
+    data = bytearray((tmp_path / "telemetry.sqlite").read_bytes())
+    page = 4096
+    for offset in range(page, len(data), page):  # every page but the header's
+        data[offset:offset + page] = os.urandom(page)
+    (tmp_path / "telemetry.sqlite").write_bytes(bytes(data))
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot read" in err[0] and "malformed" in err[0], err
