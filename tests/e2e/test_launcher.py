@@ -139,6 +139,20 @@ def test_two_jobs_on_one_host_do_not_collide(tmp_path: Path) -> None:
     assert counts == [12, 17]
 
 
+def test_two_runs_with_one_session_id_cannot_both_run(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "traceml", "run", "--logs-dir", str(tmp_path / "logs"),
+         "--session-id", "same", script("loop.py"), "--steps", "5"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)]
+    results = [(p.wait(timeout=180), p.communicate()[1]) for p in procs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert "already holds a run" in refused and len(refused.strip().splitlines()) == 1
+    assert len(read_store(tmp_path / "logs" / "same" / "telemetry.sqlite")[0]) == 5
+
+
 def test_worker_killed_reports_signal_status(tmp_path: Path) -> None:
     res = run_traceml(tmp_path, "run", script("kill_self.py"))
     assert res.returncode == 128 + signal.SIGKILL, res.stderr[-2000:]
