@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,43 +28,44 @@ def _stored_steps(store: Path) -> int:
     return len(read_store(store)[0]) if store.exists() else 0
 
 
-def test_sigterm_to_the_process_group_keeps_a_whole_summary(tmp_path: Path) -> None:
-    # What `timeout` or `scancel` does: every process of the job gets SIGTERM.
-    marker = tmp_path / "never"
-    proc = _launch(tmp_path, tmp_path / "logs", "--nproc-per-node", "2",
-                   script("until_marker.py"), str(marker), "0")
-    store = tmp_path / "logs" / "e" / "telemetry.sqlite"
+@contextmanager
+def _training(tmp_path: Path, logs: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """A run of until_marker.py (``args`` before the script, then marker and status),
+    once it has stored a step; killed with its process group if still running after."""
+    *options, marker, status = args
+    proc = _launch(tmp_path, logs, *options, script("until_marker.py"), marker, status)
     try:
-        assert wait_until(lambda: _stored_steps(store) > 0, 90), "no step was stored"
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
+        assert wait_until(lambda: _stored_steps(logs / "e" / "telemetry.sqlite") > 0, 90), \
+            "no step was stored"
+        yield proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_sigterm_to_the_process_group_keeps_a_whole_summary(tmp_path: Path) -> None:
+    # What `timeout` or `scancel` does: every process of the job gets SIGTERM.
+    with _training(tmp_path, tmp_path / "logs", "--nproc-per-node", "2",
+                   str(tmp_path / "never"), "0") as proc:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     summary = read_summary(tmp_path / "logs" / "e")
     assert summary is not None, err[-3000:]
     assert summary["meta"]["exit_code"] == 143
     assert summary["meta"]["telemetry_complete"] is True  # the collector outlived the signal
     assert "Traceback" not in err and "TraceML Run Summary" in out
-    assert not Path(f"{store}-wal").exists()  # one self-contained file
+    assert not (tmp_path / "logs" / "e" / "telemetry.sqlite-wal").exists()  # one file
 
 
 def test_second_ctrl_c_during_the_summary_does_not_abort_it(tmp_path: Path) -> None:
-    marker = tmp_path / "never"
-    proc = _launch(tmp_path, tmp_path / "logs", script("until_marker.py"), str(marker), "0")
-    store = tmp_path / "logs" / "e" / "telemetry.sqlite"
-    try:
-        assert wait_until(lambda: _stored_steps(store) > 0, 90), "no step was stored"
+    summary_txt = tmp_path / "logs" / "e" / "final_summary.txt"
+    with _training(tmp_path, tmp_path / "logs", str(tmp_path / "never"), "0") as proc:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal
         # ... and again, impatiently, until the summary is written.
-        summary_txt = tmp_path / "logs" / "e" / "final_summary.txt"
         while not wait_until(lambda: proc.poll() is not None or summary_txt.exists(), 0.2):
             os.kill(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
     summary = read_summary(tmp_path / "logs" / "e")
     assert summary is not None and summary["meta"]["exit_code"] == 130, err[-3000:]
@@ -107,16 +109,10 @@ def _fill(disk: Path) -> None:
 def test_disk_full_during_the_run_keeps_the_exit_code_and_prints_the_card(
         tmp_path: Path, small_disk: Path) -> None:
     marker = tmp_path / "stop"
-    proc = _launch(tmp_path, small_disk, script("until_marker.py"), str(marker), "3")
-    store = small_disk / "e" / "telemetry.sqlite"
-    try:
-        assert wait_until(lambda: _stored_steps(store) > 0, 90), "no step was stored"
+    with _training(tmp_path, small_disk, str(marker), "3") as proc:
         _fill(small_disk)
         marker.write_text("")
         out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 3, err[-3000:]
     assert "TraceML Run Summary" in out and "exit 3" in out, err[-3000:]
     assert "Telemetry stopped early" in out  # what came after the disk filled is missing
