@@ -94,7 +94,8 @@ class JoinCheck(threading.Thread):
         sock.setsockopt(zmq.LINGER, 0)
         secure_client(sock, self.keys)
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+                                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         try:
             sock.connect(self.address)
             sock.send(self.request)
