@@ -32,8 +32,8 @@ Variables:
     The session folder on node 0 (``logs/<session>``), where ``traceml.summary()``
     reads the store when it can.
 ``TRACEML_SECURE``
-    ``1`` when the collector listens beyond 127.0.0.1 and every sender must
-    speak ZeroMQ CURVE with keys derived from the session secret.
+    ``1``: every sender speaks ZeroMQ CURVE with keys derived from the session
+    secret (``traceml run`` always sets it: every collector speaks CURVE).
 
 Set by the user (read by the launcher, passed on to the workers):
 

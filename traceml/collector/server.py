@@ -115,7 +115,7 @@ class Collector:
         except Rejected as exc:
             self.reject(exc.reason)
         except (ProtocolError, ValueError, TypeError, KeyError, ArithmeticError):
-            self.reject("events that cannot be replayed")
+            self.reject("a payload that cannot be replayed or stored")
         except StoreError:
             self.store_failed = True
             self.reject("not stored: the store failed")
