@@ -27,19 +27,21 @@ from traceml import protocol
 from traceml.collector.server import CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import Envelope, RunEnd, RunStart, Sender
+from traceml.security import derive_keys, new_secret, secure_client
 from traceml.store import StoreError, StoreReader
 
 SESSION = "scale"
 FLUSH_S = 0.5
 
 
-def simulate(endpoint: str, ranks: range, world: int, steps_per_s: float, duration_s: float,
+def simulate(endpoint: str, secret: str, ranks: range, world: int, steps_per_s: float, duration_s: float,
              out: mp.Queue[tuple[int, int, int]]) -> None:
     """One sender process speaking for several ranks."""
     context = zmq.Context()
     sock = context.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.setsockopt(zmq.LINGER, 2000)
+    secure_client(sock, derive_keys(secret, SESSION))
     sock.connect(endpoint)
     seqs = {r: 0 for r in ranks}
     sent = dropped = rows_sent = 0
@@ -108,9 +110,10 @@ def bench(num_ranks: int, steps_per_s: float, duration_s: float, senders: int) -
         session_dir = Path(tmp) / SESSION
         session_dir.mkdir()
         db_path = session_dir / "telemetry.sqlite"
+        secret = new_secret()
         collector = CollectorProcess(CollectorConfig(
             session_id=SESSION, bind_host="127.0.0.1", port=0, db_path=str(db_path),
-            parent_pid=os.getpid()))
+            parent_pid=os.getpid(), secret=secret))
         collector.record(RunStart(
             session_id=SESSION, command=("bench",), started_at=time.time(),
             traceml_version="", torch_version="", python_version="",
@@ -120,7 +123,7 @@ def bench(num_ranks: int, steps_per_s: float, duration_s: float, senders: int) -
         out: mp.Queue[tuple[int, int, int]] = mp.Queue()
         chunks = [range(i, num_ranks, senders) for i in range(senders)]
         workers = [mp.Process(target=simulate, args=(
-            f"tcp://127.0.0.1:{collector.port}", c, num_ranks, steps_per_s, duration_s, out))
+            f"tcp://127.0.0.1:{collector.port}", secret, c, num_ranks, steps_per_s, duration_s, out))
             for c in chunks]
         start = time.monotonic()
         for w in workers:

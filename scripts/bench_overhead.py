@@ -59,6 +59,7 @@ from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import CLOSE, Sender
 from traceml.report.page.render import SNAPSHOT_PATH
+from traceml.security import new_secret
 from traceml.store import StoreReader
 
 
@@ -336,16 +337,18 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
+        secret = new_secret()
         collector = CollectorProcess(CollectorConfig(
             session_id="bench", bind_host="127.0.0.1", port=0,
             db_path=os.path.join(tmp, "telemetry.sqlite"), parent_pid=os.getpid(),
-            dashboard_port=free_port() if args.dashboard else None))
+            dashboard_port=free_port() if args.dashboard else None, secret=secret))
         poller = (DashboardPoller(collector.ready["dashboard"]["url"]) if args.dashboard
                   else None)
         # The batch watch runs as in a real rank; the one FLOP-counting step is a
         # one-time cost of its own (README), so counting is off here.
         env = AgentEnv(session_id="bench", endpoint=f"tcp://127.0.0.1:{collector.port}",
-                       launcher_pid=os.getppid(), count_flops=False)
+                       launcher_pid=os.getppid(), count_flops=False, secure=True,
+                       secret=secret)
         runtime = AgentRuntime(env, Sender("rank", socket.gethostname(), os.getpid(), 0, rank=0))
         runtime.watch_batches()
         runtime.sender.start()

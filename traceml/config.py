@@ -16,7 +16,8 @@ from typing import NoReturn
 
 from traceml.errors import UsageError
 
-SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+# Letters, digits, '_', '.' and '-', but not '.' or '..' alone (not a folder of its own).
+SESSION_ID_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,128}$")
 DEFAULT_AGGREGATOR_PORT = 29765
 DEFAULT_WINDOW_ROWS = 10000  # steps per rank the final summary analyses
 MODES = ("summary", "cli", "dashboard")

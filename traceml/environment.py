@@ -37,8 +37,8 @@ Variables:
 ``TRACEML_NO_FLOPS``
     ``1`` with ``--no-flops``: the agent counts no FLOPs (samples and tokens stay).
 ``TRACEML_SECURE``
-    ``1`` when the collector listens beyond 127.0.0.1 and every sender must
-    speak ZeroMQ CURVE with keys derived from the session secret.
+    ``1``: every sender speaks ZeroMQ CURVE with keys derived from the session
+    secret (``traceml run`` always sets it: every collector speaks CURVE).
 
 Set by the user (read by the launcher, passed on to the workers):
 
@@ -46,8 +46,10 @@ Set by the user (read by the launcher, passed on to the workers):
     The session secret for CURVE keys; the same value on every node.
 ``TRACEML_SECRET_FILE``
     A file holding the session secret; it must not be readable by group or
-    others (``chmod 600``).  Without either, the secret is derived from the
-    session id.
+    others (``chmod 600``).  Without either: on one node the launcher makes a
+    random secret for the run and hands it to its workers in
+    ``TRACEML_SECRET``; on several nodes it is derived from the session id
+    (the launcher warns).
 
 Set by torch's elastic agent in every worker (read only, into `TorchRank`):
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK`` (the node rank) and
@@ -64,6 +66,8 @@ from dataclasses import dataclass
 from traceml.errors import UsageError
 
 PREFIX = "TRACEML_"
+SECRET_HINT = ("set TRACEML_SECRET, or TRACEML_SECRET_FILE (chmod 600), to the same value "
+               "on every node")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,14 @@ KIND_CONTROL = "control"
 KIND_INCIDENT = "incident"
 KINDS = frozenset({KIND_EVENTS, KIND_PROCESS, KIND_SYSTEM, KIND_HELLO, KIND_BYE,
                    KIND_CONTROL, KIND_INCIDENT})
+ROLES = frozenset({"rank", "system", "launcher", "watch"})
+
+# Bounds of a sender's identity: beyond them the numbers are not a job's.
+MAX_WORLD_SIZE = 1 << 17
+MAX_NODES = 1 << 14
+MAX_RESTARTS = 1 << 20
+MAX_HOST_CHARS = 255
+_MAX_INT = 2**63 - 1
 
 # A rank's step events (KIND_EVENTS), by code: the rank logs one list of
 # perf_counter times per code; the collector merges them into one timeline
@@ -169,29 +177,61 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
 
 
 def _envelope_from(obj: dict[str, Any]) -> Envelope:
-    role, host, pid, node_rank, rank, local_rank, world_size, restart = obj["from"]
     kind = obj["kind"]
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}")
     payload = obj["p"]
     if not isinstance(payload, dict):
         raise TypeError("payload is not an object")
+    sid = obj["sid"]
+    if type(sid) is not str:
+        raise TypeError("session id is not a string")
     return Envelope(
-        session_id=str(obj["sid"]),
-        kind=kind,
-        sender=Sender(
-            role=str(role), host=str(host), pid=int(pid), node_rank=int(node_rank),
-            rank=None if rank is None else int(rank),
-            local_rank=None if local_rank is None else int(local_rank),
-            world_size=None if world_size is None else int(world_size),
-            restart=int(restart),
-        ),
-        seq=int(obj["seq"]),
-        sent_at=float(obj["at"]),
-        payload=payload,
-        num_sent=int(obj.get("ns", 0)),
-        num_dropped=int(obj.get("nd", 0)),
+        session_id=sid, kind=kind, sender=_sender_from(obj["from"]),
+        seq=_bounded(obj["seq"], 0, _MAX_INT, "seq"),
+        sent_at=_finite_float(obj["at"], "at"), payload=payload,
+        num_sent=_bounded(obj.get("ns", 0), 0, _MAX_INT, "ns"),
+        num_dropped=_bounded(obj.get("nd", 0), 0, _MAX_INT, "nd"),
     )
+
+
+def _sender_from(values: Any) -> Sender:
+    """A sender identity, checked: exact types, and numbers a job can have."""
+    if type(values) is not list or len(values) != 8:
+        raise TypeError("sender identity is not a list of 8")
+    role, host, pid, node_rank, rank, local_rank, world_size, restart = values
+    if role not in ROLES or type(host) is not str or not 0 < len(host) <= MAX_HOST_CHARS \
+            or not host.isprintable():
+        raise ValueError("sender role or host is not one of ours")
+    sender = Sender(
+        role=role, host=host, pid=_bounded(pid, 0, 2**32, "pid"),
+        node_rank=_bounded(node_rank, -1, MAX_NODES, "node_rank"),
+        rank=_bounded_or_none(rank, 0, MAX_WORLD_SIZE - 1, "rank"),
+        local_rank=_bounded_or_none(local_rank, 0, MAX_WORLD_SIZE - 1, "local_rank"),
+        world_size=_bounded_or_none(world_size, 1, MAX_WORLD_SIZE, "world_size"),
+        restart=_bounded(restart, 0, MAX_RESTARTS, "restart"),
+    )
+    if (sender.rank is None) != (role != "rank") or (
+            sender.world_size is not None and sender.rank is not None
+            and sender.rank >= sender.world_size):
+        raise ValueError("rank does not fit the role or the world size")
+    return sender
+
+
+def _bounded(value: Any, low: int, high: int, name: str) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{name} is not an integer in [{low}, {high}]")
+    return value
+
+
+def _bounded_or_none(value: Any, low: int, high: int, name: str) -> int | None:
+    return None if value is None else _bounded(value, low, high, name)
+
+
+def _finite_float(value: Any, name: str) -> float:
+    if not _is_number(value):
+        raise ValueError(f"{name} is not a finite number")
+    return float(value)
 
 
 def events_payload(batch: int, wall_offset_s: float, times: list[list[float]],
@@ -211,8 +251,11 @@ def events_payload(batch: int, wall_offset_s: float, times: list[list[float]],
 
 
 def _is_number(value: Any) -> bool:
-    """A float, or an int SQLite can store."""
-    return type(value) is float or (type(value) is int and -(2**63) <= value < 2**63)
+    """A finite float, or an int SQLite can store (NaN and infinities are no
+    one's measurement)."""
+    if type(value) is float:
+        return math.isfinite(value)
+    return type(value) is int and -(2**63) <= value < 2**63
 
 
 def _timed_values(items: Any, valid: Callable[[Any], bool]) -> bool:
@@ -402,6 +445,8 @@ class RunEnd:
 
     ended_at: float  # unix seconds
     exit_code: int  # the training's, as a shell reports it
+    # False: the collector died or hung before the end (the launcher's own record)
+    telemetry_complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -459,6 +504,8 @@ def record_from_json(cls: type[_Record], obj: Mapping[str, Any]) -> _Record:
 
 def _field_value(kind: str, value: Any, name: str) -> Any:
     if kind == "str" and isinstance(value, str):
+        return value
+    if kind == "bool" and type(value) is bool:
         return value
     if kind == "int" and type(value) is int:
         return value

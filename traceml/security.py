@@ -1,19 +1,25 @@
 """Who may talk to the collector: ZeroMQ CURVE keys derived from a session
 secret (shared by the agent, the launcher and the collector).
 
-When the collector listens beyond 127.0.0.1 (several nodes), every socket
-speaks CURVE.  The server and client key pairs are derived from the session
-secret, so only a process that knows the secret can complete the handshake,
-and the collector's authenticator admits only the derived client key.  The
-secret is the user's (an environment variable or a 0600 file: see
-`traceml.environment`); without one, it is derived from the session id, so
-knowing the session id is what admits a sender.
+Every socket of the collector speaks CURVE, on one node as on many.  The
+server and client key pairs are derived from the session secret, so only a
+process that knows the secret can complete the handshake, and the collector's
+authenticator admits only the derived client key, plus the launcher's own key
+(derived from a second secret that only the launcher and its collector know:
+control messages are accepted from that key alone).
+
+The secret: the user's (an environment variable or a 0600 file: see
+`traceml.environment`); else, on one node, a random one per run, handed to the
+local workers in their environment (never on a command line); else (several
+nodes and no user secret) it is derived from the session id, so knowing the
+session id admits a sender, and the launcher says so when it starts.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, replace
 from typing import Any
 
 import zmq
@@ -45,6 +51,20 @@ def derive_keys(secret: str, session_id: str) -> CurveKeys:
                      zmq.curve_public(client_secret), client_secret)
 
 
+def new_secret() -> str:
+    """A random secret for one run (256 bits)."""
+    return secrets.token_urlsafe(32)
+
+
+def launcher_keys(keys: CurveKeys, launcher_secret: str) -> CurveKeys:
+    """The launcher's client key pair for the same server: only the launcher and
+    its collector know ``launcher_secret``."""
+    client_secret = bytes(z85.encode(hashlib.sha256(
+        f"traceml/launcher/{launcher_secret}".encode()).digest()))
+    return replace(keys, client_public=zmq.curve_public(client_secret),
+                   client_secret=client_secret)
+
+
 def session_keys(secure: bool, secret: str | None, session_id: str) -> CurveKeys | None:
     """The session's keys when it is secured, else None."""
     if not secure:
@@ -58,25 +78,30 @@ def secure_client(sock: Any, keys: CurveKeys) -> None:
     sock.curve_secretkey = keys.client_secret
 
 
-def secure_server(context: Any, sock: Any, keys: CurveKeys) -> Any:
-    """Make ``sock`` a CURVE server that admits only this session's client key.
+def start_authenticator(context: Any, *client_publics: bytes) -> Any:
+    """An authenticator for ``context`` that admits only these client keys (z85).
 
-    Returns the running authenticator; stop it when the socket closes.
+    A message's ``User-Id`` property is then the z85 public key of its sender.
+    Stop it when the sockets close.
     """
     from zmq.auth.thread import ThreadAuthenticator
 
     auth = ThreadAuthenticator(context)
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_AllowKey(keys.client_public))
-    sock.curve_server = True
-    sock.curve_publickey = keys.server_public
-    sock.curve_secretkey = keys.server_secret
+    auth.configure_curve_callback(domain="*", credentials_provider=_AllowKeys(client_publics))
     return auth
 
 
-class _AllowKey:
-    def __init__(self, key: bytes) -> None:
-        self.key = key
+def secure_server(sock: Any, keys: CurveKeys) -> None:
+    """Make ``sock`` a CURVE server (its context needs `start_authenticator`)."""
+    sock.curve_server = True
+    sock.curve_publickey = keys.server_public
+    sock.curve_secretkey = keys.server_secret
+
+
+class _AllowKeys:
+    def __init__(self, keys: tuple[bytes, ...]) -> None:
+        self.keys = frozenset(keys)
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return bool(z85.encode(key) == self.key or key == self.key)
+        return key in self.keys

@@ -8,7 +8,10 @@ launcher's `RunStart` and `RunEnd` (one JSON value per field, keyed by the
 field's name) and the nodes whose options did not match (``join_error/<t>``).
 `StoreWriter` takes typed records; `StoreReader` gives back `RunData` and the
 same records, whole or as the rows added since a rowid (the live views' tail).
-Whatever SQLite raises comes out as `StoreError`.
+Whatever SQLite raises comes out as `StoreError`.  A stored row whose values
+no collector writes (a string for a time, NaN, a world of 10^12 ranks: the
+file was edited or damaged) is skipped and counted with the rejections, so a
+summary always builds from what is left.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sqlite3
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -38,6 +41,7 @@ from traceml.diagnosis.samples import (
 )
 from traceml.errors import ProtocolError
 from traceml.protocol import (
+    MAX_WORLD_SIZE,
     PROCESS_FIELDS,
     SYSTEM_FIELDS,
     RunEnd,
@@ -211,7 +215,8 @@ def _insert(table: str, columns: Sequence[str], verb: str = "INSERT") -> str:
             f"VALUES ({', '.join('?' * len(columns))})")
 
 
-_STEPS_SQL = _insert("steps", ("rank", "restart", "node_rank", *STEP_COLUMNS), "INSERT OR REPLACE")
+# A stored step is never replaced: a second row for it is a duplicate.
+_STEPS_SQL = _insert("steps", ("rank", "restart", "node_rank", *STEP_COLUMNS), "INSERT OR IGNORE")
 _PROCESS_SQL = _insert("process", ("rank", "restart", "node_rank", *PROCESS_FIELDS))
 _FLOP_COUNT_SQL = _insert("flop_counts", ("rank", "restart", "node_rank", *_FLOP_COUNT_COLUMNS))
 _SYSTEM_SQL = _insert("system", ("node_rank", "host", *SYSTEM_FIELDS))
@@ -254,12 +259,26 @@ class StoreWriter:
         self._execute("BEGIN")
 
     def commit(self) -> None:
-        self._execute("COMMIT")
-        self._execute("BEGIN")
+        """Commit the batch and begin the next; StoreError when the batch could not
+        be written (a full disk: it is lost, and the next batch begins anyway)."""
+        try:
+            self._execute("COMMIT")
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                self.db.execute("BEGIN")
 
     def close(self) -> None:
-        self._execute("COMMIT")
-        self.db.close()
+        """Commit and fold the write-ahead log into the file: the closed store is one
+        self-contained file (no ``-wal`` beside it), synced to disk."""
+        try:
+            self._execute("COMMIT")
+            with contextlib.suppress(StoreError):  # a reader still open keeps the log
+                self._execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._execute("PRAGMA journal_mode=DELETE")
+        finally:
+            self.db.close()
 
     def save_run(self, record: RunStart | RunEnd) -> None:
         """The launcher's record of the run's start or end."""
@@ -269,10 +288,13 @@ class StoreWriter:
         self._set_meta({f"{JOIN_ERROR_PREFIX}{error.at:.6f}": error.problem})
 
     def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int:
+        """Store the steps; returns how many were new (a step already stored is kept)."""
         prefix = (sender.rank, sender.restart, sender.node_rank)
         batch = [prefix + record.values() for record in records]
-        self._executemany(_STEPS_SQL, batch)
-        return len(batch)
+        if not batch:
+            return 0
+        with _sqlite_errors():
+            return int(self.db.executemany(_STEPS_SQL, batch).rowcount)
 
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
         prefix = (sender.rank, sender.restart, sender.node_rank)
@@ -338,6 +360,7 @@ class StoreReader:
     the caller; StoreError from any method when the store cannot be read."""
 
     def __init__(self, path: str | Path, timeout_s: float = 5.0) -> None:
+        self.skipped: dict[str, int] = {}  # stored rows not read back, by reason
         with _sqlite_errors():
             self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
         self._db.row_factory = sqlite3.Row
@@ -358,16 +381,44 @@ class StoreReader:
         self.close()
 
     def records(self) -> RunRecords:
+        """The run's records; the rejections include the stored rows skipped so far."""
         meta = self._meta()
-        rejected = {r["reason"]: r["count"] for r in self._rows("SELECT * FROM rejected")}
-        return RunRecords(_run_record(RunStart, meta, "session_id"),
-                          _run_record(RunEnd, meta, "ended_at"), self.senders(), rejected)
+        start = self._run_record(RunStart, meta, "session_id")
+        end = self._run_record(RunEnd, meta, "ended_at")
+        senders = self.senders()
+        rejected = {r["reason"]: r["count"] for r in self._rows("SELECT * FROM rejected")
+                    if type(r["reason"]) is str and type(r["count"]) is int}
+        return RunRecords(start, end, senders, {**rejected, **self.skipped})
 
     def senders(self, role: str | None = None) -> tuple[SenderState, ...]:
         """Every sender that spoke (of one role: ``"system"`` is each node's launcher)."""
         where, params = ("WHERE role = ?", (role,)) if role is not None else ("", ())
         rows = self._rows(f"SELECT * FROM senders {where} ORDER BY node_rank, rank", params)
-        return tuple(_sender_state(r) for r in rows)
+        return tuple(self._read(rows, _sender_state, "sender"))
+
+    def _read(self, rows: list[dict[str, Any]], convert: Callable[[dict[str, Any]], _T],
+              what: str) -> list[_T]:
+        """``rows`` converted; a row that will not convert is skipped and counted."""
+        out = []
+        for r in rows:
+            try:
+                out.append(convert(r))
+            except (TypeError, ValueError, KeyError, orjson.JSONDecodeError):
+                self._skip(f"stored {what} row with bad values")
+        return out
+
+    def _skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def _run_record(self, cls: type[_Run], meta: Mapping[str, Any], key: str) -> _Run | None:
+        """The run record kept in ``meta``, if its ``key`` is there and it is whole."""
+        if key not in meta:
+            return None
+        try:
+            return _checked_record(record_from_json(cls, meta))
+        except ProtocolError:
+            self._skip(f"stored {cls.__name__} with bad values")
+            return None
 
     def join_errors(self) -> tuple[JoinError, ...]:
         return tuple(sorted(
@@ -376,26 +427,27 @@ class StoreReader:
 
     def run(self, records: RunRecords) -> RunData:
         """The whole run, described by its ``records`` (see :meth:`records`)."""
-        steps = tuple(_step_row(r) for r in self._rows(
-            "SELECT * FROM steps ORDER BY rank, restart, step"))
-        process = tuple(_process_sample(r) for r in self._rows(
-            "SELECT * FROM process ORDER BY t"))
+        steps = tuple(self._read(self._rows(
+            "SELECT * FROM steps ORDER BY rank, restart, step"), _step_row, "step"))
+        process = tuple(self._read(self._rows(
+            "SELECT * FROM process ORDER BY t"), _process_sample, "process"))
         # A c10d launcher samples before it learns its node rank (-1): not a node yet.
-        system = tuple(_system_sample(r) for r in self._rows(
-            "SELECT * FROM system WHERE node_rank >= 0 ORDER BY t"))
-        return dataclasses.replace(run_data(records, steps, process, system, self.incidents()),
-                                   flop_counts=self.flop_counts())
+        system = tuple(self._read(self._rows(
+            "SELECT * FROM system WHERE node_rank >= 0 ORDER BY t"), _system_sample, "system"))
+        incidents = self.incidents()
+        rejected = {**records.rejected, **self.skipped}
+        return dataclasses.replace(
+            run_data(RunRecords(records.start, records.end, records.senders, rejected),
+                     steps, process, system, incidents),
+            flop_counts=self.flop_counts())
 
     def incidents(self) -> tuple[Incident, ...]:
         """Every stall and crash, in the order they were reported (none in a store
         written before they were kept)."""
         if not self._has_table("incidents"):
             return ()
-        try:
-            return tuple(_incident(r) for r in self._rows(
-                "SELECT * FROM incidents ORDER BY rowid"))
-        except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
-            raise StoreError(f"malformed incident: {exc}") from None
+        return tuple(self._read(self._rows("SELECT * FROM incidents ORDER BY rowid"),
+                                _incident, "incident"))
 
     def flop_counts(self) -> tuple[FlopCount, ...]:
         """Every rank's FLOP counts, oldest first per rank (none in a store written
@@ -415,17 +467,18 @@ class StoreReader:
         return int(self._rows("SELECT COUNT(*) AS n FROM steps")[0]["n"])
 
     def steps_after(self, row_id: int, limit: int) -> NewRows[StoredStep]:
-        """The newest ``limit`` steps stored after ``row_id``; a replaced step is new again."""
+        """The newest ``limit`` steps stored after ``row_id``."""
         rows, last = self._after("steps", row_id, limit)
-        return NewRows(tuple(StoredStep(r["restart"], _step_row(r)) for r in rows), last)
+        return NewRows(tuple(self._read(
+            rows, lambda r: StoredStep(r["restart"], _step_row(r)), "step")), last)
 
     def process_after(self, row_id: int, limit: int) -> NewRows[ProcessSample]:
         rows, last = self._after("process", row_id, limit)
-        return NewRows(tuple(_process_sample(r) for r in rows), last)
+        return NewRows(tuple(self._read(rows, _process_sample, "process")), last)
 
     def system_after(self, row_id: int, limit: int) -> NewRows[SystemSample]:
         rows, last = self._after("system", row_id, limit)
-        return NewRows(tuple(_system_sample(r) for r in rows), last)
+        return NewRows(tuple(self._read(rows, _system_sample, "system")), last)
 
     def _after(self, table: str, row_id: int, limit: int) -> tuple[list[dict[str, Any]], int]:
         rows = self._rows(
@@ -434,11 +487,9 @@ class StoreReader:
         return rows, (int(rows[-1]["row_id"]) if rows else row_id)
 
     def _meta(self) -> dict[str, Any]:
-        rows = self._rows("SELECT * FROM meta")
-        try:
-            return {r["key"]: orjson.loads(r["value"]) for r in rows}
-        except orjson.JSONDecodeError as exc:
-            raise StoreError(f"malformed meta value: {exc}") from None
+        pairs = self._read(self._rows("SELECT * FROM meta"),
+                           lambda r: (_text(r["key"]), orjson.loads(r["value"])), "meta")
+        return dict(pairs)
 
     def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         with _sqlite_errors():
@@ -447,41 +498,89 @@ class StoreReader:
 
 _Run = TypeVar("_Run", RunStart, RunEnd)
 
+_LIMIT = float(2**62)  # beyond any count, byte size, time or duration a run stores
 
-def _run_record(cls: type[_Run], meta: Mapping[str, Any], key: str) -> _Run | None:
-    """The run record kept in ``meta``, if its ``key`` is there."""
-    if key not in meta:
+
+def _number(value: Any, nullable: bool = True, low: float = -_LIMIT) -> Any:
+    """A stored number as a collector writes it; ValueError otherwise."""
+    if value is None and nullable:
         return None
-    try:
-        return record_from_json(cls, meta)
-    except ProtocolError as exc:
-        raise StoreError(f"malformed {cls.__name__} record: {exc}") from None
+    if type(value) not in (int, float) or not low <= value <= _LIMIT:  # NaN fails too
+        raise ValueError(f"{value!r} is not a stored number")
+    return value
+
+
+def _integer(value: Any, low: int = -1, high: float = _LIMIT) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{value!r} is not a stored integer")
+    return value
+
+
+def _text(value: Any) -> str:
+    if type(value) is not str:
+        raise ValueError(f"{value!r} is not text")
+    return value
+
+
+def _numbers(r: Mapping[str, Any], columns: Iterable[str]) -> dict[str, Any]:
+    """The row's ``columns``, each None or a number a collector writes."""
+    return {c: _number(r.get(c)) for c in columns}
+
+
+def _checked_record(record: _Run) -> _Run:
+    """A run record whose numbers are finite (a stored one may not be)."""
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if type(value) in (int, float) and not -_LIMIT <= value <= _LIMIT:
+            raise ProtocolError(f"{f.name} out of range")
+    if isinstance(record, RunStart) and not 0 <= record.expected_world_size <= MAX_WORLD_SIZE:
+        raise ProtocolError("expected_world_size out of range")
+    return record
 
 
 def _sender_state(r: Mapping[str, Any]) -> SenderState:
-    sender = Sender(role=r["role"], host=r["host"], pid=r["pid"], node_rank=r["node_rank"],
-                    rank=r["rank"], local_rank=r["local_rank"], world_size=r["world_size"],
-                    restart=r["restart"])
-    return SenderState(sender, r["first_seen"], r["last_seen"], r["num_messages"],
-                       r["num_gaps"], r["last_seq"], r["num_sent"], r["num_dropped"],
-                       bool(r["said_bye"]))
+    rank = r["rank"]
+    world_size = r["world_size"]
+    sender = Sender(role=_text(r["role"]), host=_text(r["host"]), pid=_integer(r["pid"]),
+                    node_rank=_integer(r["node_rank"]),
+                    rank=None if rank is None else _integer(rank, 0, MAX_WORLD_SIZE - 1),
+                    local_rank=r["local_rank"],
+                    world_size=(None if world_size is None
+                                else _integer(world_size, 1, MAX_WORLD_SIZE)),
+                    restart=_integer(r["restart"], 0))
+    return SenderState(sender, _number(r["first_seen"], False), _number(r["last_seen"], False),
+                       _integer(r["num_messages"], 0), _integer(r["num_gaps"], 0),
+                       _integer(r["last_seq"]), _integer(r["num_sent"], 0),
+                       _integer(r["num_dropped"], 0), bool(r["said_bye"]))
+
+
+def _boundary(value: Any) -> str:
+    """A step's boundary rule; a store written before steps kept one: optimizer."""
+    if value is None:
+        return phases.STEP_BOUNDARIES[0]
+    if value not in phases.STEP_BOUNDARIES:
+        raise ValueError(f"{value!r} is not a step boundary")
+    return str(value)
 
 
 def _step_row(r: Mapping[str, Any]) -> StepRow:
+    v = _numbers(r, [c for c in r.keys() if c not in _STEP_TYPE])
+    if any(v.get(c) is not None and v[c] < 0 for c in STEP_COLUMNS if c.endswith("_ms")):
+        raise ValueError("a negative time")
     return StepRow(
         # A store written before a phase existed has no column for it: it took 0.
-        rank=r["rank"], step=r["step"],
-        phase_ms={p.name: r.get(p.column) or 0.0 for p in phases.PHASES},
-        total_ms=r["total_ms"], wait_ms=r["wait_ms"],
-        peak_allocated_bytes=r["peak_allocated_bytes"],
-        peak_reserved_bytes=r["peak_reserved_bytes"], rss_bytes=r["rss_bytes"],
-        t=(r["t_begin"] + r["total_ms"] / 1e3) if r["t_begin"] is not None else None,
-        gpu_ms=_gpu_ms(r), collective_ms=r.get("collective_ms"),
-        samples=r.get("samples"), tokens=r.get("tokens"), flops=r.get("flops"),
-        flops_counted=bool(r.get("flops_counted")),
-        boundary=r.get("boundary") or phases.STEP_BOUNDARIES[0],
-        eval_ms=r.get("eval_ms") or 0.0, num_eval=r.get("num_eval") or 0,
-        num_input=r.get(phases.PHASES[0].count_column) or 0,
+        rank=_integer(r["rank"], 0, MAX_WORLD_SIZE - 1), step=_integer(r["step"], 0),
+        phase_ms={p.name: v.get(p.column) or 0.0 for p in phases.PHASES},
+        total_ms=_number(r["total_ms"], False, 0.0), wait_ms=_number(r["wait_ms"], False, 0.0),
+        peak_allocated_bytes=v["peak_allocated_bytes"],
+        peak_reserved_bytes=v["peak_reserved_bytes"], rss_bytes=v["rss_bytes"],
+        t=(v["t_begin"] + v["total_ms"] / 1e3) if v["t_begin"] is not None else None,
+        gpu_ms=_gpu_ms(v), collective_ms=v.get("collective_ms"),
+        samples=v.get("samples"), tokens=v.get("tokens"), flops=v.get("flops"),
+        flops_counted=bool(v.get("flops_counted")),
+        boundary=_boundary(r.get("boundary")),
+        eval_ms=v.get("eval_ms") or 0.0, num_eval=v.get("num_eval") or 0,
+        num_input=v.get(phases.PHASES[0].count_column) or 0,
     )
 
 
@@ -493,33 +592,51 @@ def _gpu_ms(r: Mapping[str, Any]) -> float | None:
 
 
 def _process_sample(r: Mapping[str, Any]) -> ProcessSample:
+    v = _numbers(r, r.keys())
     return ProcessSample(
-        rank=r["rank"], node_rank=r["node_rank"], t=r["t"], cpu_pct=r["cpu_pct"] or 0.0,
-        rss_bytes=r["rss_bytes"] or 0, host_ram_total_bytes=r["host_ram_total_bytes"] or 0,
-        num_cpus=r["num_cpus"] or 1, device_allocated_bytes=r["device_allocated_bytes"],
-        device_reserved_bytes=r["device_reserved_bytes"],
-        device_total_bytes=r["device_total_bytes"],
+        rank=_integer(r["rank"], 0, MAX_WORLD_SIZE - 1), node_rank=_integer(r["node_rank"]),
+        t=_number(r["t"], False), cpu_pct=v["cpu_pct"] or 0.0,
+        rss_bytes=v["rss_bytes"] or 0, host_ram_total_bytes=v["host_ram_total_bytes"] or 0,
+        num_cpus=v["num_cpus"] or 1, device_allocated_bytes=v["device_allocated_bytes"],
+        device_reserved_bytes=v["device_reserved_bytes"],
+        device_total_bytes=v["device_total_bytes"],
     )
 
 
 def _incident(r: Mapping[str, Any]) -> Incident:
-    detail = orjson.loads(r["detail"])
-    if not isinstance(detail, dict):
-        raise TypeError("incident detail is not an object")
+    detail = orjson.loads(_text(r["detail"]))
+    if not isinstance(detail, dict) or not all(
+            isinstance(v, (str, int, float)) or v is None for v in detail.values()):
+        raise TypeError("incident detail is not an object of scalars")
+    phase, source = r["phase"], r["stack_source"]
     return Incident(
-        what=r["what"], rank=r["rank"], node_rank=r["node_rank"], host=r["host"], pid=r["pid"],
-        began_at=r["began_at"], detected_at=r["detected_at"], cleared_at=r["cleared_at"],
-        step=r["step"], phase=r["phase"],
-        open_phases=tuple(str(p) for p in orjson.loads(r["open_phases"])),
-        stack=stacks.from_json(orjson.loads(r["stack"])), stack_source=r["stack_source"],
-        detail=detail)
+        what=_text(r["what"]), rank=_integer(r["rank"], 0, MAX_WORLD_SIZE - 1),
+        node_rank=_integer(r["node_rank"]), host=_text(r["host"]), pid=_integer(r["pid"], 0),
+        began_at=_number(r["began_at"], False), detected_at=_number(r["detected_at"], False),
+        cleared_at=_number(r["cleared_at"]),
+        step=None if r["step"] is None else _integer(r["step"], 0),
+        phase=None if phase is None else _text(phase),
+        open_phases=tuple(_text(p) for p in orjson.loads(_text(r["open_phases"]))),
+        stack=stacks.from_json(orjson.loads(_text(r["stack"]))),
+        stack_source=None if source is None else _text(source), detail=detail)
 
 
 def _system_sample(r: Mapping[str, Any]) -> SystemSample:
-    gpus = tuple(GpuSample(*g) for g in orjson.loads(r["gpus"] or "[]"))
-    return SystemSample(node_rank=r["node_rank"], host=r["host"], t=r["t"],
-                        cpu_pct=r["cpu_pct"] or 0.0, ram_pct=r["ram_pct"] or 0.0,
-                        ram_total_bytes=r["ram_total_bytes"] or 0, gpus=gpus)
+    v = _numbers(r, ("cpu_pct", "ram_pct", "ram_total_bytes"))
+    gpus = orjson.loads(r["gpus"] or "[]")
+    if type(gpus) is not list:
+        raise ValueError("gpus is not a list")
+    return SystemSample(node_rank=_integer(r["node_rank"]), host=_text(r["host"]),
+                        t=_number(r["t"], False), cpu_pct=v["cpu_pct"] or 0.0,
+                        ram_pct=v["ram_pct"] or 0.0, ram_total_bytes=v["ram_total_bytes"] or 0,
+                        gpus=tuple(_gpu_sample(g) for g in gpus))
+
+
+def _gpu_sample(values: Any) -> GpuSample:
+    if type(values) is not list:
+        raise ValueError("a GPU sample is not a list")
+    index, *rest = values
+    return GpuSample(_integer(index, 0), *(_number(x) for x in rest))
 
 
 # -- the run, described from its records --------------------------------------------------
@@ -539,8 +656,9 @@ def run_data(records: RunRecords, steps: tuple[StepRow, ...], process: tuple[Pro
 def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
               process: tuple[ProcessSample, ...]) -> RunMeta:
     start = records.start or _NO_START
-    world_size, missing = _ranks(records)
+    world_size, missing = _ranks(records, steps)
     exit_code = records.end.exit_code if records.end is not None else None
+    complete = records.end.telemetry_complete if records.end is not None else True
     cuda = any(s.peak_allocated_bytes is not None for s in steps) or any(
         p.device_total_bytes is not None for p in process)
     senders = records.senders
@@ -550,7 +668,7 @@ def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
         session_id=start.session_id, command=list(start.command),
         started_at=start.started_at,
         ended_at=records.end.ended_at if records.end is not None else start.started_at,
-        exit_code=exit_code, partial=bool(missing) or exit_code != 0,
+        exit_code=exit_code, partial=bool(missing) or exit_code != 0 or not complete,
         world_size=world_size, missing_ranks=missing, nodes=_nodes(senders),
         device="cuda" if cuda else "cpu",
         versions={"traceml": start.traceml_version, "torch": start.torch_version,
@@ -559,16 +677,17 @@ def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
                    "dropped": sum(s.num_dropped for s in senders),
                    "gaps": sum(s.num_gaps for s in senders),
                    "rejected": sum(records.rejected.values())},
-        mode=start.mode,
+        mode=start.mode, rejected=dict(records.rejected), telemetry_complete=complete,
     )
 
 
-def _ranks(records: RunRecords) -> tuple[int, tuple[int, ...]]:
+def _ranks(records: RunRecords, steps: tuple[StepRow, ...]) -> tuple[int, tuple[int, ...]]:
     """The world size and the ranks missing from it."""
     start = records.start or _NO_START
     ranked = [s for s in records.senders if s.sender.rank is not None]
     reported = [s.sender.world_size for s in records.senders if s.sender.world_size]
-    world_size = max(reported + [start.expected_world_size, len({s.sender.rank for s in ranked})])
+    world_size = max(reported + [start.expected_world_size, len({s.sender.rank for s in ranked}),
+                                 1 + max((s.rank for s in steps), default=-1)])
     # A rank that never said goodbye was lost (killed, or its node died): its data
     # stops early.  Watch mode has no agent to say goodbye.
     seen = {s.sender.rank for s in ranked if s.said_bye or start.mode != "run"}

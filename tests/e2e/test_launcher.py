@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_store, run_traceml, script, wait_until
+from tests.conftest import read_store, read_summary, run_traceml, script, wait_until
 
 LOOP = script("loop.py")
 
@@ -86,6 +86,12 @@ def test_collector_killed_mid_run(tmp_path: Path) -> None:
     assert "collector stopped" in err
     assert time.monotonic() - killed_at < 30
     assert (evidence / "rank0.json").exists()
+    # The summary still says how the run ended, and that its telemetry stopped early.
+    summary = read_summary(tmp_path / "logs" / "k")
+    assert summary is not None
+    assert (summary["meta"]["exit_code"], summary["meta"]["telemetry_complete"]) == (0, False)
+    assert summary["meta"]["ended_at"] > summary["meta"]["started_at"]
+    assert "Telemetry stopped early" in out
 
 
 def _collector_pid(launcher_pid: int) -> int | None:
@@ -133,6 +139,20 @@ def test_two_jobs_on_one_host_do_not_collide(tmp_path: Path) -> None:
     assert counts == [12, 17]
 
 
+def test_two_runs_with_one_session_id_cannot_both_run(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "traceml", "run", "--logs-dir", str(tmp_path / "logs"),
+         "--session-id", "same", script("loop.py"), "--steps", "5"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)]
+    results = [(p.wait(timeout=180), p.communicate()[1]) for p in procs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert "already holds a run" in refused and len(refused.strip().splitlines()) == 1
+    assert len(read_store(tmp_path / "logs" / "same" / "telemetry.sqlite")[0]) == 5
+
+
 def test_worker_killed_reports_signal_status(tmp_path: Path) -> None:
     res = run_traceml(tmp_path, "run", script("kill_self.py"))
     assert res.returncode == 128 + signal.SIGKILL, res.stderr[-2000:]
@@ -146,6 +166,15 @@ def test_worker_killed_reports_signal_status(tmp_path: Path) -> None:
     (["run", "--mode", "fancy", "x.py"], "invalid choice"),
     (["frobnicate"], "unknown command"),
     (["run"], "required"),
+    (["run", "--session-id", "..", "x.py"], "invalid --session-id"),
+    (["run", "--session-id", ".", "x.py"], "invalid --session-id"),
+    (["run", "--nnodes", "2:1", "x.py"], "bad --nnodes"),
+    (["run", "--nproc-per-node", "0", "x.py"], "bad --nproc-per-node"),
+    (["run", "--nproc-per-node", "abc", "x.py"], "bad --nproc-per-node"),
+    (["run", "--master-port", "99999", "x.py"], "bad --master-port"),
+    (["run", "--no-python", "/missing"], "--no-python command not found"),
+    (["run", "--sample-interval", "inf", "x.py"], "--sample-interval"),
+    (["run", "--sample-interval", "nan", "x.py"], "--sample-interval"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "traceml", *args], capture_output=True,
@@ -155,6 +184,29 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: s
     assert len(lines) == 1, proc.stderr
     assert needle in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_logs_dir_that_cannot_hold_a_session_is_one_line_exit_2(tmp_path: Path) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    # Root ignores permission bits: a read-only mount is what refuses it.
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs",
+                              str(read_only)], capture_output=True).returncode == 0
+    try:
+        for logs in (a_file, *([read_only] if mounted else [])):
+            proc = subprocess.run(
+                [sys.executable, "-m", "traceml", "run", "--logs-dir", str(logs),
+                 script("env_dump.py")], capture_output=True, text=True, cwd=tmp_path,
+                timeout=60)
+            assert proc.returncode == 2, proc.stderr
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and "give --logs-dir a folder you can write" in lines[0], \
+                proc.stderr
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(read_only)], check=False)
 
 
 def test_port_in_use_is_one_line_exit_2(tmp_path: Path) -> None:

@@ -169,6 +169,29 @@ def test_mismatching_node_is_reported_not_hung(tmp_path: Path) -> None:
         node0.communicate(timeout=60)
 
 
+def test_node_of_another_session_is_refused_without_learning_node_0s_id(
+        tmp_path: Path) -> None:
+    # Its key derives from its own session id: node 0's join port refuses the
+    # handshake, and the node says so in one line instead of hanging.
+    common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+              f"--master-port={free_port()}", f"--aggregator-port={free_port()}",
+              "--aggregator-bind-host=127.0.0.1"]
+    node0 = Nodes(tmp_path, "secret-id-of-node-0", common)
+    stranger = Nodes(tmp_path, "other", common)
+    node0.start("--node-rank=0", script("allreduce.py"))
+    node1 = stranger.start("--node-rank=1", script("allreduce.py"))
+    try:
+        _, err1 = node1.communicate(timeout=90)
+        assert node1.returncode == 2, err1
+        lines = [ln for ln in err1.splitlines() if ln.startswith("traceml:")]
+        assert len(lines) == 1 and "refused this node's key" in lines[0], err1
+        assert "secret-id-of-node-0" not in err1
+    finally:
+        node0.kill_all()
+        stranger.kill_all()
+        node0.finish(timeout=60)
+
+
 def test_watch_reports_system_and_process_only(tmp_path: Path) -> None:
     (tmp_path / "plain.py").write_text(
         "import time\nx = [0] * 10**6\nt = time.time()\nwhile time.time() - t < 2.5:\n"

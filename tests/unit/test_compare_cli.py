@@ -310,3 +310,26 @@ def test_exact_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
                                          session="slow-2"))
     assert main([str(a), str(b), "--output", str(tmp_path / "c")]) == 0
     assert capsys.readouterr().out == EXPECTED_TEXT
+
+
+@pytest.mark.parametrize("kind", ["deep", "zero", "fifo", "huge"])
+def test_files_that_are_no_summary_are_one_line(runs: dict[str, Path], tmp_path: Path,
+                                                kind: str, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    import traceml.compare.load as load
+
+    path = tmp_path / "side.json"
+    if kind == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "zero":
+        path = Path("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)  # nobody writes: reading it would wait forever
+    else:
+        monkeypatch.setattr(load, "MAX_SUMMARY_BYTES", 1000)  # the real cap is 256 MiB
+        path.write_bytes(b" " * 1001)
+    assert main([str(path), str(runs["base"])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("traceml compare: A:"), err

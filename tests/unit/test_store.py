@@ -103,3 +103,61 @@ def test_what_is_not_a_store_is_a_store_error(tmp_path: Path) -> None:
         StoreReader(bad)
     with pytest.raises(UsageError, match="cannot read"):
         load_run(tmp_path)
+
+
+@pytest.mark.parametrize("sql", [
+    "UPDATE steps SET total_ms = 'abc' WHERE step = 1",
+    "UPDATE steps SET input_ms = 1e999 WHERE step = 1",  # SQLite stores Inf
+    "UPDATE steps SET wait_ms = -5 WHERE step = 1",
+    "UPDATE steps SET rank = 10000000000 WHERE step = 1",
+])
+def test_a_bad_stored_step_is_skipped_and_counted(tmp_path: Path, sql: str) -> None:
+    from traceml.report.session import write_summary
+
+    _store(tmp_path / "telemetry.sqlite")
+    db = sqlite3.connect(tmp_path / "telemetry.sqlite")
+    db.execute(sql)
+    db.commit()
+    db.close()
+    files = write_summary(tmp_path)
+    assert [r.step for r in files.run.steps] == [0, 2]
+    assert files.summary["meta"]["rejected"] == {"foreign session": 2,
+                                                 "stored step row with bad values": 1}
+    assert "Rejected: 3 (foreign session 2, stored step row with bad values 1)" in files.text
+
+
+def test_bad_stored_records_leave_a_summary(tmp_path: Path) -> None:
+    from traceml.report.session import write_summary
+
+    _store(tmp_path / "telemetry.sqlite")
+    db = sqlite3.connect(tmp_path / "telemetry.sqlite")
+    db.execute("UPDATE senders SET world_size = 1000000000000 WHERE role = 'rank'")
+    db.execute("UPDATE meta SET value = '1000000000000' WHERE key = 'expected_world_size'")
+    db.execute("INSERT INTO meta VALUES ('junk', '{not json')")
+    db.execute("UPDATE process SET cpu_pct = 'x'")
+    db.execute("UPDATE system SET gpus = '[[\"a\"]]' WHERE node_rank = 0")
+    db.commit()
+    db.close()
+    files = write_summary(tmp_path)
+    assert files.run.meta.world_size == 1  # from the one rank's steps left
+    assert files.summary["meta"]["rejected"] == {
+        "foreign session": 2, "stored sender row with bad values": 1,
+        "stored meta row with bad values": 1, "stored RunStart with bad values": 1,
+        "stored process row with bad values": 1, "stored system row with bad values": 1}
+
+
+def test_report_on_a_store_with_garbage_pages_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    from traceml.cli import main
+
+    _store(tmp_path / "telemetry.sqlite")
+    data = bytearray((tmp_path / "telemetry.sqlite").read_bytes())
+    page = 4096
+    for offset in range(page, len(data), page):  # every page but the header's
+        data[offset:offset + page] = os.urandom(page)
+    (tmp_path / "telemetry.sqlite").write_bytes(bytes(data))
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot read" in err[0] and "malformed" in err[0], err

@@ -114,3 +114,28 @@ def test_control_records_round_trip(record: protocol.Control) -> None:
 def test_malformed_control_payloads_are_rejected(payload: dict[str, object], reason: str) -> None:
     with pytest.raises(ProtocolError, match=reason):
         protocol.check_control(payload)
+
+
+def test_every_kind_has_one_validator() -> None:
+    # Adding a kind to the protocol means adding its validator to intake's table.
+    from traceml.collector.intake import VALIDATORS
+
+    assert set(VALIDATORS) == set(protocol.KINDS)
+
+
+def test_intake_reasons_are_fixed_and_foreign_sessions_cost_no_parse() -> None:
+    from traceml.collector.intake import Rejected, accept, session_prefix
+
+    prefix = session_prefix("s")
+    sender = protocol.Sender("rank", "h", 1, 0, rank=0, world_size=1)
+    good = protocol.encode(protocol.Envelope("s", protocol.KIND_HELLO, sender, 0, 1.0, {"t": 1.0}))
+    assert accept(good, prefix, 1 << 20).envelope.sender == sender
+    cases = {b"x" * 2000: "oversized message",
+             good.replace(b'"sid":"s"', b'"sid":"t"') + b" " * 500: "foreign session",
+             b"[1,2]": "not an envelope of this protocol",
+             good.replace(b'"t":1.0', b'"t":-5'): "bad hello payload",
+             good.replace(b'"seq":0', b'"seq":-1'): "malformed envelope"}
+    for data, reason in cases.items():
+        with pytest.raises(Rejected) as exc:
+            accept(data, prefix, 1000)
+        assert exc.value.reason == reason

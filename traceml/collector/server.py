@@ -2,16 +2,21 @@
 (collector side).
 
 Started by node 0's launcher before the workers.  It ignores SIGINT (Ctrl-C
-is the launcher's to handle), stores every sample, counts malformed, foreign
-and oversized messages and per-sender sequence gaps, and stops when the
-launcher says the run ended (after draining what is still in flight) or when
-the launcher disappears.  The live page's server (``--mode=dashboard``) is handed in
+is the launcher's to handle).  Every socket speaks CURVE (`traceml.security`):
+a stranger's handshake fails and is counted.  Every message is checked
+(`traceml.collector.intake`) before anything of it is stored; one that fails,
+a replay, a sender speaking for a rank another sender owns, or a control
+message from anyone but the launcher's key is rejected and counted by reason.
+Per-sender sequence gaps are counted too.  It stops when the launcher says the
+run ended (after draining what is still in flight) or when the launcher
+disappears.  The live page's server (``--mode=dashboard``) is handed in
 by the entry point, ``traceml.collector.__main__``: this module does not import
 the live views.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -22,12 +27,19 @@ import orjson
 import zmq
 
 from traceml import phases, protocol, stacks
+from traceml.collector import intake
+from traceml.collector.intake import Accepted, Rejected
 from traceml.collector.steps import RankSteps
 from traceml.diagnosis.samples import Incident
 from traceml.errors import ProtocolError
 from traceml.protocol import Envelope, IncidentReport, RunEnd, RunStart, Sender
-from traceml.security import secure_server, session_keys
-from traceml.store import JoinError, SenderState, StoreError, StoreWriter
+from traceml.security import (
+    derive_keys,
+    launcher_keys,
+    secure_server,
+    start_authenticator,
+)
+from traceml.store import JoinError, SenderState, StepRecord, StoreError, StoreWriter
 
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -36,6 +48,12 @@ COMMIT_INTERVAL_S = 0.25
 POLL_MS = 100
 DRAIN_IDLE_S = 0.3
 DRAIN_MAX_S = 5.0
+# What one sender may queue in the receive buffer: messages x the largest message
+# bounds its bytes (64 x 8 MiB); a sender over it waits, then drops and counts.
+RECEIVE_HWM = 64
+MAX_SENDERS = 1 << 16
+MAX_JOIN_ERRORS = 64
+JOIN_MAX_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -49,9 +67,11 @@ class CollectorConfig:
     # --mode=dashboard: the live page's server runs in this process (see LiveServer).
     dashboard_port: int | None = None
     dashboard_host: str = "127.0.0.1"
-    # Several nodes: CURVE when listening beyond loopback, and the join check.
-    secure: bool = False
+    # CURVE keys: from ``secret`` (None: from the session id); the launcher's own key
+    # from ``launcher_secret`` (None: nobody may send control messages).
     secret: str | None = None
+    launcher_secret: str | None = None
+    # Several nodes: the join check.
     join_port: int | None = None
     expected: dict[str, str] | None = None  # nnodes, nproc_per_node as node 0 has them
 
@@ -81,25 +101,26 @@ class Collector:
         self.store = store
         self.senders: dict[str, SenderState] = {}
         self.rank_steps: dict[str, RankSteps] = {}  # sender id -> its step tracker
+        self.owners: dict[tuple[Any, ...], tuple[str, int]] = {}  # who speaks for what
         self.rejected: dict[str, int] = {}
         self.open_stalls: dict[tuple[int, int], int] = {}  # (rank, pid) -> its stall's row
         self.ended = False
+        self.store_failed = False
         self.num_steps = 0
+        self._prefix = intake.session_prefix(config.session_id)
 
-    def handle(self, data: bytes) -> None:
+    def handle(self, data: bytes, from_launcher: bool = False) -> None:
+        """One message; ``from_launcher``: it came with the launcher's key."""
         try:
-            env = protocol.decode(data, self.config.max_message_bytes)
-        except ProtocolError as exc:
-            self.reject(str(exc).split(":")[0])
-            return
-        if env.session_id != self.config.session_id:
-            self.reject("foreign session")
-            return
-        try:
-            self._dispatch(env)
-        except (ProtocolError, ValueError, TypeError, KeyError, ArithmeticError,
-                StoreError) as exc:
-            self.reject(f"bad {env.kind} payload: {type(exc).__name__}")
+            msg = intake.accept(data, self._prefix, self.config.max_message_bytes)
+            self._dispatch(msg, from_launcher)
+        except Rejected as exc:
+            self.reject(exc.reason)
+        except (ProtocolError, ValueError, TypeError, KeyError, ArithmeticError):
+            self.reject("a payload that cannot be replayed or stored")
+        except StoreError:
+            self.store_failed = True
+            self.reject("not stored: the store failed")
 
     def all_said_bye(self) -> bool:
         """Every sender that spoke has said goodbye: nothing more is in flight."""
@@ -108,45 +129,54 @@ class Collector:
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
-    def _track(self, env: Envelope) -> SenderState:
+    def _state(self, env: Envelope) -> SenderState:
+        """The sender's state; Rejected for a replay, or a sender speaking for
+        a rank (or node) that another sender already spoke for."""
         key = env.sender.sender_id
         state = self.senders.get(key)
+        if state is not None:
+            if env.seq <= state.last_seq:
+                raise Rejected("replayed or duplicate message")
+            return state
+        if len(self.senders) >= MAX_SENDERS:
+            raise Rejected("too many senders")
+        claim = _claim(env.sender)
+        owner = (env.sender.host, env.sender.pid)
+        if claim is not None and self.owners.setdefault(claim, owner) != owner:
+            raise Rejected("rank or node claimed by another sender")
         now = time.time()
-        if state is None:
-            state = self.senders[key] = SenderState(env.sender, now, now)
+        state = self.senders[key] = SenderState(env.sender, now, now)
+        return state
+
+    def _track(self, state: SenderState, env: Envelope) -> None:
         if env.seq > state.last_seq + 1:
             state.num_gaps += env.seq - state.last_seq - 1
-        state.last_seq = max(state.last_seq, env.seq)
-        state.last_seen = now
+        state.last_seq = env.seq
+        state.last_seen = time.time()
         state.num_messages += 1
         state.num_sent = max(state.num_sent, env.num_sent + 1)
         state.num_dropped = max(state.num_dropped, env.num_dropped)
-        return state
 
-    def _dispatch(self, env: Envelope) -> None:
+    def _dispatch(self, msg: Accepted, from_launcher: bool) -> None:
+        env = msg.envelope
         if env.kind == protocol.KIND_CONTROL:
-            self._control(env.payload)
+            if not from_launcher:
+                raise Rejected("control message from a sender other than the launcher")
+            self._control(msg.payload)
             return
-        state = self._track(env)
+        state = self._state(env)
         if env.kind == protocol.KIND_EVENTS:
-            steps = self.rank_steps.get(state.sender.sender_id)
-            if steps is None:
-                steps = self.rank_steps[state.sender.sender_id] = RankSteps()
-            self.num_steps += self.store.add_steps(env.sender, steps.feed(env.payload))
-            if steps.flop_counts:
-                self.store.add_flop_counts(env.sender, steps.flop_counts)
-                steps.flop_counts = []
+            self._add_steps(env.sender, msg.payload)
         elif env.kind == protocol.KIND_PROCESS:
-            fields, rows = protocol.iter_rows(env.payload)
-            self.store.add_process(env.sender, fields, rows)
+            self.store.add_process(env.sender, *msg.payload)
         elif env.kind == protocol.KIND_SYSTEM:
-            fields, rows = protocol.iter_rows(env.payload)
-            self.store.add_system(env.sender, fields, rows)
+            self.store.add_system(env.sender, *msg.payload)
         elif env.kind == protocol.KIND_INCIDENT:
-            self._incident(env.sender, protocol.check_incident(env.payload))
+            self._incident(env.sender, msg.payload)
         elif env.kind == protocol.KIND_BYE:
             state.said_bye = True
             self.rank_steps.pop(state.sender.sender_id, None)  # its last events came before
+        self._track(state, env)
         self.store.save_sender(state)
 
     def _incident(self, sender: Sender, report: IncidentReport) -> None:
@@ -155,9 +185,11 @@ class Collector:
         stack taken from outside or an exception's traceback, from the stack."""
         rank = sender.rank if sender.role == "rank" else report.rank
         pid = sender.pid if sender.role == "rank" else report.pid
-        if rank is None or pid is None:
-            raise ProtocolError("incident without its rank")
+        if rank is None or pid is None or sender.role not in ("rank", "system"):
+            raise Rejected("incident without its rank")
         who = sender if sender.role == "rank" else self._rank_sender(rank, pid) or sender
+        if who.host != sender.host:  # a node's launcher speaks for its own ranks only
+            raise Rejected("incident about a rank of another node")
         key = (rank, pid)
         if report.what == protocol.RESUMED:
             row = self.open_stalls.pop(key, None)
@@ -190,17 +222,65 @@ class Collector:
                 return state.sender
         return None
 
-    def _control(self, payload: dict[str, Any]) -> None:
-        record = protocol.check_control(payload)
+    def _add_steps(self, sender: Sender, batch: protocol.EventBatch) -> None:
+        steps = self.rank_steps.get(sender.sender_id)
+        if steps is None:
+            steps = self.rank_steps[sender.sender_id] = RankSteps()
+        records = steps.feed_batch(batch)
+        if steps.flop_counts:
+            self.store.add_flop_counts(sender, steps.flop_counts)
+            steps.flop_counts = []
+        plausible = [r for r in records if _plausible(r)]
+        for _ in range(len(records) - len(plausible)):
+            self.reject("implausible step times")
+        stored = self.store.add_steps(sender, plausible)
+        for _ in range(len(plausible) - stored):
+            self.reject("duplicate step")
+        self.num_steps += stored
+
+    def _control(self, record: protocol.Control) -> None:
+        if isinstance(record, RunStart) and record.session_id != self.config.session_id:
+            raise Rejected("run start of another session")
         if isinstance(record, (RunStart, RunEnd)):
             self.store.save_run(record)
         else:
             self.ended = True
 
     def flush(self) -> None:
-        if self.rejected:
-            self.store.save_rejected(self.rejected)
-        self.store.commit()
+        """Commit what was stored; a store that cannot be written (a full disk)
+        is remembered, and the run goes on."""
+        try:
+            if self.rejected:
+                self.store.save_rejected(self.rejected)
+            self.store.commit()
+        except StoreError:
+            self.store_failed = True
+
+    def close(self) -> None:
+        try:
+            self.store.close()
+        except StoreError:
+            self.store_failed = True
+
+
+MAX_STEP_MS = 1e12  # 31 years
+
+
+def _plausible(record: StepRecord) -> bool:
+    """Times a step can take: finite, not negative, under :data:`MAX_STEP_MS`."""
+    times = (record.total_ms, record.wait_ms, *record.phase_ms,
+             *(t for t in (*record.gpu_ms, record.collective_ms) if t is not None))
+    return all(0.0 <= t <= MAX_STEP_MS for t in times) and math.isfinite(record.t_begin)
+
+
+def _claim(sender: Sender) -> tuple[Any, ...] | None:
+    """What a sender speaks for, that no other sender may: its rank in its
+    attempt, or its node's system samples (None: nothing exclusive)."""
+    if sender.rank is not None:
+        return ("rank", sender.rank, sender.restart)
+    if sender.role == "system" and sender.node_rank >= 0:
+        return ("system", sender.node_rank)
+    return None
 
 
 def _bind(sock: Any, host: str, port: int) -> int:
@@ -211,21 +291,26 @@ def _bind(sock: Any, host: str, port: int) -> int:
 
 
 class Listener:
-    """The collector's sockets: data in (PULL, CURVE when secured), the join
-    check for other nodes (REP), and a monitor counting failed handshakes."""
+    """The collector's sockets, every one a CURVE server: data in (PULL), the
+    join check for other nodes (REP), and a monitor counting failed handshakes."""
 
     def __init__(self, context: Any, config: CollectorConfig) -> None:
         self.config = config
-        self.auth: Any = None
+        keys = derive_keys(config.secret or config.session_id, config.session_id)
+        admitted = [keys.client_public]
+        self.launcher_id = ""
+        if config.launcher_secret is not None:
+            launcher_public = launcher_keys(keys, config.launcher_secret).client_public
+            admitted.append(launcher_public)
+            self.launcher_id = launcher_public.decode("ascii")
+        self.auth = start_authenticator(context, *admitted)
         self.sock = context.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        secure_server(self.sock, keys)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
-        keys = session_keys(config.secure, config.secret, config.session_id)
-        if keys is not None:
-            self.auth = secure_server(context, self.sock, keys)
         self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILURES)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.join: Any = None
@@ -234,7 +319,8 @@ class Listener:
             if config.join_port is not None:
                 self.join = context.socket(zmq.REP)
                 self.join.setsockopt(zmq.LINGER, 0)
-                self.join.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
+                self.join.setsockopt(zmq.MAXMSGSIZE, JOIN_MAX_BYTES)
+                secure_server(self.join, keys)
                 _bind(self.join, config.bind_host, config.join_port)
                 self.poller.register(self.join, zmq.POLLIN)
         except zmq.ZMQError:
@@ -253,9 +339,11 @@ class Listener:
         n = 0
         while True:
             try:
-                collector.handle(self.sock.recv(zmq.NOBLOCK))
+                frame = self.sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return n
+            from_launcher = bool(self.launcher_id) and frame.get("User-Id") == self.launcher_id
+            collector.handle(frame.bytes, from_launcher)
             n += 1
 
     def _count_handshake_failures(self, collector: Collector) -> None:
@@ -274,11 +362,12 @@ class Listener:
             problem = join_problem(request, self.config)
         except zmq.Again:
             return
-        except (orjson.JSONDecodeError, TypeError, AttributeError):
+        except (orjson.JSONDecodeError, TypeError, AttributeError, ValueError):
             problem = "malformed join request"
         if problem:
             collector.reject("node with mismatching options")
-            collector.store.add_join_error(JoinError(time.time(), problem))
+            if collector.rejected["node with mismatching options"] <= MAX_JOIN_ERRORS:
+                collector.store.add_join_error(JoinError(time.time(), problem))
         self.join.send(orjson.dumps({"ok": not problem, "error": problem}))
 
     def close(self) -> None:
@@ -289,33 +378,52 @@ class Listener:
             self.auth.stop()
 
 
+def _shown(value: Any) -> str:
+    """A peer's value as printable text, short: it goes on node 0's terminal."""
+    text = ascii(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def join_problem(request: dict[str, Any], config: CollectorConfig) -> str:
-    """Why a joining node's options differ from node 0's ('' when they match)."""
-    theirs = {"session_id": request.get("session_id"), **dict(request.get("options") or {})}
-    ours = {"session_id": config.session_id, **(config.expected or {})}
-    host = request.get("host", "?")
-    for key, value in ours.items():
+    """Why a joining node's options differ from node 0's ('' when they match).
+
+    The answer never shows node 0's session id, and shows the peer's text escaped."""
+    if not isinstance(request, dict):
+        raise TypeError("not an object")
+    host = _shown(request.get("host", "?"))
+    if request.get("session_id") != config.session_id:
+        return (f"node on {host} has another --session-id than node 0: "
+                "use the same --session-id on every node")
+    theirs = dict(request.get("options") or {})
+    for key, value in (config.expected or {}).items():
         if theirs.get(key) != value:
             name = "--" + key.replace("_", "-")
-            return (f"node on {host} has {name} {theirs.get(key)!r} but node 0 has {value!r}: "
-                    f"use the same {name} on every node")
+            return (f"node on {host} has {name} {_shown(theirs.get(key))} but node 0 has "
+                    f"{value!r}: use the same {name} on every node")
     return ""
 
 
 def serve(config: CollectorConfig, dashboard: LiveServer | None = None) -> int:
-    """Run until the launcher ends the session; returns the exit status.
+    """Run until the launcher ends the session; returns the exit status (3: the
+    store could not be written, so what arrived is not all stored).
 
     ``dashboard`` is started when the configuration asks for one (``dashboard_port``)."""
+    # Ctrl-C and the job's SIGTERM (``timeout``, ``scancel`` of the process group) are
+    # the launcher's to handle: it stops this process once the run is over.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     context = zmq.Context()
     try:
         listener = Listener(context, config)
     except zmq.ZMQError as exc:
-        print(orjson.dumps({"error": f"cannot listen on {config.bind_host}:{config.port}: "
-                                     f"{exc.strerror}"}).decode(), flush=True)
-        context.destroy(0)
-        return 2
-    store = StoreWriter(config.db_path)
+        return _not_ready(context, f"cannot listen on {config.bind_host}:{config.port}: "
+                                   f"{exc.strerror}")
+    try:
+        store = StoreWriter(config.db_path)
+    except StoreError as exc:
+        listener.close()
+        return _not_ready(context, f"cannot write telemetry to {config.db_path}: {exc}",
+                          store_error=True)
     collector = Collector(config, store)
     ready: dict[str, Any] = {"port": listener.port, "pid": os.getpid()}
     dashboard = _start_dashboard(dashboard, config, ready)
@@ -324,12 +432,19 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None) -> int:
         _loop(listener, collector, config)
     finally:
         collector.flush()
-        store.close()
+        collector.close()
         if dashboard is not None:
             dashboard.finish()
         listener.close()
         context.term()
-    return 0
+    return 3 if collector.store_failed else 0
+
+
+def _not_ready(context: Any, error: str, store_error: bool = False) -> int:
+    """Say why the collector cannot run, on the line the launcher waits for."""
+    print(orjson.dumps({"error": error, "store_error": store_error}).decode(), flush=True)
+    context.destroy(0)
+    return 2
 
 
 def _start_dashboard(dashboard: LiveServer | None, config: CollectorConfig,

@@ -636,7 +636,10 @@ class RankSteps:
     def feed(self, payload: dict[str, Any]) -> list[StepRecord]:
         """The steps finished by one events payload; ProtocolError when it is
         malformed (nothing of it is replayed then)."""
-        batch = protocol.check_events(payload)
+        return self.feed_batch(protocol.check_events(payload))
+
+    def feed_batch(self, batch: protocol.EventBatch) -> list[StepRecord]:
+        """The steps finished by one checked events payload."""
         if batch.batch != self._last_batch + 1:
             # A batch was lost (dropped at a full queue): what follows starts
             # mid-step.

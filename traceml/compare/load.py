@@ -15,7 +15,9 @@ is also read leniently, and its problems are kept for the report.
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from pathlib import Path
 
 from traceml.compare.summary import RunSummary, decode_summary
@@ -24,6 +26,7 @@ from traceml.report.model import SCHEMA_VERSION
 from traceml.report.schema import validate_summary
 
 SUMMARY_FILENAME = "final_summary.json"
+MAX_SUMMARY_BYTES = 256 << 20  # far above any summary: a cap for /dev/zero and the like
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -66,9 +69,9 @@ def resolve_summary_path(which: str, given: str) -> Path:
 def read_json_object(which: str, path: Path) -> dict[str, object]:
     """The JSON object in ``path``; a UsageError for unreadable files and non-objects."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        text = _read_capped(path)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise UsageError(f"traceml compare: {which}: cannot read {path} ({reason}); pass a "
                          f"readable {SUMMARY_FILENAME}") from None
     try:
@@ -77,11 +80,32 @@ def read_json_object(which: str, path: Path) -> dict[str, object]:
         raise UsageError(
             f"traceml compare: {which}: {path} is not valid JSON (line {exc.lineno}: {exc.msg}); "
             f"pass the {SUMMARY_FILENAME} that 'traceml run' wrote") from None
+    except RecursionError:
+        raise UsageError(
+            f"traceml compare: {which}: {path} is nested too deeply to be a summary; pass the "
+            f"{SUMMARY_FILENAME} that 'traceml run' wrote") from None
     if not isinstance(doc, dict):
         raise UsageError(
             f"traceml compare: {which} ({path}) is not a traceml final_summary.json (not a JSON "
             "object); pass the final_summary.json that 'traceml run' wrote")
     return doc
+
+
+def _read_capped(path: Path) -> str:
+    """A regular file's text, at most :data:`MAX_SUMMARY_BYTES` (not a FIFO or a
+    device, which could block or never end); ValueError otherwise."""
+    with open(path, "rb", opener=_nonblocking) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError("not a regular file")
+        data = f.read(MAX_SUMMARY_BYTES + 1)
+    if len(data) > MAX_SUMMARY_BYTES:
+        raise ValueError(f"larger than {MAX_SUMMARY_BYTES >> 20} MiB")
+    return data.decode("utf-8")
+
+
+def _nonblocking(path: str, flags: int) -> int:
+    """Open without waiting for a FIFO's writer."""
+    return os.open(path, flags | os.O_NONBLOCK)
 
 
 def major(version: str) -> str:

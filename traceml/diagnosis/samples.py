@@ -146,6 +146,10 @@ class RunMeta:
     mode: str = "run"  # "run" or "watch" (watch: no step sections measured)
     count_flops: bool = True  # False with --no-flops
     peak_tflops: float | None = None  # --peak-tflops; None: the peak table's
+    # Messages the collector rejected and stored rows skipped, by reason.
+    rejected: dict[str, int] = dataclasses.field(default_factory=dict)
+    # False: the collector died or hung before the end; what came after is missing.
+    telemetry_complete: bool = True
 
 
 @dataclass(frozen=True)

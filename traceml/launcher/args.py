@@ -14,6 +14,7 @@ import argparse
 import datetime
 import math
 import secrets
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,8 +43,8 @@ WORKER_LOG_DIR = "workers"  # in the session folder, without torch's --log-dir
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value < 1e6:  # inf and nan fail too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
     return value
 
 
@@ -140,6 +141,10 @@ def parse(command: str, argv: Sequence[str]) -> RunConfig:
         min_nodes, max_nodes = torchrun.parse_min_max_nnodes(ns.nnodes)
     except (ValueError, RuntimeError) as exc:
         raise UsageError(f"traceml {command}: bad --nnodes {ns.nnodes!r}: {exc}") from None
+    if not 1 <= min_nodes <= max_nodes:
+        raise UsageError(f"traceml {command}: bad --nnodes {ns.nnodes!r}: give N or MIN:MAX "
+                         "with 1 <= MIN <= MAX")
+    check_torch_values(command, ns)
     check_session_id(command, ns, max_nodes)
     session_id = ns.session_id or new_session_id()
     torch_ns = argparse.Namespace(
@@ -176,12 +181,36 @@ def parse(command: str, argv: Sequence[str]) -> RunConfig:
     )
 
 
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # what torchrun's --nproc-per-node accepts besides N
+
+
+def check_torch_values(command: str, ns: argparse.Namespace) -> None:
+    """Values torchrun would fail on with a traceback, as one line each."""
+    nproc = str(ns.nproc_per_node)
+    try:
+        num_local = int(torchrun.determine_local_world_size(nproc))
+    except (ValueError, RuntimeError) as exc:  # "gpu" without CUDA: torch says why
+        reason = f" ({exc})" if nproc in NPROC_WORDS else ""
+        num_local = 0
+    else:
+        reason = ""
+    if num_local <= 0:
+        raise UsageError(f"traceml {command}: bad --nproc-per-node {nproc!r}{reason}: give a "
+                         f"number of processes > 0, or one of {', '.join(NPROC_WORDS)}")
+    if ns.master_port is not None and not 0 < int(ns.master_port) < 65536:
+        raise UsageError(f"traceml {command}: bad --master-port {ns.master_port}: give a TCP "
+                         "port from 1 to 65535")
+    if ns.no_python and shutil.which(ns.training_script) is None:
+        raise UsageError(f"traceml {command}: --no-python command not found or not "
+                         f"executable: {ns.training_script!r}")
+
+
 def check_session_id(command: str, ns: argparse.Namespace, max_nodes: int) -> None:
     """A usable ``--session-id``, and one given whenever several nodes must agree on it."""
     if ns.session_id is not None and not SESSION_ID_RE.match(ns.session_id):
         raise UsageError(
             f"traceml {command}: invalid --session-id {ns.session_id!r}: use letters, digits, "
-            "'_', '.' and '-' only"
+            "'_', '.' and '-' only (not '.' or '..' alone)"
         )
     if max_nodes > 1 and ns.session_id is None:
         raise UsageError(

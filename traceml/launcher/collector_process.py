@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import IO, Any
 
 import orjson
@@ -23,7 +24,8 @@ from traceml import environment, protocol
 from traceml.collector.server import CollectorConfig
 from traceml.errors import UsageError
 from traceml.protocol import Control, Envelope, RunEnd, RunStart, Sender, StopCollector
-from traceml.security import secure_client, session_keys
+from traceml.security import derive_keys, launcher_keys, new_secret, secure_client
+from traceml.store import StoreError, StoreWriter
 from traceml.version import __version__
 
 READY_TIMEOUT_S = 20.0
@@ -39,11 +41,22 @@ def _read_line(stream: IO[bytes], timeout_s: float) -> bytes:
     return result[0] if result else b""
 
 
+class StoreUnwritable(UsageError):
+    """The collector cannot create the store (a full disk, a read-only folder)."""
+
+
 class CollectorProcess:
-    """Handle on the running collector: its port, a control socket, its exit."""
+    """Handle on the running collector: its port, a control socket, its exit.
+
+    The control socket speaks with the launcher's own key, made here for this
+    collector alone: only it may send control messages.  ``keys`` are the
+    session's client keys, for every other sender."""
 
     def __init__(self, config: CollectorConfig) -> None:
+        launcher_secret = new_secret()
+        config = replace(config, launcher_secret=launcher_secret)
         self.config = config
+        self.keys = derive_keys(config.secret or config.session_id, config.session_id)
         env = environment.without_traceml(os.environ)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "traceml.collector"],
@@ -58,6 +71,8 @@ class CollectorProcess:
             self.proc.kill()
             self.proc.wait()
             reason = ready.get("error", "it did not start")
+            if ready.get("store_error"):
+                raise StoreUnwritable(f"traceml: warning: {reason}")
             raise UsageError(f"traceml: collector failed: {reason}; pick another "
                              "--aggregator-port or free that one")
         self.port = int(ready["port"])
@@ -66,9 +81,7 @@ class CollectorProcess:
         self._control = self._context.socket(zmq.PUSH)
         self._control.setsockopt(zmq.LINGER, 2000)
         self._control.setsockopt(zmq.SNDHWM, 100)
-        keys = session_keys(config.secure, config.secret, config.session_id)
-        if keys is not None:
-            secure_client(self._control, keys)
+        secure_client(self._control, launcher_keys(self.keys, launcher_secret))
         host = "127.0.0.1" if config.bind_host in ("0.0.0.0", "") else config.bind_host
         self._control.connect(f"tcp://{host}:{self.port}")
         self._identity = Sender(role="launcher", host=socket.gethostname(), pid=os.getpid(),
@@ -95,7 +108,11 @@ class CollectorProcess:
             pass  # collector gone; the launcher reports that at the end
 
     def stop(self) -> int | None:
-        """Ask the collector to drain and exit; returns its exit status (None: killed)."""
+        """Ask the collector to drain and exit; returns its exit status (None: killed).
+
+        Once stopped, it returns the same status again."""
+        if self._control.closed:
+            return self.proc.returncode
         if self.alive():
             self._send(StopCollector())
         else:
@@ -108,6 +125,27 @@ class CollectorProcess:
             self.proc.kill()
             self.proc.wait()
             return None
+
+
+def end_run(collector: CollectorProcess, exit_code: int) -> RunEnd:
+    """Tell the collector how the run ended and stop it; returns the end record.
+
+    A collector that died, hung (then killed) or could not write the store
+    leaves the record incomplete: the launcher writes it into the store itself
+    when it can, and the summary states that the telemetry stopped early."""
+    was_alive = collector.alive()
+    end = RunEnd(ended_at=time.time(), exit_code=exit_code)
+    collector.record(end)
+    if collector.stop() == 0 and was_alive:
+        return end
+    end = replace(end, telemetry_complete=False)
+    try:
+        store = StoreWriter(collector.config.db_path)
+        store.save_run(end)
+        store.close()
+    except StoreError:
+        pass  # a full disk: the summary gets the record from the launcher
+    return end
 
 
 def run_start(session_id: str, command: list[str], mode: str, summary_window_rows: int,

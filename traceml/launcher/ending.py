@@ -15,6 +15,7 @@ from tabulate import tabulate
 from traceml import phases
 from traceml.diagnosis.samples import StepRow
 from traceml.errors import UsageError
+from traceml.protocol import RunEnd
 from traceml.store import STORE_FILENAME
 
 PARTS = (*phases.stacked(), phases.TOTAL)
@@ -38,8 +39,11 @@ def phase_table(steps: tuple[StepRow, ...]) -> str:
     return "traceml: mean time per step\n" + rendered
 
 
-def finish(session_dir: Path, collector_alive: bool, html: bool = False) -> None:
-    from traceml.report.session import write_summary
+def finish(session_dir: Path, collector_alive: bool, html: bool = False,
+           end: RunEnd | None = None) -> None:
+    """Print the summary and write its files.  ``end``: the launcher's record of
+    the end, for a store that lacks it.  A full disk costs the files, not the card."""
+    from traceml.report.session import build_summary, save_summary
 
     if not collector_alive:
         print("traceml: warning: the collector stopped during the run; "
@@ -48,13 +52,20 @@ def finish(session_dir: Path, collector_alive: bool, html: bool = False) -> None
         print(f"traceml: no telemetry was stored in {session_dir}", file=sys.stderr)
         return
     try:
-        files = write_summary(session_dir)
+        files = build_summary(session_dir, end=end)
     except UsageError as exc:
         print(str(exc), file=sys.stderr)
         return
     sys.stdout.write(files.text)
     sys.stdout.flush()
     print(phase_table(files.run.steps), file=sys.stderr)
+    try:
+        save_summary(files)
+    except OSError as exc:
+        print(f"traceml: cannot write the summary to {session_dir}: {exc.strerror}; it is "
+              "printed above (free space there, then run 'traceml report' on the folder)",
+              file=sys.stderr)
+        return
     print(f"traceml: summary written to {files.json_path} and {files.text_path.name}",
           file=sys.stderr)
     if html:  # --html: the same report with its plots, one self-contained file

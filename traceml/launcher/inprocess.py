@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -21,9 +20,9 @@ from typing import Any
 from traceml.collector.server import CollectorConfig
 from traceml.config import DEFAULT_WINDOW_ROWS
 from traceml.environment import AgentEnv, TorchRank
-from traceml.launcher.collector_process import CollectorProcess, run_start
+from traceml.launcher.collector_process import CollectorProcess, end_run, run_start
 from traceml.launcher.system_sampler import SystemSampler
-from traceml.protocol import RunEnd
+from traceml.security import new_secret
 from traceml.store import STORE_FILENAME
 
 
@@ -33,14 +32,17 @@ class InProcessSession:
     def __init__(self, logs_dir: str, session_id: str, sample_interval_s: float) -> None:
         self.session_dir = Path(logs_dir) / session_id
         self.session_dir.mkdir(parents=True, exist_ok=True)
+        secret = new_secret()  # the collector and this process alone know it
         self.collector = CollectorProcess(CollectorConfig(
             session_id=session_id, bind_host="127.0.0.1", port=0,
-            db_path=str(self.session_dir / STORE_FILENAME), parent_pid=os.getpid()))
+            db_path=str(self.session_dir / STORE_FILENAME), parent_pid=os.getpid(),
+            secret=secret))
         self.env = AgentEnv(
             session_id=session_id, endpoint=f"tcp://127.0.0.1:{self.collector.port}",
             launcher_pid=os.getpid(), sample_interval_s=sample_interval_s,
-            session_dir=str(self.session_dir.resolve()))
-        self.sampler = SystemSampler(self.env.endpoint, session_id, 0, sample_interval_s)
+            session_dir=str(self.session_dir.resolve()), secure=True, secret=secret)
+        self.sampler = SystemSampler(self.env.endpoint, session_id, 0, sample_interval_s,
+                                     self.collector.keys)
         self.failed = False
         self._previous_hook = sys.excepthook
         self.runtime: Any = None
@@ -68,6 +70,6 @@ class InProcessSession:
 
         self.runtime.shutdown()
         self.sampler.stop()
-        self.collector.record(RunEnd(ended_at=time.time(), exit_code=1 if self.failed else 0))
-        self.collector.stop()
-        finish(self.session_dir, collector_alive=True)
+        alive = self.collector.alive()
+        end = end_run(self.collector, 1 if self.failed else 0)
+        finish(self.session_dir, collector_alive=alive, end=end)

@@ -4,10 +4,10 @@ injected, the collector alongside, and the end-of-run output (launcher side).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,12 @@ from traceml.environment import AgentEnv
 from traceml.errors import UsageError
 from traceml.launcher import topology
 from traceml.launcher.args import torch_namespace
-from traceml.launcher.collector_process import CollectorProcess, run_start
+from traceml.launcher.collector_process import (
+    CollectorProcess,
+    StoreUnwritable,
+    end_run,
+    run_start,
+)
 from traceml.launcher.ending import finish
 from traceml.launcher.health import RankFailure, StackWatch, StallAlert
 from traceml.launcher.nodes import JoinCheck, SilenceWatch, Waiting, wait_for_nodes
@@ -31,8 +36,7 @@ from traceml.launcher.process_watcher import ProcessWatcher
 from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
-from traceml.protocol import RunEnd
-from traceml.security import session_keys
+from traceml.security import new_secret, session_keys
 from traceml.store import STORE_FILENAME
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
@@ -91,12 +95,30 @@ def check_script(cfg: RunConfig) -> None:
 
 
 def session_dir_for(cfg: RunConfig, hosting: bool) -> Path:
+    """The session folder; when this launcher hosts the collector, it claims the
+    folder by creating the store file (exclusively: of two runs started at once
+    with one session id, one stops here)."""
     path = Path(cfg.logs_dir) / cfg.session_id
-    if hosting and (path / STORE_FILENAME).exists():
-        raise UsageError(f"traceml {cfg.command}: session folder {path} already holds a run; "
-                         "pass another --session-id or remove that folder")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if hosting:
+            os.close(os.open(path / STORE_FILENAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        if path.is_dir():
+            raise UsageError(f"traceml {cfg.command}: session folder {path} already holds a "
+                             "run; pass another --session-id or remove that folder") from None
+        raise _unwritable(cfg, path, "a file is in the way") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreUnwritable(f"traceml: warning: cannot create {path}: "
+                                  f"{exc.strerror}") from None
+        raise _unwritable(cfg, path, exc.strerror or str(exc)) from None
     return path
+
+
+def _unwritable(cfg: RunConfig, path: Path, reason: str) -> UsageError:
+    return UsageError(f"traceml {cfg.command}: cannot write the session folder {path}: "
+                      f"{reason}; give --logs-dir a folder you can write")
 
 
 def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
@@ -107,12 +129,14 @@ def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
             session_id=cfg.session_id, bind_host=topo.bind_host, port=topo.port,
             db_path=str(session_dir / STORE_FILENAME), parent_pid=os.getpid(),
             dashboard_port=cfg.dashboard_port if cfg.mode == "dashboard" else None,  # live views
-            secure=topo.secure, secret=secret,
-            join_port=topo.join_port if cfg.multi_node else None,
+            secret=secret, join_port=topo.join_port if cfg.multi_node else None,
             expected={"nnodes": cfg.torch.nnodes, "nproc_per_node": cfg.torch.nproc_per_node},
         ))
-    except UsageError:
-        if topo.may_host:
+    except UsageError as exc:
+        store = session_dir / STORE_FILENAME
+        if store.stat().st_size == 0:
+            store.unlink()  # claimed, never written: the folder stays free for a retry
+        if topo.may_host and not isinstance(exc, StoreUnwritable):
             return None
         raise
 
@@ -127,7 +151,7 @@ def agent_env_for(cfg: RunConfig, endpoint: str, session_dir: Path, topo: Topolo
         session_id=cfg.session_id, endpoint=endpoint, launcher_pid=os.getpid(),
         mode="run" if cfg.command == "run" else "watch", node_rank=cfg.node_rank,
         sample_interval_s=cfg.sample_interval_s, arm_dir=arm_dir,
-        session_dir=str(session_dir.resolve()), secure=topo.secure, secret=secret,
+        session_dir=str(session_dir.resolve()), secure=True, secret=secret,
         stall_timeout_s=cfg.stall_timeout_s,
         count_flops=cfg.count_flops,
     )
@@ -148,17 +172,38 @@ def record_start(collector: CollectorProcess, cfg: RunConfig) -> None:
         count_flops=cfg.count_flops, peak_tflops=cfg.peak_tflops))
 
 
+def session_secret(cfg: RunConfig, topo: Topology) -> str | None:
+    """The secret every sender's key derives from: the user's (environment); on one node a new
+    one for this run; else None (derived from the session id: the node that runs
+    the collector says what that exposes)."""
+    secret = environment.user_secret(os.environ)
+    if secret is not None:
+        return secret
+    if not cfg.multi_node:
+        return new_secret()
+    if topo.collector_here or topo.may_host:
+        print(f"traceml: warning: no session secret: anyone who can reach "
+              f"{topo.bind_host}:{topo.port} and knows the session id (it is on the command "
+              f"line) can send to this run's collector; {environment.SECRET_HINT}",
+              file=sys.stderr)
+    return None
+
+
 def run(cfg: RunConfig) -> int:
     """Run the training under traceml; returns the training's exit status."""
     check_script(cfg)
     if cfg.no_trace:
         return run_torch(torch_namespace(cfg, redirect_output=False))
     topo = topology.resolve(cfg)
-    secret = environment.user_secret(os.environ)
-    session_dir = session_dir_for(cfg, topo.collector_here or topo.may_host)
-    collector = None
-    if topo.collector_here or topo.may_host:
-        collector = start_collector(cfg, topo, session_dir, secret)
+    secret = session_secret(cfg, topo)
+    try:
+        session_dir = session_dir_for(cfg, topo.collector_here or topo.may_host)
+        collector = None
+        if topo.collector_here or topo.may_host:
+            collector = start_collector(cfg, topo, session_dir, secret)
+    except StoreUnwritable as exc:  # a full disk: the training still runs, untraced
+        print(f"{exc}; the training runs without traceml", file=sys.stderr)
+        return run_torch(torch_namespace(cfg, redirect_output=False))
     if collector is not None:
         record_start(collector, cfg)
     port = collector.port if collector is not None else topo.port
@@ -172,13 +217,13 @@ def run(cfg: RunConfig) -> int:
 def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
                collector: CollectorProcess | None, session_dir: Path) -> int:
     """Run torch's launch with the node's helpers around it; end with the summary."""
-    keys = session_keys(topo.secure, agent_env.secret, cfg.session_id)
+    keys = session_keys(True, agent_env.secret, cfg.session_id)
     stack_watch = StackWatch(session_dir)
     sampler = SystemSampler(agent_env.endpoint, cfg.session_id,
                             cfg.node_rank if topo.static else None, cfg.sample_interval_s, keys,
                             extra=[stack_watch.produce] if cfg.command == "run" else [])
     sampler.start()
-    helpers = node_helpers(cfg, topo, collector, session_dir)
+    helpers = node_helpers(cfg, topo, collector, session_dir, keys)
     if collector is not None and cfg.command == "run" and cfg.worker_log_dir is None:
         # Node 0 prints a stall once known (the cli view shows it in its place).
         helpers.append(StallAlert(session_dir / STORE_FILENAME))
@@ -199,6 +244,7 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
     except KeyboardInterrupt:
         pass
     finally:
+        hold_signals()
         stack_watch.failed(failures)  # sent with the sampler's last messages
         for helper in helpers:
             helper.stop()
@@ -212,8 +258,24 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
     return exit_code
 
 
+def hold_signals() -> None:
+    """From here on the summary is written: a second Ctrl-C, or the job's SIGTERM
+    (``timeout``, ``scancel``), says so once instead of aborting it (the
+    collector and the stop are bounded in time)."""
+    said: list[int] = []
+
+    def still_writing(signum: int, frame: Any) -> None:
+        if not said:
+            said.append(signum)
+            print("traceml: writing the summary; it takes a few seconds", file=sys.stderr,
+                  flush=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, still_writing)
+
+
 def node_helpers(cfg: RunConfig, topo: Topology, collector: CollectorProcess | None,
-                 session_dir: Path) -> list[Any]:
+                 session_dir: Path, keys: Any) -> list[Any]:
     """Threads that watch the rendezvous and check this node against node 0."""
     if not cfg.multi_node:
         return []
@@ -222,7 +284,7 @@ def node_helpers(cfg: RunConfig, topo: Topology, collector: CollectorProcess | N
     rendezvous = topology.rendezvous_address(cfg)
     helpers: list[Any] = [Waiting(cfg, rendezvous, db_path, skip)]
     if collector is None:
-        helpers.append(JoinCheck(cfg, topo.connect_host, topo.join_port))
+        helpers.append(JoinCheck(cfg, topo.connect_host, topo.join_port, keys))
     else:
         helpers.append(SilenceWatch(session_dir, max(15.0, 10 * cfg.sample_interval_s)))
     for helper in helpers:
@@ -238,9 +300,8 @@ def end_session(cfg: RunConfig, collector: CollectorProcess, session_dir: Path,
             print(f"traceml: no goodbye from {', '.join(missing)}; writing the summary "
                   "without waiting longer", file=sys.stderr)
     collector_alive = collector.alive()
-    collector.record(RunEnd(ended_at=time.time(), exit_code=exit_code))
-    collector.stop()
-    finish(session_dir, collector_alive, html=cfg.html)
+    end = end_run(collector, exit_code)
+    finish(session_dir, collector_alive, html=cfg.html, end=end)
 
 
 def expected_world_size(cfg: RunConfig) -> int:

@@ -27,6 +27,8 @@ import psutil
 import zmq
 
 from traceml.config import RunConfig
+from traceml.environment import SECRET_HINT
+from traceml.security import CurveKeys, secure_client
 from traceml.store import STORE_FILENAME, JoinError, SenderState, StoreError, StoreReader
 
 WAIT_REPORT_S = 10.0
@@ -63,10 +65,12 @@ def _launchers(db_path: Path) -> tuple[SenderState, ...]:
 
 
 class JoinCheck(threading.Thread):
-    """Ask node 0's collector whether this node's options match; exit 2 if not."""
+    """Ask node 0's collector whether this node's options match; exit 2 if not
+    (or when its CURVE handshake fails: another session id or secret)."""
 
-    def __init__(self, cfg: RunConfig, host: str, port: int) -> None:
+    def __init__(self, cfg: RunConfig, host: str, port: int, keys: CurveKeys) -> None:
         super().__init__(name="traceml-join", daemon=True)
+        self.keys = keys
         self.request = orjson.dumps({
             "session_id": cfg.session_id, "host": os.uname().nodename,
             "options": {"nnodes": cfg.torch.nnodes, "nproc_per_node": cfg.torch.nproc_per_node},
@@ -88,14 +92,27 @@ class JoinCheck(threading.Thread):
     def _ask(self, context: Any) -> dict[str, Any] | None:
         sock = context.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, self.keys)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         try:
             sock.connect(self.address)
             sock.send(self.request)
-            if sock.poll(JOIN_REPLY_TIMEOUT_MS):
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            events = dict(poller.poll(JOIN_REPLY_TIMEOUT_MS))
+            if sock in events:
                 reply: dict[str, Any] = orjson.loads(sock.recv())
                 return reply
+            if monitor in events:
+                return {"ok": False, "error": "node 0's collector refused this node's key: "
+                        f"use the same --session-id on every node, and {SECRET_HINT}"}
             return None
         finally:
+            sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)
 
     def _act(self, reply: dict[str, Any]) -> None:

@@ -3,10 +3,9 @@
 Runs in the launcher (``--mode=cli``) and in the collector's dashboard thread
 (``--mode=dashboard``), about once a second. Each poll opens its own read-only
 connection (WAL lets it read while the collector writes), reads only rows added
-since the previous poll (by rowid: a replaced step gets a new rowid, so it is
-read again) and keeps the last ``steps_kept`` steps per rank and the last
-``samples_kept`` samples per rank and node, so memory and work stay bounded
-however long the run is.
+since the previous poll (by rowid; a stored step is never replaced) and keeps
+the last ``steps_kept`` steps per rank and the last ``samples_kept`` samples
+per rank and node, so memory and work stay bounded however long the run is.
 """
 
 from __future__ import annotations

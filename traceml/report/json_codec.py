@@ -91,6 +91,8 @@ def meta_to_json(meta: RunMeta, duration_s: float) -> dict[str, Json]:
         "mode": meta.mode,
         "versions": {key: meta.versions.get(key) for key in VERSION_KEYS},
         "transport": {key: meta.transport.get(key) for key in TRANSPORT_KEYS},
+        "rejected": {reason: meta.rejected[reason] for reason in sorted(meta.rejected)},
+        "telemetry_complete": meta.telemetry_complete,
     }
 
 

@@ -69,6 +69,8 @@ _META = _obj({
     "mode": {"type": "string", "enum": ["run", "watch"]},
     "versions": _obj({k: {"type": ["string", "null"]} for k in ("traceml", "torch", "python")}),
     "transport": _obj({k: _INT_OR_NULL for k in ("sent", "dropped", "gaps", "rejected")}),
+    "rejected": {"type": "object", "additionalProperties": _INT},
+    "telemetry_complete": {"type": "boolean"},
 })
 
 _SCOPE = _obj({

@@ -1,17 +1,20 @@
 """A session folder -> RunData -> the final summary files (offline analysis).
 
 Reads ``telemetry.sqlite`` through `traceml.store` (never torch) and writes
-``final_summary.json`` and ``final_summary.txt`` atomically.  Used at the end of
-``traceml run``, by ``traceml report`` and by ``traceml.summary()``.
+``final_summary.json`` and ``final_summary.txt`` atomically (fsynced, with the
+store's file mode).  Used at the end of ``traceml run``, by ``traceml report``
+and by ``traceml.summary()``.  The launcher builds the summary first and writes
+it after, so that it can print it even when the disk is full.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ import orjson
 from traceml.config import DEFAULT_WINDOW_ROWS
 from traceml.diagnosis.samples import RunData
 from traceml.errors import UsageError
-from traceml.protocol import RunStart
+from traceml.protocol import RunEnd, RunStart
 from traceml.report.build import build_report
 from traceml.report.json_codec import report_to_json
 from traceml.report.model import Report
@@ -41,16 +44,26 @@ class SummaryFiles:
     run: RunData
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same folder and rename over the target."""
+def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Write via a temporary file in the same folder, fsynced, and rename over the
+    target (then fsync the folder); ``mode``: the file's permission bits."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 @contextmanager
@@ -67,10 +80,14 @@ def open_store(session_dir: Path) -> Iterator[StoreReader]:
         raise UsageError(f"traceml: cannot read {path}: {exc}") from None
 
 
-def load_run(session_dir: Path) -> tuple[RunData, int]:
-    """The stored run and the summary window it asked for."""
+def load_run(session_dir: Path, end: RunEnd | None = None) -> tuple[RunData, int]:
+    """The stored run and the summary window it asked for.  ``end``: the
+    launcher's own record of the end, for a store that lacks it (its collector
+    died or hung: then the telemetry stopped early)."""
     with open_store(session_dir) as reader:
         records = reader.records()
+        if end is not None and (records.end is None or not end.telemetry_complete):
+            records = replace(records, end=end)
         run = reader.run(records)
     return run, summary_window(records.start)
 
@@ -80,13 +97,25 @@ def summary_window(start: RunStart | None) -> int:
     return (start.summary_window_rows if start is not None else 0) or DEFAULT_WINDOW_ROWS
 
 
+def build_summary(session_dir: Path, window_rows: int | None = None,
+                  end: RunEnd | None = None) -> SummaryFiles:
+    """The report from the store (see :func:`load_run` for ``end``), not written yet."""
+    run, stored_window = load_run(session_dir, end)
+    report = build_report(run, window_rows or stored_window)
+    return SummaryFiles(report, report_to_json(report), render_text(report),
+                        session_dir / JSON_NAME, session_dir / TEXT_NAME, run)
+
+
+def save_summary(files: SummaryFiles) -> None:
+    """Write both summary files atomically, with the store's file mode; OSError
+    when they cannot be written (a full disk)."""
+    mode = stat.S_IMODE(os.stat(files.json_path.parent / STORE_FILENAME).st_mode)
+    write_atomic(files.json_path, orjson.dumps(files.summary, option=orjson.OPT_INDENT_2), mode)
+    write_atomic(files.text_path, files.text.encode(), mode)
+
+
 def write_summary(session_dir: Path, window_rows: int | None = None) -> SummaryFiles:
     """Build the report from the store and write both summary files atomically."""
-    run, stored_window = load_run(session_dir)
-    report = build_report(run, window_rows or stored_window)
-    summary = report_to_json(report)
-    text = render_text(report)
-    json_path, text_path = session_dir / JSON_NAME, session_dir / TEXT_NAME
-    write_atomic(json_path, orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    write_atomic(text_path, text.encode())
-    return SummaryFiles(report, summary, text, json_path, text_path, run)
+    files = build_summary(session_dir, window_rows)
+    save_summary(files)
+    return files

@@ -9,7 +9,7 @@ Ranks (Step Time), Job, Peak and FLOPs (Throughput) and Why. Long lines wrap ins
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from traceml import phases
 from traceml.diagnosis.ending import STOPPING_EXCEPTIONS
@@ -81,6 +81,11 @@ def _overview(report: Report) -> list[str]:
     if dropped or gaps:
         lines.append(f"Telemetry: {dropped} messages dropped, {gaps} sequence gaps; "
                      "some samples are missing.")
+    if not meta.telemetry_complete:
+        lines.append("Telemetry stopped early: the collector died or hung before the run "
+                     "ended; the exit status and end time are the launcher's.")
+    if meta.rejected:
+        lines.append(rejected_line(meta.rejected))
     return lines
 
 
@@ -102,6 +107,13 @@ def _ending_lines(report: Report) -> list[str]:
         frames = " > ".join(f.short() for f in i.stack[-STACK_FRAMES_SHOWN:])
         lines.append(f"- r{i.rank} {i.what} stack ({i.stack_source}): {frames}")
     return lines
+
+
+def rejected_line(rejected: Mapping[str, int]) -> str:
+    """One line: what the collector refused (and stored rows skipped), by reason."""
+    parts = ", ".join(f"{reason} {n}" for reason, n in
+                      sorted(rejected.items(), key=lambda item: (-item[1], item[0])))
+    return f"Rejected: {sum(rejected.values())} ({parts}); none of it is in this summary."
 
 
 def _count(num: int, noun: str) -> str:
