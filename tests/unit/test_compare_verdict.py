@@ -285,11 +285,11 @@ def test_missing_quantiles_are_inconclusive() -> None:
 
 def test_schema_version_and_world_size_differences_are_stated() -> None:
     b = summary(tight(100.0), world=2)
-    b["schema_version"] = "1.2"
+    b["schema_version"] = "1.3"
     result = compare(summary(tight(100.0)), b)
     assert result.verdict.label == "NO CHANGE"
     assert result.notes == (
-        ("Summary schema versions differ (A 1.1, B 1.2); values only one side has are not "
+        ("Summary schema versions differ (A 1.2, B 1.3); values only one side has are not "
          "compared."),
         "World sizes differ (A 1 rank, B 2 ranks); values are medians over ranks.",
     )
