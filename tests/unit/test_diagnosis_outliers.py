@@ -104,3 +104,13 @@ def test_on_a_busy_host_only_steps_far_beyond_the_spread_are_outliers() -> None:
     found = diagnose(rows_of(1, 300, slow, noise=2.0), 1)
     outliers = next(f for f in found if f.kind == "OUTLIER_STEPS")
     assert outliers.evidence["num_outlier_steps"] == 3 and outliers.evidence["period_steps"] == 50
+
+
+def test_a_period_is_found_among_one_off_outliers() -> None:
+    slow = {s: 300.0 for s in range(50, 300, 50)} | {133: 120.0, 178: 90.0}
+    found = diagnose(rows_of(2, 300, slow), 2)
+    outliers = found[0]
+    assert outliers.kind == "OUTLIER_STEPS" and outliers.evidence["period_steps"] == 50
+    assert outliers.evidence["num_outlier_steps"] == 7
+    assert "7 steps took" in outliers.why
+    assert "5 of them every 50 steps (from step 50), and at steps 133, 178:" in outliers.why

@@ -62,15 +62,53 @@ def find_outliers(rank: int, rows: Sequence[StepRow]) -> RankOutliers:
                         tuple(r.total_ms for r in slow), sum(totals))
 
 
+MAX_PERIOD_CANDIDATES = 12
+"""Periods are looked for among the pairs of this many slowest outliers."""
+
+
 def period(steps: Sequence[int]) -> int | None:
-    """The steps' period when at least 3 come at a steady interval (within one
-    step, for intervals of 5 and more); None otherwise."""
-    if len(steps) < 3:
-        return None
-    gaps = [b - a for a, b in zip(steps, steps[1:])]
-    typical = round(statistics.median(gaps))
-    slack = 1 if typical >= 5 else 0
-    return typical if typical >= 2 and all(abs(g - typical) <= slack for g in gaps) else None
+    """The period of all the steps, when at least 3 come at a steady interval
+    (within one step, for intervals of 5 and more); None otherwise."""
+    every, periodic = periodic_steps(steps, [1.0] * len(steps))
+    return every if len(periodic) == len(steps) else None
+
+
+def periodic_steps(steps: Sequence[int], weights: Sequence[float]
+                   ) -> tuple[int | None, tuple[int, ...]]:
+    """The interval of the heaviest run of at least 3 steps that come every
+    ``d`` steps without a gap (``d`` >= 2, within one step from 5 on), and those
+    steps; ``(None, ())`` when there is none.  Other slow steps (noise, one-offs)
+    may lie between them."""
+    heaviest = sorted(range(len(steps)), key=lambda i: -weights[i])[:MAX_PERIOD_CANDIDATES]
+    best: tuple[float, int, tuple[int, ...]] | None = None
+    for a in heaviest:
+        for b in heaviest:
+            d = steps[b] - steps[a]
+            if d < 2:
+                continue
+            run = _progression(steps, steps[a], d)
+            weight = sum(weights[steps.index(s)] for s in run)
+            if len(run) >= 3 and (best is None or (weight, d) > best[:2]):
+                best = (weight, d, run)
+    return (best[1], best[2]) if best is not None else (None, ())
+
+
+def _progression(steps: Sequence[int], start: int, d: int) -> tuple[int, ...]:
+    """The steps at ``start``, ``start + d``, ... (within one step when d >= 5),
+    both ways from ``start``, up to the first missing one."""
+    slack = 1 if d >= 5 else 0
+    present = set(steps)
+
+    def near(target: int) -> int | None:
+        return next((t for t in range(target - slack, target + slack + 1) if t in present), None)
+
+    found = [start]
+    for sign in (1, -1):
+        at = start
+        while (hit := near(at + sign * d)) is not None:
+            found.append(hit)
+            at = hit
+    return tuple(sorted(found))
 
 
 def outlier_steps(outliers: Mapping[int, RankOutliers]) -> list[Finding]:
@@ -83,10 +121,14 @@ def outlier_steps(outliers: Mapping[int, RankOutliers]) -> list[Finding]:
     worst = found[ranks[0]]
     excess_pct = pct(worst.excess_ms, worst.window_ms) or 0.0
     ratio = statistics.median(worst.outlier_ms) / worst.median_ms
-    every = period(worst.steps)
+    every, periodic = periodic_steps(worst.steps, worst.outlier_ms)
     num = len(worst.steps)
-    pattern = (f"every {every} steps (from step {worst.steps[0]})" if every else
-               f"at step{'s' if num > 1 else ''} {_listed(worst.steps)}")
+    others = [s for s in worst.steps if s not in periodic]
+    at = f"at step{'s' if len(others) > 1 else ''} {_listed(others)}"
+    if every and others:
+        pattern = f"{len(periodic)} of them every {every} steps (from step {periodic[0]}), and {at}"
+    else:
+        pattern = f"every {every} steps (from step {periodic[0]})" if every else at
     why = (f"r{worst.rank}: {num} step{'s' if num > 1 else ''} took {_times(ratio)} the "
            f"{worst.median_ms:.1f} ms median step, {pattern}: {worst.share_pct or 0.0:.1f}% "
            f"of wall time ({worst.excess_ms / 1e3:.2f} s beyond the median step, "
