@@ -100,6 +100,8 @@ def test_mlp_on_tensors_two_ddp_ranks(tmp_path: Path) -> None:
     assert tp["job"]["mfu_pct"] is None and all(r["mfu_pct"] is None for r in tp["ranks"])
     assert "CPU" in tp["job"]["peak_source"]
     assert "FlopCounterMode" in tp["job"]["flops_source"]
+    assert "traceml: throughput per rank (summary window)\nrank    samples/s    TFLOP/s" in (
+        result.stderr)
 
 
 def test_token_lm_with_a_dict_batch(tmp_path: Path) -> None:

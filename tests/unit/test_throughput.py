@@ -314,3 +314,16 @@ def test_a_failing_device_mark_still_ends_the_count() -> None:
         train_step(probe)
     assert flops.counter is None and probe.on_optimizer_end is mark
     assert len(probe.flop_counts) == 1
+
+
+def test_the_per_rank_throughput_table_printed_at_the_end() -> None:
+    from traceml.launcher.ending import throughput_table
+
+    assert throughput_table(build_report(run(2), 10_000)) == (
+        "traceml: throughput per rank (summary window)\n"
+        "rank    samples/s    TFLOP/s    MFU %\n"
+        "------  -----------  ---------  -------\n"
+        "r0      640          300        30.3\n"
+        "r1      640          300        30.3")
+    assert throughput_table(build_report(run(1, samples=None, device_name=None, flops=None),
+                                         10_000)) is None

@@ -1,8 +1,8 @@
 """What the launcher writes and prints when the run is over (launcher side).
 
 The final summary is written in every ending (normal exit, a failing or
-killed rank, Ctrl-C); the card is printed on stdout, the per-rank phase table
-and the session folder on stderr.
+killed rank, Ctrl-C); the card is printed on stdout, the per-rank phase table,
+the per-rank throughput (when measured) and the session folder on stderr.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from tabulate import tabulate
 
 from traceml import phases
 from traceml.diagnosis.samples import StepRow
+from traceml.diagnosis.throughput import RankThroughput
 from traceml.errors import UsageError
 from traceml.protocol import RunEnd
+from traceml.report.model import Report
+from traceml.report.text import THROUGHPUT_UNITS, format_count
 from traceml.store import STORE_FILENAME
 
 PARTS = (*phases.stacked(), phases.TOTAL)
@@ -39,6 +42,29 @@ def phase_table(steps: tuple[StepRow, ...]) -> str:
     return "traceml: mean time per step\n" + rendered
 
 
+def throughput_table(report: Report) -> str | None:
+    """Per-rank samples/s, tokens/s, achieved TFLOP/s and MFU over the summary's window;
+    None when none of it was measured."""
+    rows = [row for row in report.throughput.ranks if isinstance(row, RankThroughput)]
+    shown = [(key, unit) for key, unit in THROUGHPUT_UNITS
+             if any(getattr(row, key) is not None for row in rows)]
+    if not shown:
+        return None
+    table = [[f"r{row.rank}", *(_rate_cell(getattr(row, key), unit) for key, unit in shown)]
+             for row in rows]
+    headers = ["rank", *("MFU %" if unit == "MFU" else unit for _, unit in shown)]
+    rendered: str = tabulate(table, headers=headers, disable_numparse=True)
+    return "traceml: throughput per rank (summary window)\n" + rendered
+
+
+def _rate_cell(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "MFU":
+        return f"{value:.1f}"
+    return f"{value:.3g}" if unit == "TFLOP/s" else format_count(value)
+
+
 def finish(session_dir: Path, collector_alive: bool, html: bool = False,
            end: RunEnd | None = None) -> None:
     """Print the summary and write its files.  ``end``: the launcher's record of
@@ -59,6 +85,9 @@ def finish(session_dir: Path, collector_alive: bool, html: bool = False,
     sys.stdout.write(files.text)
     sys.stdout.flush()
     print(phase_table(files.run.steps), file=sys.stderr)
+    rates = throughput_table(files.report)
+    if rates is not None:
+        print(rates, file=sys.stderr)
     try:
         save_summary(files)
     except OSError as exc:
