@@ -64,10 +64,12 @@ def run_case(case: str, folder: Path) -> dict[str, Any] | None:
                     time.sleep(0.2)
                 os.killpg(proc.pid, signal.SIGINT)
                 proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
+        finally:  # the whole group: a hung DataLoader worker outlives its rank
+            try:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            except ProcessLookupError:
+                pass
+            proc.wait()
     path = folder / session / "final_summary.json"
     return json.loads(path.read_text()) if path.exists() else None
 

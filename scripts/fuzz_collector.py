@@ -25,6 +25,7 @@ import copy
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -261,23 +262,35 @@ def main() -> int:
             [sys.executable, "-m", "traceml", "run", "--nproc-per-node", "2", "--logs-dir",
              str(tmp_path / "logs"), "--session-id", SESSION, "--aggregator-port", str(port),
              str(tmp_path / "train.py"), str(marker)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        db = tmp_path / "logs" / SESSION / "telemetry.sqlite"
-        deadline = time.monotonic() + 120
-        while set(stored_steps(db)) != {0, 1}:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                print("the run never stored steps of both ranks", proc.communicate()[1][-3000:])
-                return 1
-            time.sleep(0.2)
-        collector = collector_process(psutil.Process(proc.pid))
-        started = time.monotonic()
-        by_mutation, peak_rss = fuzz(args.n, f"tcp://127.0.0.1:{port}", collector)
-        sent_s = time.monotonic() - started
-        time.sleep(1.0)  # let the collector drain what is queued before the run ends
-        marker.write_text("")
-        out, err = proc.communicate(timeout=300)
-        return report(args.n, sent_s, by_mutation, peak_rss, proc.returncode, tmp_path, err)
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        try:
+            return _fuzz_run(args.n, proc, port, tmp_path, marker)
+        finally:  # never leave the run's ranks behind (a timeout, a Ctrl-C of this script)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _fuzz_run(n: int, proc: subprocess.Popen[str], port: int, tmp_path: Path,
+              marker: Path) -> int:
+    db = tmp_path / "logs" / SESSION / "telemetry.sqlite"
+    deadline = time.monotonic() + 120
+    while set(stored_steps(db)) != {0, 1}:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            print("the run never stored steps of both ranks", proc.communicate()[1][-3000:])
+            return 1
+        time.sleep(0.2)
+    collector = collector_process(psutil.Process(proc.pid))
+    started = time.monotonic()
+    by_mutation, peak_rss = fuzz(n, f"tcp://127.0.0.1:{port}", collector)
+    sent_s = time.monotonic() - started
+    time.sleep(1.0)  # let the collector drain what is queued before the run ends
+    marker.write_text("")
+    out, err = proc.communicate(timeout=300)
+    return report(n, sent_s, by_mutation, peak_rss, proc.returncode, tmp_path, err)
 
 
 def report(n: int, sent_s: float, by_mutation: dict[str, int], peak_rss: int, status: int,

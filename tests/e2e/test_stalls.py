@@ -61,9 +61,13 @@ class Launch:
         return out, time.monotonic() - sent
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
+        """Everything of the run, also a DataLoader worker still hung after its rank
+        exited (the group outlives its leader while a member lives)."""
+        try:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 def alert_after_stall(launch: Launch, rank: int = 1, at: int = 30) -> str:
