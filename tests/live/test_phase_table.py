@@ -38,7 +38,8 @@ def test_the_new_phase_is_timed_stored_and_summarised(outputs: Path) -> None:
     assert (outputs / "schema_problems.txt").read_text() == ""
     card = " ".join(line.strip("|+- ") for line in
                     (outputs / "slow" / "final_summary.txt").read_text().splitlines())
-    assert "input 1.0/1.0ms | h2d 6.0/6.0ms | compute 7.0/7.0ms" in " ".join(card.split())
+    card = " ".join(card.split())  # a wrapped line loses its "|" at the box edge
+    assert "input 1.0/1.0 | h2d 6.0/6.0" in card and "compute 7.0/7.0" in card
 
 
 def test_compare_the_launcher_table_and_the_terminal_view_show_it(outputs: Path) -> None:

@@ -190,14 +190,14 @@ def _run_start(r: RunStart) -> RunStart:
             or len(r.command) > MAX_COMMAND_ARGS
             or not 0 <= r.expected_world_size <= protocol.MAX_WORLD_SIZE
             or not 1 <= r.expected_nodes <= protocol.MAX_NODES
-            or not 0 <= r.summary_window_rows <= MAX_WINDOW_ROWS):
+            or not 0 <= r.summary_window_rows <= MAX_WINDOW_ROWS
+            or r.count_flops not in (0, 1) or not _number(0.0, 1e9, nullable=False)(
+                r.peak_tflops)):
         raise ProtocolError("run start out of range")
-    return RunStart(
-        session_id=r.session_id, command=tuple(_escaped(a) for a in r.command),
-        started_at=r.started_at, traceml_version=_escaped(r.traceml_version),
-        torch_version=_escaped(r.torch_version), python_version=_escaped(r.python_version),
-        summary_window_rows=r.summary_window_rows, mode=r.mode,
-        expected_world_size=r.expected_world_size, expected_nodes=r.expected_nodes)
+    return dataclasses.replace(
+        r, command=tuple(_escaped(a) for a in r.command),
+        traceml_version=_escaped(r.traceml_version), torch_version=_escaped(r.torch_version),
+        python_version=_escaped(r.python_version))
 
 
 def _incident(payload: dict[str, Any]) -> protocol.IncidentReport:
