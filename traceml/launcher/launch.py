@@ -244,7 +244,12 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
     except KeyboardInterrupt:
         pass
     finally:
-        hold_signals()
+        while True:  # a second Ctrl-C may land before the handler is in place
+            try:
+                hold_signals()
+                break
+            except KeyboardInterrupt:
+                continue
         stack_watch.failed(failures)  # sent with the sampler's last messages
         for helper in helpers:
             helper.stop()
