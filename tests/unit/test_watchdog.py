@@ -8,6 +8,8 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from traceml import phases, stacks
 from traceml.agent.watchdog import (
     AUTO_FLOOR_S,
@@ -15,6 +17,7 @@ from traceml.agent.watchdog import (
     StallWatch,
     out_of_memory_detail,
 )
+from traceml.errors import ProtocolError
 from traceml.protocol import (
     BACKWARD,
     FORWARD,
@@ -103,12 +106,8 @@ def test_reports_survive_the_wire_and_bad_ones_are_refused() -> None:
                 {"what": STALL, "began_at": float("nan"), "at": 2.0},
                 {"what": STALL, "began_at": 1.0, "at": 2.0, "stack": [["f", "x", "g"]]},
                 {"what": STALL, "began_at": 1.0, "at": 2.0, "detail": {"k": [1]}}):
-        try:
+        with pytest.raises(ProtocolError):
             check_incident(bad)
-        except Exception as exc:
-            assert type(exc).__name__ == "ProtocolError"
-        else:
-            raise AssertionError(f"accepted {bad}")
 
 
 def test_faulthandler_output_is_parsed_for_the_main_thread() -> None:

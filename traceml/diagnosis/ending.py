@@ -32,7 +32,6 @@ how a run is stopped, not crashes.
 from __future__ import annotations
 
 import dataclasses
-import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -389,10 +388,3 @@ def ended_before_first_step(exit_code: int | None) -> Finding:
     return Finding("ENDED_BEFORE_FIRST_STEP", "ENDED BEFORE THE FIRST STEP",
                    "crit" if failed else "info", why, next_step, (), {"exit_code": exit_code})
 
-
-def signal_name(exit_code: int) -> str | None:
-    """``SIGSEGV`` for a process that died of signal 11 (exit code -11)."""
-    try:
-        return signal.Signals(-exit_code).name if exit_code < 0 else None
-    except ValueError:
-        return None
