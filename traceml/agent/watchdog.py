@@ -153,7 +153,11 @@ class Heartbeat:
         self._written = False
 
     def beat(self, now: float, threshold_s: float | None) -> None:
-        """Sender thread, every tick; ``threshold_s`` None until the loop has begun."""
+        """Sender thread, every tick; ``threshold_s`` None until the loop has begun.
+        The file is rewritten only when the threshold moves by a whole second (the
+        automatic one follows the median step), else its time is touched once a second."""
+        if threshold_s is not None:
+            threshold_s = max(1.0, float(round(threshold_s)))
         if threshold_s != self.info["threshold_s"] or not self._written:
             self._written = True
             self.info["threshold_s"] = threshold_s
