@@ -18,6 +18,7 @@ who stopped where and who waits, and one line when the stall clears.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -146,8 +147,6 @@ def _thread(files: StackFiles) -> int | None:
 
 
 def _signal_name(exit_code: int) -> str | None:
-    import signal
-
     try:
         return signal.Signals(-exit_code).name if exit_code < 0 else None
     except ValueError:
@@ -169,8 +168,14 @@ class StallAlert:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop, after one last look: a stall that cleared just before the run ended
+        is still said before the summary."""
         self._stop.set()
         self._thread.join(2.0)
+        try:
+            self.check()
+        except Exception:  # never in the launcher's way
+            pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

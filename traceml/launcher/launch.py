@@ -260,6 +260,10 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
         else:
             print(f"traceml: this node's telemetry went to {agent_env.endpoint}; "
                   "node 0 writes the summary", file=sys.stderr)
+        # Done: a late Ctrl-C is ignored while Python exits (its shutdown puts the
+        # default handlers back, and one would replace the exit status with SIGINT's).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     return exit_code
 
 
