@@ -21,11 +21,13 @@ from traceml.diagnosis.finding import Finding, format_ranks
 from traceml.live.worker_output import OutputLine
 from traceml.report.model import SECTION_NAMES, SECTION_TITLES
 from traceml.report.page.gauges import Gauge, GaugeRow
-from traceml.report.page.snapshot import TABLE_PARTS, RankPhases, Snapshot
+from traceml.report.page.snapshot import TABLE_PARTS, RankPhases, Snapshot, WideView
+from traceml.report.page.spread import NUM_WORST
 from traceml.report.text import THROUGHPUT_UNITS, format_rate
 
 MAX_TABLE_RANKS = 16
-"""Ranks shown in the phase table at most: the slowest by median step time."""
+"""Ranks shown in the per-rank phase table at most: the slowest by median step time (more
+ranks than ``spread.WIDE_RANKS`` get the spread table instead)."""
 
 BAR_CELLS = 8
 _SEVERITY_STYLE = {"info": "cyan", "warn": "yellow", "crit": "bold red"}
@@ -95,12 +97,15 @@ def _shown_ranks(rows: Sequence[RankPhases]) -> list[RankPhases]:
 
 
 def phase_table(snap: Snapshot) -> RenderableType:
-    """Per rank, median / worst ms of each phase; the worst rank of each phase named."""
+    """Per rank, median / worst ms of each phase; the worst rank of each phase named.
+    At many ranks, the spread across ranks and the worst ranks instead (:func:`spread_table`)."""
     rows = snap.phases
     if not rows:
         if snap.report.meta.mode == "watch":
             return Text("traceml watch times no steps: System and Process only.", style="dim")
         return Text("Waiting for the first training steps...", style="dim")
+    if snap.wide is not None:
+        return spread_table(snap, snap.wide)
     shown = _shown_ranks(rows)
     title = (f"Step time, ms: median / worst of the last {snap.report.step_time.scope.num_steps}"
              " aligned steps")
@@ -124,6 +129,42 @@ def phase_table(snap: Snapshot) -> RenderableType:
                       *(f"r{snap.worst_ranks[p]}" if p in snap.worst_ranks else "-"
                         for p in columns), style="dim")
     return table
+
+
+def spread_table(snap: Snapshot, wide: WideView) -> RenderableType:
+    """Per phase: median, p90 and worst across ranks of each rank's median, the worst rank;
+    then the NUM_WORST worst ranks of each phase, and the rank furthest behind."""
+    columns = [p for p in shown_columns(snap) if p in wide.phases]
+    title = (f"Step time across {len(snap.phases)} ranks, ms: each rank's median of the last "
+             f"{snap.report.step_time.scope.num_steps} aligned steps")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1),
+                  collapse_padding=True)
+    table.add_column("across ranks", no_wrap=True)
+    for name in columns:
+        table.add_column(name.removesuffix("_ms"), justify="right", no_wrap=True)
+    spreads = [wide.phases[p] for p in columns]
+    table.add_row("median", *(format_ms(s.median) for s in spreads))
+    table.add_row("p90", *(format_ms(s.p90) for s in spreads))
+    table.add_row("worst", *(Text(format_ms(s.worst_value), style="bold red") for s in spreads))
+    table.add_row("worst rank", *(f"r{s.worst_rank}" for s in spreads), style="dim")
+    worst = Table.grid(padding=(0, 2))
+    worst.add_column(style="bold", no_wrap=True)
+    worst.add_column()
+    for name, s in zip(columns, spreads):
+        worst.add_row(name.removesuffix("_ms"),
+                      "  ".join(f"r{v.rank} {format_ms(v.value)}" for v in s.worst_ranks))
+    heading = Text(f"Worst ranks by phase, ms (their median; the {NUM_WORST} worst)", style="bold")
+    parts: list[RenderableType] = [Text(title), table, heading, worst]
+    if wide.last_step is not None:
+        parts.append(Text(f"Newest step: {newest_steps(wide)}", style="dim"))
+    return Group(*parts)
+
+
+def newest_steps(wide: WideView) -> str:
+    """``median 120, lowest 97 (r17)``: how far the ranks have got."""
+    last = wide.last_step
+    assert last is not None
+    return f"median {last.median:.0f}, lowest {last.worst_value:.0f} (r{last.worst_rank})"
 
 
 def shown_columns(snap: Snapshot) -> tuple[str, ...]:
@@ -243,7 +284,9 @@ def output_panel(lines: Sequence[OutputLine], where: str,
 def status_line(snap: Snapshot) -> str:
     """The plain-text view (stdout is not a terminal): one line, no colours."""
     parts = [f"traceml: {format_duration(snap.elapsed_s)}"]
-    if snap.phases:
+    if snap.wide is not None and snap.wide.last_step is not None:
+        parts.append(f"{len(snap.phases)} ranks, step {newest_steps(snap.wide)}")
+    elif snap.phases:
         steps = ", ".join(f"r{r.rank} {r.last_step}" for r in snap.phases[:8])
         more = f" +{len(snap.phases) - 8} more" if len(snap.phases) > 8 else ""
         parts.append(f"step {steps}{more}")

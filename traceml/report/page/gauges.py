@@ -4,11 +4,14 @@ Runs wherever a snapshot is built (launcher, collector, offline analysis). A
 gauge is a label, a fill (0..100, None: text only) and the text to show; the
 terminal and the page draw the same gauges. Live, the sections cover the
 recent window (about the last minute of samples); in final_summary.html, the run.
+More than ``WIDE_RANKS`` rows of one kind (nodes, GPUs, ranks) become three: the
+median, p90 and worst of each gauge, each naming whose it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from traceml.diagnosis.finding import format_bytes
@@ -16,6 +19,7 @@ from traceml.diagnosis.process import RankProcess
 from traceml.diagnosis.samples import Json
 from traceml.diagnosis.system import GpuSummary, NodeSystem
 from traceml.report.model import Report
+from traceml.report.page.spread import is_wide
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,11 @@ class Gauge:
     label: str
     pct: float | None
     text: str
+    order: float | None = None  # what a spread ranks by when there is no fill (temperature)
+
+    @property
+    def rank_by(self) -> float | None:
+        return self.pct if self.pct is not None else self.order
 
 
 @dataclass(frozen=True)
@@ -38,15 +47,17 @@ class GaugeRow:
 def node_gauges(report: Report) -> tuple[GaugeRow, ...]:
     """Per node: host CPU average and RAM peak; then one row per GPU the job uses:
     utilization, peak memory used and peak temperature."""
-    rows = []
+    hosts, gpus = [], []
     for node in report.system.ranks:
         assert isinstance(node, NodeSystem)
-        rows.append(GaugeRow(f"n{node.node_rank} {node.host}", (
+        hosts.append(GaugeRow(f"n{node.node_rank} {node.host}", (
             Gauge("CPU", node.cpu_avg_pct, f"{node.cpu_avg_pct:.0f}%"),
             Gauge("RAM", node.ram_peak_pct, f"{node.ram_peak_pct:.0f}%"))))
-        rows += [GaugeRow(f"n{node.node_rank} gpu{gpu.index}", tuple(_gpu_gauges(gpu)))
-                 for gpu in node.gpus]
-    return tuple(rows)
+        gpus.append([GaugeRow(f"n{node.node_rank} gpu{gpu.index}", tuple(_gpu_gauges(gpu)))
+                     for gpu in node.gpus])
+    if is_wide(len(hosts)) or is_wide(sum(map(len, gpus))):
+        return (*spread_rows(hosts, "nodes"), *spread_rows([g for n in gpus for g in n], "GPUs"))
+    return tuple(row for host, node_gpus in zip(hosts, gpus) for row in (host, *node_gpus))
 
 
 def _gpu_gauges(gpu: GpuSummary) -> Iterable[Gauge]:
@@ -56,7 +67,7 @@ def _gpu_gauges(gpu: GpuSummary) -> Iterable[Gauge]:
         yield Gauge("mem", 100.0 * gpu.mem_used_peak_bytes / gpu.mem_total_bytes,
                     _of(gpu.mem_used_peak_bytes, gpu.mem_total_bytes))
     if gpu.temp_peak_c is not None:
-        yield Gauge("temp", None, f"{gpu.temp_peak_c:.0f}C")
+        yield Gauge("temp", None, f"{gpu.temp_peak_c:.0f}C", order=gpu.temp_peak_c)
 
 
 def process_gauges(report: Report) -> tuple[GaugeRow, ...]:
@@ -72,7 +83,35 @@ def process_gauges(report: Report) -> tuple[GaugeRow, ...]:
         if reserved is not None and total:
             gauges.append(Gauge("GPU mem", proc.reserved_pct, _of(reserved, total)))
         rows.append(GaugeRow(f"r{proc.rank} n{proc.node_rank}", tuple(gauges)))
-    return tuple(rows)
+    return spread_rows(rows, "ranks") if is_wide(len(rows)) else tuple(rows)
+
+
+def spread_rows(rows: Sequence[GaugeRow], what: str) -> tuple[GaugeRow, ...]:
+    """``what median``, ``what p90`` and ``what worst``: per gauge label, the gauge of the
+    row at that place when the rows are ordered by it (lower median; ties: the first row),
+    its text followed by the row's name (``r17``, ``n3 gpu2``)."""
+    labels = list(dict.fromkeys(g.label for row in rows for g in row.gauges))
+    picked: dict[str, list[Gauge]] = {"median": [], "p90": [], "worst": []}
+    for label in labels:
+        ranked = sorted(((g.rank_by, i, g, _owner(row.name)) for i, row in enumerate(rows)
+                         for g in row.gauges if g.label == label and g.rank_by is not None),
+                        key=lambda item: (item[0], -item[1]))
+        if not ranked:
+            continue
+        last = len(ranked) - 1
+        for place, index in (("median", last // 2), ("p90", math.ceil(0.9 * last)),
+                             ("worst", last)):
+            _, _, gauge, owner = ranked[index]
+            picked[place].append(Gauge(gauge.label, gauge.pct, f"{gauge.text} {owner}",
+                                       gauge.order))
+    return tuple(GaugeRow(f"{what} {place}", tuple(gauges)) for place, gauges in picked.items()
+                 if gauges)
+
+
+def _owner(name: str) -> str:
+    """``r17`` of ``r17 n2``; a node's host is left out, a GPU keeps its node."""
+    first, _, rest = name.partition(" ")
+    return name if rest.startswith("gpu") else first
 
 
 def _of(used: float, total: float) -> str:

@@ -5,7 +5,9 @@ offline analysis (final_summary.html). Every view renders the same
 :class:`~traceml.report.model.Report`: live, it is built over the last
 ``LIVE_WINDOW_STEPS`` aligned steps of the recent rows; at the end, it is the
 final summary's report. The snapshot adds a per-rank phase table (median and
-worst step of the report's window), gauges and the chart series.
+worst step of the report's window), gauges and the chart series; with more
+than ``WIDE_RANKS`` ranks, spreads across ranks and a downsampled grid instead
+of a chart per rank (:mod:`~traceml.report.page.spread`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,20 @@ from traceml.diagnosis.samples import Json, RunData
 from traceml.diagnosis.window import select_window
 from traceml.report.build import build_report, rank_nodes
 from traceml.report.json_codec import report_to_json
-from traceml.report.model import Report
+from traceml.report.model import SECTION_NAMES, Report
 from traceml.report.page.gauges import GaugeRow, gauges_to_json, node_gauges, process_gauges
 from traceml.report.page.series import MAX_POINTS, Series, build_series, series_to_json
+from traceml.report.page.spread import (
+    Grid,
+    RankValue,
+    Spread,
+    build_grid,
+    grid_to_json,
+    is_wide,
+    spread,
+    spread_to_json,
+)
+from traceml.report.text import THROUGHPUT_UNITS
 
 LIVE_WINDOW_STEPS = 100
 """Aligned steps per rank the live diagnosis and phase table look at."""
@@ -31,7 +44,8 @@ TABLE_PARTS = (*phases.stacked(), phases.TOTAL)
 TABLE_PHASES = tuple(p.column for p in TABLE_PARTS)
 """The phase table's columns: every phase, wait, total."""
 
-SNAPSHOT_FORMAT = "traceml.snapshot/1"
+SNAPSHOT_FORMAT = "traceml.snapshot/2"
+"""2: ``wide`` (spreads and a downsampled grid at many ranks)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,16 @@ class RankPhases:
 
 
 @dataclass(frozen=True)
+class WideView:
+    """What replaces the per-rank rows and charts at many ranks."""
+
+    phases: Mapping[str, Spread]  # TABLE_PHASES -> the ranks' window medians
+    last_step: Spread | None  # the newest step of each rank; the worst is the furthest behind
+    throughput: Mapping[str, Spread]  # THROUGHPUT_UNITS keys -> per-rank rates (lowest worst)
+    grid: Grid
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """What every view shows at one moment."""
 
@@ -57,7 +81,8 @@ class Snapshot:
     worst_ranks: Mapping[str, int]  # phase -> the rank with the highest median
     nodes: tuple[GaugeRow, ...]
     processes: tuple[GaugeRow, ...]
-    series: Series
+    series: Series  # empty at many ranks: ``wide`` has the bands and the heatmap
+    wide: WideView | None = None  # more than WIDE_RANKS ranks
 
 
 def live_snapshot(run: RunData, window_rows: int, now: float | None = None) -> Snapshot:
@@ -74,8 +99,23 @@ def build_snapshot(run: RunData, report: Report, *, ended: bool, now: float | No
         elapsed = report.duration_s
     else:
         elapsed = max(0.0, (time.time() if now is None else now) - run.meta.started_at)
+    wide = wide_view(run, report, phases) if is_wide(len(phases)) else None
+    series = Series((), wide.grid.bucket_steps) if wide else build_series(run.steps, max_points)
     return Snapshot(report, elapsed, ended, phases, worst_ranks(phases), node_gauges(report),
-                    process_gauges(report), build_series(run.steps, max_points))
+                    process_gauges(report), series, wide)
+
+
+def wide_view(run: RunData, report: Report, phases: tuple[RankPhases, ...]) -> WideView:
+    """Spreads across ranks of the phase table and the throughput, and the grid of ``run.steps``."""
+    per_phase = {p: spread(RankValue(r.rank, r.median_ms[p]) for r in phases if p in r.median_ms)
+                 for p in TABLE_PHASES}
+    last = spread((RankValue(r.rank, r.last_step) for r in phases if r.last_step is not None),
+                  worst="min")
+    rates = {key: spread((RankValue(r.rank, v) for r in report.throughput.ranks
+                          if (v := getattr(r, key, None)) is not None), worst="min")
+             for key, _ in THROUGHPUT_UNITS}
+    return WideView({p: s for p, s in per_phase.items() if s is not None}, last,
+                    {k: s for k, s in rates.items() if s is not None}, build_grid(run.steps))
 
 
 def phase_rows(run: RunData, report: Report) -> tuple[RankPhases, ...]:
@@ -107,19 +147,40 @@ def worst_ranks(phases: tuple[RankPhases, ...]) -> dict[str, int]:
 
 
 def snapshot_to_json(snap: Snapshot, live: bool) -> dict[str, Json]:
-    """The document the page renders; ``summary`` is exactly final_summary.json's shape."""
+    """The document the page renders; ``summary`` is exactly final_summary.json's shape.
+
+    At many ranks (``wide`` is not null) the document stays bounded: ``phases`` and the
+    series' ``ranks`` are empty, and so is each summary section's ``ranks`` (the per-rank
+    rows stay in final_summary.json)."""
+    summary = report_to_json(snap.report)
+    if snap.wide is not None:
+        for name in SECTION_NAMES:
+            section = summary[name]
+            assert isinstance(section, dict)
+            section["ranks"] = []
     return {
         "format": SNAPSHOT_FORMAT,
         "phase_table": [{**row} for row in phases.table_json()],
         "live": live,
         "ended": snap.ended,
         "elapsed_s": round(snap.elapsed_s, 3),
-        "summary": report_to_json(snap.report),
-        "phases": [_phases_json(row) for row in snap.phases],
+        "summary": summary,
+        "phases": [] if snap.wide else [_phases_json(row) for row in snap.phases],
         "worst_ranks": dict(snap.worst_ranks),
         "nodes": gauges_to_json(snap.nodes),
         "processes": gauges_to_json(snap.processes),
         "series": series_to_json(snap.series),
+        "wide": None if snap.wide is None else _wide_json(snap.wide, len(snap.phases)),
+    }
+
+
+def _wide_json(wide: WideView, num_ranks: int) -> dict[str, Json]:
+    return {
+        "num_ranks": num_ranks,
+        "phases": {p: spread_to_json(s) for p, s in wide.phases.items()},
+        "last_step": spread_to_json(wide.last_step),
+        "throughput": {k: spread_to_json(s) for k, s in wide.throughput.items()},
+        "grid": grid_to_json(wide.grid),
     }
 
 

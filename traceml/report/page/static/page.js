@@ -105,7 +105,40 @@
           el("span", {}, " " + f.why)]));
   }
 
+  // Many ranks (doc.wide): spreads across ranks and the worst ranks, no row per rank.
+  function renderSpreadTable(doc) {
+    const wide = doc.wide, steps = doc.summary.step_time.scope.num_steps || 0;
+    const cols = PHASES.map((p) => p[0]).concat(["total_ms"]).filter((c) => c in wide.phases);
+    if (!cols.length) { fill("table", el("p", { class: "empty" }, "Waiting for the first steps…")); return; }
+    $("table-title").textContent = `Step time across ${wide.num_ranks} ranks, ms: each rank's ` +
+      `median of ${steps} aligned steps`;
+    const name = (c) => c.replace("_ms", "");
+    const head = el("tr", {}, [el("th", {}, "")].concat(cols.map((c) => el("th", {}, name(c)))));
+    const row = (key, label, cell) => el("tr", { "data-spread": key },
+      [el("td", {}, label)].concat(cols.map((c) => el("td", {}, cell(wide.phases[c])))));
+    const spreads = el("table", { "data-table": "spread" }, [el("thead", {}, head), el("tbody", {}, [
+      row("median", "median", (s) => fmtMs(s.median)), row("p90", "p90", (s) => fmtMs(s.p90)),
+      row("worst", "worst", (s) => fmtMs(s.worst_ranks[0].value)),
+      row("worst-rank", "worst rank", (s) => "r" + s.worst_ranks[0].rank)])]);
+    const k = Math.max(...cols.map((c) => wide.phases[c].worst_ranks.length));
+    const worst = el("table", { "data-table": "worst" }, [
+      el("thead", {}, el("tr", {}, [el("th", {}, "phase")].concat(
+        Array.from({ length: k }, (_, i) => el("th", {}, "#" + (i + 1)))))),
+      el("tbody", {}, cols.map((c) => el("tr", { "data-worst-phase": c }, [el("td", {}, name(c))]
+        .concat(wide.phases[c].worst_ranks.map((v) => el("td", { "data-rank": String(v.rank) },
+          `r${v.rank} ${fmtMs(v.value)}`))))))]);
+    const out = [spreads, el("h2", {}, `The ${k} worst ranks by each phase, ms (their median)`), worst];
+    const last = wide.last_step;
+    if (last) {
+      out.push(el("p", { class: "why", "data-last-step": String(last.worst_ranks[0].rank) },
+        `Newest step: median ${Math.round(last.median)}, lowest ${last.worst_ranks[0].value} ` +
+        `(r${last.worst_ranks[0].rank})`));
+    }
+    fill("table", out);
+  }
+
   function renderTable(doc) {
+    if (doc.wide) { renderSpreadTable(doc); return; }
     const rows = doc.phases;
     if (!rows.length) {
       const watch = doc.summary.meta.mode === "watch";
@@ -199,7 +232,44 @@
       [el("figcaption", {}, `r${r.rank} · ms per step`), svg]);
   }
 
+  // One metric over steps across ranks: the median..p90 band and the max line.
+  function bandChart(band, steps, fmt, attrs, caption, color, size) {
+    const box = { x0: size.x0, y0: 6, w: size.w - size.x0 - 10, h: size.h - 24 };
+    const svg = sv("svg", { viewBox: `0 0 ${size.w} ${size.h}`, role: "img" });
+    let yMax = 0;
+    for (const v of band.max) yMax = Math.max(yMax, v || 0);
+    yMax = yMax > 0 ? yMax * 1.05 : 1;
+    const lo = steps.length ? steps[0] : 0, hi = steps.length ? steps[steps.length - 1] : 1;
+    axes(svg, box, yMax, fmt, steps.length ? [lo, hi] : []);
+    const x = xScale(lo, hi, box), y = (v) => box.y0 + box.h - (v / yMax) * box.h;
+    const at = (key) => steps.map((s, i) => [s, band[key][i]]).filter((p) => p[1] !== null)
+      .map(([s, v]) => `${x(s).toFixed(1)},${y(v).toFixed(1)}`);
+    const med = at("median"), p90 = at("p90");
+    if (med.length) {
+      svg.append(sv("path", { d: "M" + p90.concat(med.slice().reverse()).join("L") + "Z", fill: color,
+        "fill-opacity": "0.3", "data-band": "p90" }));
+    }
+    for (const [key, width, dash] of [["median", "1.8", ""], ["max", "1", "3 2"]]) {
+      const pts = at(key);
+      if (pts.length === 1) pts.push(pts[0]);
+      svg.append(sv("polyline", { points: pts.join(" "), fill: "none", stroke: color,
+        "stroke-width": width, "stroke-dasharray": dash, "data-band": key }));
+    }
+    return el("figure", Object.assign({ "data-points": String(steps.length) }, attrs),
+      [el("figcaption", {}, caption), svg]);
+  }
+
+  function renderBandCharts(doc) {
+    const grid = doc.wide.grid, n = doc.wide.num_ranks;
+    const parts = PHASES.concat([["total_ms", "total", "#333333"]]).filter((p) => p[0] in grid.bands);
+    if (!grid.steps.length) { fill("phases", el("p", { class: "empty" }, "No steps yet.")); return; }
+    fill("phases", parts.map(([key, name, color]) => bandChart(grid.bands[key], grid.steps, fmtMs,
+      { "data-chart": "bands", "data-phase": key }, `${name} · ms per step across ${n} ranks: ` +
+      "median, p90 (band), max (dashed)", color, { x0: 40, w: 320, h: 134 })));
+  }
+
   function renderPhaseCharts(doc) {
+    if (doc.wide) { renderBandCharts(doc); return; }
     const ranks = doc.series.ranks;
     if (!ranks.length) { fill("phases", el("p", { class: "empty" }, "No steps yet.")); return; }
     const [lo, hi] = stepRange(ranks);
@@ -226,7 +296,55 @@
     return { steps, col, lo: at(0.02), hi: at(0.98) };
   }
 
+  function heatCells(heat) {
+    if (!heat.levels) heat.levels = Uint8Array.from(atob(heat.cells), (c) => c.charCodeAt(0));
+    return heat.levels;
+  }
+
+  function rowName(pair) { return pair[0] === pair[1] ? "r" + pair[0] : `r${pair[0]}–${pair[1]}`; }
+
+  // Many ranks: the grid the document carries, already cut to rank and step buckets.
+  function renderWideHeatmap(doc) {
+    const canvas = $("heatmap"), key = $("heat-phase").value, grid = doc.wide.grid;
+    const heat = grid.heat[key] || { lo: 0, hi: 0, cells: "" }, cells = heatCells(heat);
+    const rows = grid.row_ranks.length, cols = grid.steps.length;
+    const cellH = Math.max(2, Math.min(18, Math.floor(512 / Math.max(1, rows))));
+    const left = 70, bottom = 34, width = Math.max(300, $("heat-wrap").clientWidth - 12);
+    const height = rows * cellH + bottom, ratio = window.devicePixelRatio || 1;
+    canvas.width = width * ratio; canvas.height = height * ratio;
+    canvas.style.height = height + "px";
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    ctx.clearRect(0, 0, width, height);
+    const cellW = (width - left) / Math.max(1, cols);
+    const colours = Array.from({ length: 255 }, (_, q) => viridis(q / 254)).concat(["#eaeef2"]);
+    for (let row = 0; row < rows; row += 1) {
+      for (let col = 0; col < cols; col += 1) {
+        ctx.fillStyle = colours[cells[row * cols + col]];
+        ctx.fillRect(left + col * cellW, row * cellH, Math.ceil(cellW), cellH);
+      }
+    }
+    ctx.font = "10px system-ui, sans-serif"; ctx.fillStyle = "#656d76";
+    const every = Math.ceil(14 / cellH);
+    for (let row = 0; row < rows; row += every) ctx.fillText(rowName(grid.row_ranks[row]), 4, row * cellH + 10);
+    drawHeatScale(ctx, { steps: grid.steps, lo: heat.lo, hi: heat.hi }, left, rows * cellH, width);
+    canvas.dataset.ranks = grid.row_ranks.length ? grid.row_ranks[0][0] + "-" + grid.row_ranks[rows - 1][1] : "";
+    canvas.dataset.rows = String(rows);
+    canvas.dataset.cols = String(cols);
+    state.heat = { wide: true, grid, heat, cells, key, cellW, cellH, left };
+  }
+
+  function wideHeatTip(h, row, col) {
+    if (row < 0 || col < 0 || row >= h.grid.row_ranks.length || col >= h.grid.steps.length) return "\u00a0";
+    const q = h.cells[row * h.grid.steps.length + col], first = h.grid.steps[col];
+    const steps = h.grid.bucket_steps > 1 ? `steps ${first}–${first + h.grid.bucket_steps - 1}` : "step " + first;
+    const value = q === 255 ? "–" : q === 0 ? "≤" + fmtMs(h.heat.lo) : q === 254 ? "≥" + fmtMs(h.heat.hi) :
+      "≈" + fmtMs(h.heat.lo + (q / 254) * (h.heat.hi - h.heat.lo));
+    return `${rowName(h.grid.row_ranks[row])} · ${steps} · ${h.key.replace("_ms", "")} max ${value} ms`;
+  }
+
   function renderHeatmap(doc) {
+    if (doc.wide) { renderWideHeatmap(doc); return; }
     const canvas = $("heatmap"), key = $("heat-phase").value, ranks = doc.series.ranks;
     const grid = heatGrid(ranks, key);
     const cellH = Math.max(3, Math.min(18, Math.floor(360 / Math.max(1, ranks.length))));
@@ -274,6 +392,7 @@
     const rect = $("heatmap").getBoundingClientRect();
     const row = Math.floor((event.clientY - rect.top) / h.cellH);
     const col = Math.floor((event.clientX - rect.left - h.left) / h.cellW);
+    if (h.wide) { $("heat-tip").textContent = wideHeatTip(h, row, col); return; }
     const r = h.ranks[row], step = h.grid.steps[col];
     if (!r || step === undefined) { $("heat-tip").textContent = "\u00a0"; return; }
     const i = r.step.indexOf(step);
@@ -288,10 +407,22 @@
     return null;
   }
 
+  const MEMORY_NAMES = { peak_reserved_bytes: "device peak reserved", peak_allocated_bytes:
+    "device peak allocated", rss_bytes: "host RSS" };
+
+  function renderWideMemory(doc) {
+    const grid = doc.wide.grid, key = Object.keys(MEMORY_NAMES).find((k) => k in grid.bands);
+    if (key === undefined) { fill("memory", el("p", { class: "empty" }, "No memory measured yet.")); return; }
+    $("memory-title").textContent = `Memory over steps: ${MEMORY_NAMES[key]} across ${doc.wide.num_ranks} ranks`;
+    fill("memory", bandChart(grid.bands[key], grid.steps, fmtBytes,
+      { "data-chart": "memory", "data-metric": key }, "median, p90 (band), max (dashed)",
+      RANK_COLORS[0], { x0: 64, w: 960, h: 200 }));
+  }
+
   function renderMemory(doc) {
+    if (doc.wide) { renderWideMemory(doc); return; }
     const ranks = doc.series.ranks, key = memoryMetric(ranks);
-    const names = { peak_reserved_bytes: "device peak reserved", peak_allocated_bytes:
-      "device peak allocated", rss_bytes: "host RSS" };
+    const names = MEMORY_NAMES;
     if (key === null) { fill("memory", el("p", { class: "empty" }, "No memory measured yet.")); return; }
     $("memory-title").textContent = "Memory over steps: " + names[key] + " per rank";
     const box = { x0: 64, y0: 8, w: 880, h: 170 };
@@ -334,15 +465,25 @@
     return Math.abs(v) >= 1000 ? Math.round(v).toLocaleString("en-US") : String(+v.toPrecision(4));
   }
 
+  // Many ranks: the ranks' median, p10 and lowest rate (the rank named) instead of a row each.
+  function spreadRates(spreads) {
+    const cell = (k, u, f) => el("td", {}, k in spreads ? f(spreads[k], u) : "–");
+    return [["median", (s, u) => fmtRate(s.median, u)], ["p10", (s, u) => fmtRate(s.p90, u)],
+      ["lowest", (s, u) => fmtRate(s.worst_ranks[0].value, u) + " r" + s.worst_ranks[0].rank]]
+      .map(([name, f]) => el("tr", { "data-spread": name }, [el("td", {}, "ranks " + name)]
+        .concat(RATES.map(([k, u]) => cell(k, u, f)))));
+  }
+
   function renderThroughput(doc) {
     const tp = doc.summary.throughput;
-    if (!tp || !tp.ranks.length) {
+    if (!tp || !(doc.wide ? Object.keys(doc.wide.phases).length : tp.ranks.length)) {
       fill("throughput", el("p", { class: "empty" }, "Waiting for the first steps…"));
       return;
     }
     const job = tp.job;
     const head = el("tr", {}, ["rank"].concat(RATES.map((r) => r[1])).map((h) => el("th", {}, h)));
-    const body = tp.ranks.map((r) => el("tr", { "data-rank": String(r.rank) },
+    const body = doc.wide ? spreadRates(doc.wide.throughput) : tp.ranks.map((r) => el("tr",
+      { "data-rank": String(r.rank) },
       [el("td", {}, "r" + r.rank)].concat(RATES.map(([k, u]) => el("td", {}, fmtRate(r[k], u))))));
     const total = el("tr", { class: "worst", "data-job": "true" }, [el("td", {}, "job")]
       .concat(RATES.map(([k, u]) => el("td", {}, fmtRate(job[k], u)))));
@@ -388,8 +529,11 @@
     renderFindings(doc);
     const v = doc.summary.meta.versions;
     fill("footer", `traceml ${v.traceml} · torch ${v.torch} · python ${v.python} · ` +
-      `schema ${doc.summary.schema_version} · ${doc.series.bucket_steps} step(s) per point`);
+      `schema ${doc.summary.schema_version} · ${doc.series.bucket_steps} step(s) per point` +
+      (doc.wide ? ` · ${doc.wide.num_ranks} ranks: spreads across ranks, ` +
+        `${doc.wide.grid.row_ranks.length} heatmap rows (max of each rank bucket)` : ""));
     state.renders += 1;
+    if (state.renders === 1) document.body.dataset.firstRenderMs = performance.now().toFixed(0);
     document.body.dataset.renders = String(state.renders);
     document.body.dataset.ended = doc.ended ? "true" : "false";
   }
