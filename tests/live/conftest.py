@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import shutil
 import socket
@@ -58,6 +60,44 @@ def fixed_run(num_steps: int = 12) -> RunData:
     system = tuple(SystemSample(0, "gpu-box", T0 + t, 25.0, 30.0, 256 * GIB, gpus)
                    for t in (1, 2))
     return RunData(meta, steps, process, system)
+
+
+WIDE_SLOW_MS = 30.0
+"""How much slower the planted rank of :func:`wide_run` loads its batches."""
+
+
+def wide_phases(rank: int, step: int, slow_rank: int | None) -> tuple[float, ...]:
+    """input, forward, backward, optimizer, total of one step of a many-rank run: a little
+    deterministic noise on every rank, ``slow_rank`` loading WIDE_SLOW_MS slower; the other
+    ranks wait that long in backward (as under DDP), so the totals stay alike."""
+    noise = ((rank * 7 + step * 3) % 11) * 0.05
+    slow = WIDE_SLOW_MS if rank == slow_rank else 0.0
+    return 2.0 + noise + slow, 30.0 + noise, 50.0 + WIDE_SLOW_MS - slow, 10.0, 100.0 + WIDE_SLOW_MS
+
+
+def wide_run(num_ranks: int, num_steps: int, slow_rank: int | None) -> RunData:
+    """``num_ranks`` ranks on nodes of 8 (8 GPUs each), CUDA; rank ``slow_rank``'s loader
+    is slow. Process and system samples for the gauges."""
+    per_node = 8
+    nodes = tuple(NodeInfo(n, f"node{n}", tuple(range(n * per_node, (n + 1) * per_node)))
+                  for n in range(math.ceil(num_ranks / per_node)))
+    meta = dataclasses.replace(fixed_run(1).meta, session_id="wide", world_size=num_ranks,
+                               nodes=nodes)
+    steps = []
+    for rank in range(num_ranks):
+        for step in range(num_steps):
+            inp, fwd, bwd, opt, total = wide_phases(rank, step, slow_rank)
+            steps.append(step_row(rank, step, inp, fwd, bwd, opt, total,
+                                  total - inp - fwd - bwd - opt, 4 * GIB + rank * MIB, 5 * GIB,
+                                  2 * GIB, t=T0 + 1 + step * 0.1, samples=32))
+    process = tuple(ProcessSample(r, r // per_node, T0 + t, 90.0 + r % 7, 2 * GIB + r * MIB,
+                                  256 * GIB, 64, 4 * GIB, 5 * GIB, 80 * GIB)
+                    for r in range(num_ranks) for t in (1, 2))
+    gpus = tuple(GpuSample(i, 80.0 + i, 10 * GIB, 80 * GIB, 60.0 + i, 300.0)
+                 for i in range(per_node))
+    system = tuple(SystemSample(n.node_rank, n.host, T0 + t, 25.0 + n.node_rank % 9, 30.0,
+                                256 * GIB, gpus) for n in nodes for t in (1, 2))
+    return RunData(meta, tuple(steps), process, system)
 
 
 def wait_for(check: Callable[[], T | None], timeout_s: float, what: str,

@@ -39,8 +39,8 @@ HEAT_MAX_ROWS = 256
 MAX_BUCKETS = 256
 """Rank buckets (heatmap rows) and step buckets (heatmap columns, band points) at most."""
 
-HEAT_LEVELS = 255
-"""A heatmap cell is one byte: 0..254 from its column's ``lo`` to ``hi``, 255 not measured."""
+ABOVE, NOT_MEASURED = 254, 255
+"""A heatmap cell is one byte: 0..253 from its metric's ``lo`` to ``hi``, then these two."""
 
 
 def is_wide(num_ranks: int) -> bool:
@@ -216,17 +216,18 @@ def _rounded(name: str, value: float) -> float:
 
 
 def _heat_json(cells: Sequence[float | None]) -> dict[str, Json]:
-    """The colour scale spans the cells' 2nd..98th percentile (as the per-rank heatmap), so
-    one slow step does not darken the rest; cells outside it are clamped to its ends."""
+    """Levels 0..253 span the cells' 2nd..98th percentile, so one slow step does not darken
+    the rest; 254 is above it (a straggler's row stands out in its own colour), 255 not
+    measured. When that span is empty (most cells alike), it is the cells' min..max."""
     measured = sorted(v for v in cells if v is not None)
     if not measured:
-        return {"lo": 0.0, "hi": 0.0, "cells": _b64(bytes([HEAT_LEVELS] * len(cells)))}
+        return {"lo": 0.0, "hi": 0.0, "cells": _b64(bytes([NOT_MEASURED] * len(cells)))}
     lo, hi = quantile(measured, 0.02), quantile(measured, 0.98)
     if hi <= lo:
         lo, hi = measured[0], measured[-1]
-    scale = (HEAT_LEVELS - 1) / (hi - lo) if hi > lo else 0.0
-    levels = bytes(HEAT_LEVELS if v is None else max(0, min(HEAT_LEVELS - 1, round((v - lo) * scale)))
-                   for v in cells)
+    scale = (ABOVE - 1) / (hi - lo) if hi > lo else 0.0
+    levels = bytes(NOT_MEASURED if v is None else ABOVE if v > hi
+                   else max(0, round((v - lo) * scale)) for v in cells)
     return {"lo": _round(lo), "hi": _round(hi), "cells": _b64(levels)}
 
 

@@ -8,6 +8,7 @@
   let PHASES = [];
   const RANK_COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",
     "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
+  const ABOVE = "#ff4f9a";  // many-rank heatmap: above the colour scale
   const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
   const SECTIONS = [["step_time", "Step Time"], ["step_memory", "Step Memory"],
     ["process", "Process"], ["system", "System"], ["throughput", "Throughput"],
@@ -317,7 +318,7 @@
     ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
     ctx.clearRect(0, 0, width, height);
     const cellW = (width - left) / Math.max(1, cols);
-    const colours = Array.from({ length: 255 }, (_, q) => viridis(q / 254)).concat(["#eaeef2"]);
+    const colours = Array.from({ length: 254 }, (_, q) => viridis(q / 253)).concat([ABOVE, "#eaeef2"]);
     for (let row = 0; row < rows; row += 1) {
       for (let col = 0; col < cols; col += 1) {
         ctx.fillStyle = colours[cells[row * cols + col]];
@@ -328,6 +329,9 @@
     const every = Math.ceil(14 / cellH);
     for (let row = 0; row < rows; row += every) ctx.fillText(rowName(grid.row_ranks[row]), 4, row * cellH + 10);
     drawHeatScale(ctx, { steps: grid.steps, lo: heat.lo, hi: heat.hi }, left, rows * cellH, width);
+    const x = Math.min(width - 60, left + 90 + Math.max(60, Math.min(200, width - left - 260)) + 70);
+    ctx.fillStyle = ABOVE; ctx.fillRect(x, rows * cellH + 18, 10, 10);
+    ctx.fillStyle = "#656d76"; ctx.fillText("above", x + 14, rows * cellH + 27);
     canvas.dataset.ranks = grid.row_ranks.length ? grid.row_ranks[0][0] + "-" + grid.row_ranks[rows - 1][1] : "";
     canvas.dataset.rows = String(rows);
     canvas.dataset.cols = String(cols);
@@ -338,8 +342,8 @@
     if (row < 0 || col < 0 || row >= h.grid.row_ranks.length || col >= h.grid.steps.length) return "\u00a0";
     const q = h.cells[row * h.grid.steps.length + col], first = h.grid.steps[col];
     const steps = h.grid.bucket_steps > 1 ? `steps ${first}–${first + h.grid.bucket_steps - 1}` : "step " + first;
-    const value = q === 255 ? "–" : q === 0 ? "≤" + fmtMs(h.heat.lo) : q === 254 ? "≥" + fmtMs(h.heat.hi) :
-      "≈" + fmtMs(h.heat.lo + (q / 254) * (h.heat.hi - h.heat.lo));
+    const value = q === 255 ? "–" : q === 0 ? "≤" + fmtMs(h.heat.lo) : q === 254 ? ">" + fmtMs(h.heat.hi) :
+      "≈" + fmtMs(h.heat.lo + (q / 253) * (h.heat.hi - h.heat.lo));
     return `${rowName(h.grid.row_ranks[row])} · ${steps} · ${h.key.replace("_ms", "")} max ${value} ms`;
   }
 
@@ -518,8 +522,8 @@
     state.doc = doc;
     renderHeader(doc);
     renderVerdict(doc);
+    usePhaseTable(doc.phase_table);  // before the table: its columns are the phases
     renderTable(doc);
-    usePhaseTable(doc.phase_table);
     renderLegend();
     renderPhaseCharts(doc);
     renderHeatmap(doc);
