@@ -12,6 +12,7 @@ of a chart per rank (:mod:`~traceml.report.page.spread`).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Mapping
@@ -152,19 +153,17 @@ def snapshot_to_json(snap: Snapshot, live: bool) -> dict[str, Json]:
     At many ranks (``wide`` is not null) the document stays bounded: ``phases`` and the
     series' ``ranks`` are empty, and so is each summary section's ``ranks`` (the per-rank
     rows stay in final_summary.json)."""
-    summary = report_to_json(snap.report)
-    if snap.wide is not None:
-        for name in SECTION_NAMES:
-            section = summary[name]
-            assert isinstance(section, dict)
-            section["ranks"] = []
+    report = snap.report
+    if snap.wide is not None:  # the rows are left out before encoding: that is the costly part
+        report = dataclasses.replace(report, **{
+            name: dataclasses.replace(report.section(name), ranks=()) for name in SECTION_NAMES})
     return {
         "format": SNAPSHOT_FORMAT,
         "phase_table": [{**row} for row in phases.table_json()],
         "live": live,
         "ended": snap.ended,
         "elapsed_s": round(snap.elapsed_s, 3),
-        "summary": summary,
+        "summary": report_to_json(report),
         "phases": [] if snap.wide else [_phases_json(row) for row in snap.phases],
         "worst_ranks": dict(snap.worst_ranks),
         "nodes": gauges_to_json(snap.nodes),
