@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console, RenderableType
 
-from tests.live.conftest import T0, fixed_run
+from tests.live.conftest import T0, fixed_run, wide_run
 from traceml.diagnosis.samples import RunData
 from traceml.live.terminal import render_view, status_line
 from traceml.live.worker_output import OutputLine, WorkerOutput, clean_line
@@ -122,6 +122,51 @@ def test_many_ranks_show_the_slowest_sixteen() -> None:
     ranks = [line.split()[0] for line in text.splitlines()
              if line.startswith("r") and line[1].isdigit()]
     assert ranks == [f"r{rank}" for rank in range(4, 20)]
+
+
+EXPECTED_64_RANKS = """\
+traceml session wide | 64 ranks on 8 nodes | cuda | 0:01:05 | running
+Step time across 64 ranks, ms: each rank's median of the last 11 aligned steps
+across ranks  input  forward  backward  optimizer  wait  total
+──────────────────────────────────────────────────────────────
+median         2.25     30.2      80.0       10.0  7.50    130
+p90            2.25     30.2      80.0       10.0  7.50    130
+worst          32.2     30.2      80.0       10.0  7.50    130
+worst rank      r37       r0        r0         r0    r0     r0
+Worst ranks by phase, ms (their median; the 8 worst)
+input      r37 32.2  r0 2.25  r1 2.25  r2 2.25  r3 2.25  r4 2.25  r5 2.25  r6 2.25
+forward    r0 30.2  r1 30.2  r2 30.2  r3 30.2  r4 30.2  r5 30.2  r6 30.2  r7 30.2
+backward   r0 80.0  r1 80.0  r2 80.0  r3 80.0  r4 80.0  r5 80.0  r6 80.0  r7 80.0
+optimizer  r0 10.0  r1 10.0  r2 10.0  r3 10.0  r4 10.0  r5 10.0  r6 10.0  r7 10.0
+wait       r0 7.50  r1 7.50  r2 7.50  r3 7.50  r4 7.50  r5 7.50  r6 7.50  r7 7.50
+total      r0 130  r1 130  r2 130  r3 130  r4 130  r5 130  r6 130  r7 130
+Newest step: median 11, lowest 11 (r0)
+Throughput: 15,754 samples/s
+Diagnosis: INPUT STRAGGLER [crit] (Step Time, r37)
+  r37 input was 32.2 ms vs 2.2 ms on the other ranks (+30.0 ms, 23.1% of the 130.0 ms typical step).
+  Next: Check r37's data path: its shard size, DataLoader num_workers, and storage or preprocessing
+  load on its node; every rank should load alike.
+  Step Time INPUT STRAGGLER | Step Memory BALANCED | Process NORMAL | System NORMAL
+System
+nodes median  CPU ██░░░░░░ 28% n3  RAM ██░░░░░░ 30% n4
+nodes p90     CPU ███░░░░░ 32% n7  RAM ██░░░░░░ 30% n0
+nodes worst   CPU ███░░░░░ 32% n7  RAM ██░░░░░░ 30% n0
+GPUs median   util ███████░ 84% n0 gpu4  mem █░░░░░░░ 10.0/80.0 GiB n4 gpu0  temp 63C n0 gpu3
+GPUs p90      util ██████░░ 80% n6 gpu0  mem █░░░░░░░ 10.0/80.0 GiB n0 gpu6  temp 67C n6 gpu7
+GPUs worst    util ██████░░ 80% n0 gpu0  mem █░░░░░░░ 10.0/80.0 GiB n0 gpu0  temp 67C n0 gpu7
+Process
+ranks median  CPU █░░░░░░░ 93% r38  RSS ░░░░░░░░ 2.0 GiB r31  GPU mem ░░░░░░░░ 5.0/80.0 GiB r32
+ranks p90     CPU █░░░░░░░ 96% r48  RSS ░░░░░░░░ 2.1 GiB r57  GPU mem ░░░░░░░░ 5.0/80.0 GiB r6
+ranks worst   CPU █░░░░░░░ 96% r6  RSS ░░░░░░░░ 2.1 GiB r63  GPU mem ░░░░░░░░ 5.0/80.0 GiB r0
+"""
+
+
+def test_many_ranks_show_spreads_and_the_worst_ranks_not_every_rank() -> None:
+    snap = live_snapshot(wide_run(64, 12, slow_rank=37), 10000, now=T0 + 65)
+    text = render(render_view(snap, (), None), width=100, height=60)
+    assert text == EXPECTED_64_RANKS
+    assert status_line(snap).startswith(
+        "traceml: 0:01:05 | 64 ranks, step median 11, lowest 11 (r0) | step time median 130 ms")
 
 
 def test_status_line_without_a_terminal() -> None:

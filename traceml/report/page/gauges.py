@@ -10,6 +10,7 @@ median, p90 and worst of each gauge, each naming whose it is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,10 +31,13 @@ class Gauge:
     pct: float | None
     text: str
     order: float | None = None  # what a spread ranks by when there is no fill (temperature)
+    low_is_worse: bool = False  # GPU utilization: an idle GPU is the one to look at
 
     @property
     def rank_by(self) -> float | None:
-        return self.pct if self.pct is not None else self.order
+        """Higher is worse: what a spread across rows orders them by."""
+        value = self.pct if self.pct is not None else self.order
+        return None if value is None else -value if self.low_is_worse else value
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ def node_gauges(report: Report) -> tuple[GaugeRow, ...]:
 
 def _gpu_gauges(gpu: GpuSummary) -> Iterable[Gauge]:
     if gpu.util_avg_pct is not None:
-        yield Gauge("util", gpu.util_avg_pct, f"{gpu.util_avg_pct:.0f}%")
+        yield Gauge("util", gpu.util_avg_pct, f"{gpu.util_avg_pct:.0f}%", low_is_worse=True)
     if gpu.mem_used_peak_bytes is not None and gpu.mem_total_bytes:
         yield Gauge("mem", 100.0 * gpu.mem_used_peak_bytes / gpu.mem_total_bytes,
                     _of(gpu.mem_used_peak_bytes, gpu.mem_total_bytes))
@@ -102,8 +106,7 @@ def spread_rows(rows: Sequence[GaugeRow], what: str) -> tuple[GaugeRow, ...]:
         for place, index in (("median", last // 2), ("p90", math.ceil(0.9 * last)),
                              ("worst", last)):
             _, _, gauge, owner = ranked[index]
-            picked[place].append(Gauge(gauge.label, gauge.pct, f"{gauge.text} {owner}",
-                                       gauge.order))
+            picked[place].append(dataclasses.replace(gauge, text=f"{gauge.text} {owner}"))
     return tuple(GaugeRow(f"{what} {place}", tuple(gauges)) for place, gauges in picked.items()
                  if gauges)
 
