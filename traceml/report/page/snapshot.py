@@ -17,9 +17,11 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from traceml import phases
 from traceml.diagnosis.samples import Json, RunData
+from traceml.diagnosis.throughput import RankThroughput
 from traceml.diagnosis.window import select_window
 from traceml.report.build import build_report, rank_nodes
 from traceml.report.json_codec import report_to_json
@@ -112,8 +114,9 @@ def wide_view(run: RunData, report: Report, phases: tuple[RankPhases, ...]) -> W
                  for p in TABLE_PHASES}
     last = spread((RankValue(r.rank, r.last_step) for r in phases if r.last_step is not None),
                   worst="min")
-    rates = {key: spread((RankValue(r.rank, v) for r in report.throughput.ranks
-                          if (v := getattr(r, key, None)) is not None), worst="min")
+    rows = [r for r in report.throughput.ranks if isinstance(r, RankThroughput)]
+    rates = {key: spread((RankValue(r.rank, v) for r in rows if (v := getattr(r, key)) is not None),
+                         worst="min")
              for key, _ in THROUGHPUT_UNITS}
     return WideView({p: s for p, s in per_phase.items() if s is not None}, last,
                     {k: s for k, s in rates.items() if s is not None}, build_grid(run.steps))
@@ -155,8 +158,9 @@ def snapshot_to_json(snap: Snapshot, live: bool) -> dict[str, Json]:
     rows stay in final_summary.json)."""
     report = snap.report
     if snap.wide is not None:  # the rows are left out before encoding: that is the costly part
-        report = dataclasses.replace(report, **{
-            name: dataclasses.replace(report.section(name), ranks=()) for name in SECTION_NAMES})
+        no_rows: dict[str, Any] = {name: dataclasses.replace(report.section(name), ranks=())
+                                   for name in SECTION_NAMES}
+        report = dataclasses.replace(report, **no_rows)
     return {
         "format": SNAPSHOT_FORMAT,
         "phase_table": [{**row} for row in phases.table_json()],
