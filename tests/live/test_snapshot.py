@@ -113,3 +113,15 @@ def test_tail_reads_only_new_rows_and_keeps_a_bounded_history(tmp_path: Path) ->
     run, _ = tail.poll()
     assert [r.step for r in run.steps if r.rank == 0] == list(range(995, 1000))
     writer.close()
+
+
+def test_at_thousands_of_ranks_the_live_window_and_the_tail_shrink() -> None:
+    from tests.live.conftest import wide_run
+    from traceml.live.tail import LIVE_ROWS_KEPT
+
+    tail = StoreTail(Path("unused.sqlite"))
+    assert [tail.kept_steps(n) for n in (2, 64, 1024, 8192)] == [300, 300, 50, 40]
+    assert 1024 * tail.kept_steps(1024) <= 3 * LIVE_ROWS_KEPT
+    snap = live_snapshot(wide_run(1024, 60, slow_rank=677), 10000, now=T0 + 60)
+    assert snap.report.step_time.scope.num_steps == 25  # 25 600 rows: about 100 steps of 256 ranks
+    assert snap.report.primary.finding.ranks == (677,)

@@ -23,11 +23,17 @@ from traceml.diagnosis.samples import (
     StepRow,
     SystemSample,
 )
+from traceml.report.page.snapshot import live_window_steps
 from traceml.report.session import summary_window
 from traceml.store import RunRecords, StoredStep, StoreReader, run_data
 
 LIVE_STEPS_KEPT = 300
-"""Steps per rank a live view keeps (its charts' x range)."""
+"""Steps per rank a live view keeps (its charts' x range)..."""
+
+LIVE_ROWS_KEPT = 19_200
+"""...fewer beyond 64 ranks: about this many rows in all, and at least twice the live
+window (:func:`~traceml.report.page.snapshot.live_window_steps`), so the launcher's or
+collector's memory stays bounded at thousands of ranks."""
 
 LIVE_SAMPLES_KEPT = 60
 """Process samples per rank and system samples per node a live view keeps."""
@@ -43,6 +49,7 @@ class StoreTail:
         self.db_path = db_path
         self.steps_kept = steps_kept
         self.samples_kept = samples_kept
+        self._kept = steps_kept
         self._steps_after = self._process_after = self._system_after = 0  # rowids read
         self._steps: dict[int, dict[int, StepRow]] = {}
         self._restart: dict[int, int] = {}
@@ -55,9 +62,11 @@ class StoreTail:
         """The recent run (rows read so far, bounded) and the summary window it asked for."""
         with StoreReader(self.db_path) as reader:
             records = reader.records()
+            num_senders = max(1, len(records.senders))  # ranks and each node's sampler
+            self._kept = self.kept_steps(num_senders)
             # Newer rows than this cannot all be kept: a late first poll skips the backlog.
-            most = 2 * max(1, len(records.senders))
-            steps = reader.steps_after(self._steps_after, most * self.steps_kept)
+            most = 2 * num_senders
+            steps = reader.steps_after(self._steps_after, most * self._kept)
             process = reader.process_after(self._process_after, most * self.samples_kept)
             system = reader.system_after(self._system_after, most * self.samples_kept)
             self._incidents = reader.incidents()  # few: stalls and crashes, read whole
@@ -73,6 +82,11 @@ class StoreTail:
             self._add_sample(self._system, system_sample, system_sample.node_rank)
         return self._run(records), summary_window(records.start)
 
+    def kept_steps(self, num_ranks: int) -> int:
+        """Steps kept per rank with ``num_ranks`` ranks (see LIVE_ROWS_KEPT)."""
+        floor = 2 * live_window_steps(num_ranks)
+        return min(self.steps_kept, max(floor, LIVE_ROWS_KEPT // max(1, num_ranks)))
+
     def _add_step(self, entry: StoredStep) -> None:
         rank, restart = entry.row.rank, entry.restart
         if restart < self._restart.get(rank, restart):
@@ -82,8 +96,8 @@ class StoreTail:
         self._restart[rank] = restart
         rows = self._steps.setdefault(rank, {})
         rows[entry.row.step] = entry.row
-        if len(rows) > self.steps_kept:
-            for step in sorted(rows)[: len(rows) - self.steps_kept]:
+        if len(rows) > self._kept:
+            for step in sorted(rows)[: len(rows) - self._kept]:
                 del rows[step]
 
     def _add_sample(self, kept: dict[int, deque[_Sample]], sample: _Sample, key: int) -> None:

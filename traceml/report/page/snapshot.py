@@ -41,7 +41,17 @@ from traceml.report.page.spread import (
 from traceml.report.text import THROUGHPUT_UNITS
 
 LIVE_WINDOW_STEPS = 100
-"""Aligned steps per rank the live diagnosis and phase table look at."""
+"""Aligned steps per rank the live diagnosis and phase table look at..."""
+
+LIVE_WINDOW_ROWS = 25_600
+MIN_LIVE_WINDOW_STEPS = 20
+"""...fewer beyond 256 ranks: about LIVE_WINDOW_ROWS rows in all, at least
+MIN_LIVE_WINDOW_STEPS a rank, so a live refresh at thousands of ranks stays bounded."""
+
+
+def live_window_steps(num_ranks: int) -> int:
+    """Steps per rank of the live window with ``num_ranks`` ranks."""
+    return max(MIN_LIVE_WINDOW_STEPS, min(LIVE_WINDOW_STEPS, LIVE_WINDOW_ROWS // max(1, num_ranks)))
 
 TABLE_PARTS = (*phases.stacked(), phases.TOTAL)
 TABLE_PHASES = tuple(p.column for p in TABLE_PARTS)
@@ -90,7 +100,8 @@ class Snapshot:
 
 def live_snapshot(run: RunData, window_rows: int, now: float | None = None) -> Snapshot:
     """The snapshot of a running job from its recent rows."""
-    report = build_report(run, min(window_rows, LIVE_WINDOW_STEPS))
+    num_ranks = len({row.rank for row in run.steps})
+    report = build_report(run, min(window_rows, live_window_steps(num_ranks)))
     return build_snapshot(run, report, ended=False, now=now)
 
 
