@@ -59,7 +59,11 @@
     return h + ":" + String(m).padStart(2, "0") + ":" + String(sec).padStart(2, "0");
   }
 
-  function ranksText(ranks) { return ranks.map((r) => "r" + r).join(", "); }
+  // As format_ranks in traceml/diagnosis/finding.py: a finding may name hundreds of ranks.
+  function ranksText(ranks, limit = 8) {
+    const shown = ranks.slice(0, limit).map((r) => "r" + r).join(", ");
+    return ranks.length > limit ? `${shown} +${ranks.length - limit} more` : shown;
+  }
 
   function sevBadge(sev) { return el("span", { class: "sev " + sev }, sev); }
 
