@@ -266,6 +266,7 @@
 
   function renderBandCharts(doc) {
     const grid = doc.wide.grid, n = doc.wide.num_ranks;
+    $("phases-title").textContent = `Step time per phase over steps, across ${n} ranks`;
     const parts = PHASES.concat([["total_ms", "total", "#333333"]]).filter((p) => p[0] in grid.bands);
     if (!grid.steps.length) { fill("phases", el("p", { class: "empty" }, "No steps yet.")); return; }
     fill("phases", parts.map(([key, name, color]) => bandChart(grid.bands[key], grid.steps, fmtMs,
