@@ -50,6 +50,8 @@ def is_wide(num_ranks: int) -> bool:
 
 @dataclass(frozen=True)
 class RankValue:
+    """A rank's value of one metric (its median phase time, its rate, its newest step)."""
+
     rank: int
     value: float
 
