@@ -3,6 +3,7 @@ windows, with communication timed (DDP on gloo) and without it (SPEC R-COMM-2/3)
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +12,8 @@ from traceml import phases
 from traceml.diagnosis.finding import Finding
 from traceml.diagnosis.samples import StepRow
 from traceml.diagnosis.step_time import RankStepTimes, diagnose_step_time, rank_step_times
+from traceml.diagnosis.stragglers import COMPUTE_PARTS, OWN_PARTS, Excess, attribute
+from traceml.diagnosis.thresholds import STRAGGLER_EXPLAINS_FRACTION
 from traceml.diagnosis.window import select_window
 
 BASE = {"input": 2.0, "forward": 20.0, "backward": 40.0, "optimizer": 6.0,
@@ -153,3 +156,35 @@ def test_balanced_ranks_with_timed_communication_have_no_straggler() -> None:
 def test_one_rank_has_no_straggler_and_no_communication_abstention() -> None:
     findings = diagnose_step_time(times_of(1, lambda rank: {"communication": 0.0}, timed=False))
     assert [f.kind for f in findings] == ["COMPUTE_BOUND"]
+
+
+def _attribute_by_definition(every: dict[tuple[int, str], Excess], limit_ms: float,
+                             comm_measured: bool) -> tuple[set[tuple[int, str]],
+                                                           set[tuple[int, str]]]:
+    """attribute() as the module docstring states it, every pair compared."""
+    def explains(by: Excess, e: Excess) -> bool:
+        return by.rank != e.rank and by.excess_ms >= STRAGGLER_EXPLAINS_FRACTION * e.excess_ms
+    found = [e for e in every.values() if e.excess_ms >= limit_ms]
+    waits = [e for e in every.values() if e.part in ("input", "wait")]
+    explained = [e for e in found if not comm_measured and e.part in COMPUTE_PARTS
+                 and any(explains(w, e) for w in waits)]
+    standing = [e for e in found if e not in explained]
+    others = [e for e in standing if e.part != "wait"]
+    explained += [e for e in standing if e.part == "wait" and any(explains(o, e) for o in others)]
+    return ({(e.rank, e.part) for e in standing if e not in explained},
+            {(e.rank, e.part) for e in explained})
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_attribution_at_many_ranks_is_the_pairwise_definition(seed: int) -> None:
+    """The linear-time explanation check (thousands of ranks) decides exactly as
+    comparing every pair of ranks does, ties and one-rank-explains-itself included."""
+    rng = random.Random(seed)
+    num_ranks = rng.choice([2, 3, 8, 40])
+    every = {(r, part): Excess(r, part, 10.0 + rng.choice([0.0, 0.5, 1.0, 2.0, rng.random() * 3]),
+                               10.0)
+             for r in range(num_ranks) for part in OWN_PARTS}
+    for comm_measured in (False, True):
+        standing, explained = attribute(every, 0.5, comm_measured)
+        assert ({(e.rank, e.part) for e in standing}, {(e.rank, e.part) for e in explained}) \
+            == _attribute_by_definition(every, 0.5, comm_measured)

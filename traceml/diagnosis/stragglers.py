@@ -29,7 +29,7 @@ candidate was dropped and nothing remains, the rule says it cannot tell.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,21 +82,38 @@ def _explains(by: Excess, excess: Excess) -> bool:
             and by.excess_ms >= thresholds.STRAGGLER_EXPLAINS_FRACTION * excess.excess_ms)
 
 
+def _explainer(by: Sequence[Excess]) -> Callable[[Excess], bool]:
+    """Whether any of ``by`` explains an excess, in constant time per question: of
+    another rank's excesses only the largest can matter, so the two largest of
+    different ranks are kept (thousands of ranks ask it of each other)."""
+    ordered = sorted(by, key=lambda e: -e.excess_ms)
+    first = ordered[0] if ordered else None
+    second = next((e for e in ordered if first is not None and e.rank != first.rank), None)
+
+    def explained(excess: Excess) -> bool:
+        other = first if first is not None and first.rank != excess.rank else second
+        return other is not None and _explains(other, excess)
+    return explained
+
+
 def attribute(every: Mapping[tuple[int, str], Excess], limit_ms: float,
               comm_measured: bool) -> tuple[list[Excess], list[Excess]]:
     """The candidates that stand (largest first) and those another rank explains."""
     found = [e for e in every.values() if e.excess_ms >= limit_ms]
     explained: list[Excess] = []
     if not comm_measured:
-        waits = [e for e in every.values() if e.part in (INPUT_PART, UNTRACED_PART)]
-        explained = [e for e in found if e.part in COMPUTE_PARTS
-                     and any(_explains(w, e) for w in waits)]
-    standing = [e for e in found if e not in explained]
-    others = [e for e in standing if e.part != UNTRACED_PART]
-    explained += [e for e in standing if e.part == UNTRACED_PART
-                  and any(_explains(o, e) for o in others)]
-    standing = [e for e in standing if e not in explained]
+        by_wait = _explainer([e for e in every.values() if e.part in (INPUT_PART, UNTRACED_PART)])
+        explained = [e for e in found if e.part in COMPUTE_PARTS and by_wait(e)]
+    standing = [e for e in found if (e.rank, e.part) not in _keys(explained)]
+    by_other = _explainer([e for e in standing if e.part != UNTRACED_PART])
+    explained += [e for e in standing if e.part == UNTRACED_PART and by_other(e)]
+    dropped = _keys(explained)
+    standing = [e for e in standing if (e.rank, e.part) not in dropped]
     return sorted(standing, key=lambda e: -e.excess_ms), explained
+
+
+def _keys(excesses: Sequence[Excess]) -> set[tuple[int, str]]:
+    return {(e.rank, e.part) for e in excesses}
 
 
 _KINDS = {INPUT_PART: ("INPUT_STRAGGLER", "INPUT STRAGGLER"),
@@ -140,13 +157,12 @@ def _combined(every: Mapping[tuple[int, str], Excess], ranks: list[int], limit_m
     (signed: noise in one part is not added up, it cancels): input and compute,
     less any compute another rank's input or untraced excess may explain
     (communication not measured); untraced work never, as it may be waiting."""
-    waits = [e for e in every.values() if e.part in (INPUT_PART, UNTRACED_PART)]
+    by_wait = _explainer([e for e in every.values() if e.part in (INPUT_PART, UNTRACED_PART)])
     out = []
     for rank in ranks:
         parts = [every[rank, part] for part in (INPUT_PART, *COMPUTE_PARTS)]
         if not comm_measured:
-            parts = [e for e in parts if e.part == INPUT_PART
-                     or not any(_explains(w, e) for w in waits)]
+            parts = [e for e in parts if e.part == INPUT_PART or not by_wait(e)]
         extra = sum(e.excess_ms for e in parts)
         if extra >= limit_ms:
             value = sum(e.value_ms for e in parts)
