@@ -290,11 +290,15 @@ class StoreWriter:
     def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int:
         """Store the steps; returns how many were new (a step already stored is kept)."""
         prefix = (sender.rank, sender.restart, sender.node_rank)
-        batch = [prefix + record.values() for record in records]
-        if not batch:
+        return self.add_step_rows([prefix + record.values() for record in records])
+
+    def add_step_rows(self, rows: Sequence[Sequence[Any]]) -> int:
+        """Steps as rows of (rank, restart, node_rank, *STEP_COLUMNS values), as a
+        node's relay forwards them; returns how many were new."""
+        if not rows:
             return 0
         with _sqlite_errors():
-            return int(self.db.executemany(_STEPS_SQL, batch).rowcount)
+            return int(self.db.executemany(_STEPS_SQL, rows).rowcount)
 
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
         prefix = (sender.rank, sender.restart, sender.node_rank)
