@@ -12,7 +12,8 @@ from that key alone).  So node 0 stores compact step rows and replays no rank's
 events: its work grows with the number of nodes, not of ranks.
 
 A relay that dies stops its node's messages: node 0 reports that node as lost
-(its system sampler falls silent), as when the whole node dies.
+(its system sampler falls silent, and so does the relay's heartbeat), as when
+the whole node dies.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from traceml.store import JoinError, SenderState, StepRecord
 SEND_HWM = 100
 SEND_TIMEOUT_MS = 1000  # node 0 slow or gone: the relay waits this long, then drops the batch
 EXIT_LINGER_MS = 2000
+HEARTBEAT_S = 2.0  # a batch at least this often, empty when nothing came: node 0 sees it live
 
 
 class Upstream:
@@ -90,6 +92,7 @@ class Outbox:
         self._rejected: dict[str, int] = {}
         self._rejected_sent: dict[str, int] = {}
         self._next_id = 0
+        self._last_batch = time.monotonic()
         self.num_steps = 0  # forwarded so far
 
     def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int:
@@ -148,10 +151,13 @@ class Outbox:
         self.upstream.close()
 
     def take(self) -> RelayBatch | None:
-        """The batch of everything held (None: nothing new), and an empty outbox."""
+        """The batch of everything held (None: nothing new, and a batch went out
+        less than `HEARTBEAT_S` ago), and an empty outbox."""
         if not (self._states or self._incidents or self._clears
-                or self._rejected != self._rejected_sent):
+                or self._rejected != self._rejected_sent
+                or time.monotonic() - self._last_batch >= HEARTBEAT_S):
             return None
+        self._last_batch = time.monotonic()
         index = {key: i for i, key in enumerate(self._states)}
         steps = [(index[key], *values) for key, values in self._steps]
         batch = RelayBatch(
