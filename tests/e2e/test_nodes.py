@@ -176,7 +176,7 @@ def test_relay_killed_mid_run_is_a_lost_node(tmp_path: Path) -> None:
               f"--master-port={free_port()}", f"--aggregator-port={free_port()}",
               "--aggregator-bind-host=127.0.0.1"]
     nodes = Nodes(tmp_path, "relay-lost", common)
-    node0 = nodes.start("--node-rank=0", script("allreduce.py"), "500", "0.02")
+    nodes.start("--node-rank=0", script("allreduce.py"), "500", "0.02")
     node1 = nodes.start("--node-rank=1", script("allreduce.py"), "500", "0.02")
     store = nodes.session_dir / "telemetry.sqlite"
     if not wait_until(lambda: store.exists() and {s["rank"] for s in read_store(store)[0]} == {0, 1},

@@ -17,8 +17,8 @@ import zmq
 
 from traceml import protocol
 from traceml.collector.relay import Outbox, open_outbox
-from traceml.collector.steps import RankSteps
 from traceml.collector.server import Collector, CollectorConfig, Listener
+from traceml.collector.steps import RankSteps
 from traceml.protocol import Envelope, IncidentReport, Sender
 from traceml.security import derive_keys, relay_keys, secure_client
 from traceml.store import StoreWriter
@@ -132,7 +132,8 @@ def test_relay_forwards_steps_states_samples_and_incidents_in_few_messages(
         for b in range(4):
             payload = events(b, range(5 * b, 5 * b + 5), close=b == 3)
             a.send(protocol.KIND_EVENTS, payload)
-            tracker.feed(payload) if a.identity.rank == 9 else None
+            if a.identity.rank == 9:
+                tracker.feed(payload)
         a.send(protocol.KIND_PROCESS, protocol.rows_payload(
             protocol.PROCESS_FIELDS, [(time.time(), 50.0, 1 << 28, 1 << 34, 2, None, None, None)]))
     system.send(protocol.KIND_SYSTEM, protocol.rows_payload(
@@ -153,7 +154,7 @@ def test_relay_forwards_steps_states_samples_and_incidents_in_few_messages(
     relay_id = nodes.outbox.upstream.identity.sender_id
     assert senders[relay_id][0] == "relay"
     assert senders[rank(8).sender_id] == ("rank", 1, 7, 1)  # hello, 4 events, process, bye
-    assert senders["system@n1:%s:30000:0" % HOST] == ("system", 1, 3, 1)
+    assert senders[f"system@n1:{HOST}:30000:0"] == ("system", 1, 3, 1)
     # Node 0 got the node's 17 messages in fewer of the relay's (a batch per flush).
     assert senders[relay_id][2] < 17
     assert nodes.rows("SELECT node_rank, cpu_pct FROM system") == [(1, 12.0)]
