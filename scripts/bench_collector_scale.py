@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ from traceml.collector.server import CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import Envelope, RunEnd, RunStart, Sender
 from traceml.security import derive_keys, new_secret, relay_keys, secure_client
-from traceml.store import SenderState, StepRecord
+from traceml.store import STEP_COLUMNS, SenderState, StepRecord
 
 SESSION = "scale"
 FLUSH_S = 0.5  # as an agent ships its events, and as a relay its batches
@@ -174,8 +174,10 @@ def step_record(step: int, t_begin: float) -> StepRecord:
 
 
 def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
-    """A simulated node's relay: its ranks' step rows (no tracker runs) and samples, one
-    batch per flush, encoded by the relay's own `Outbox`."""
+    """A simulated node's relay: one batch per flush of its ranks' step rows and
+    samples.  The batches are built by the relay's own `Outbox` (once per kind of
+    tick, from step records as a tracker emits them); each tick only renumbers the
+    steps and their times, so simulating a node costs little more than encoding."""
     host = f"sim-node{node}"
     relay = Sender("relay", host, 50_000 + node, node)
     ranks = [Sender("rank", host, 10_000 + r, node, rank=r, local_rank=r % RANKS_PER_NODE,
@@ -183,33 +185,33 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
              for r in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)]
     system = Sender("system", host, 40_000 + node, node)
     start = time.time()
-    states = {s: SenderState(s, start, start) for s in (*ranks, system)}
-    outbox = Outbox(upstream=None)  # type: ignore[arg-type]  # only take() is used
     per_flush = max(1, round(steps_per_s * FLUSH_S))
 
-    def messages(tick: int, last: bool) -> list[tuple[bytes, int]]:
-        now = time.time()
+    def template(with_samples: bool, last: bool) -> protocol.RelayBatch:
+        outbox = Outbox(upstream=None)  # type: ignore[arg-type]  # only take() is used
         for who in ranks:
-            state = states[who]
-            first = tick * per_flush
-            outbox.add_steps(who, [step_record(first + i, start + (first + i) / steps_per_s)
-                                   for i in range(per_flush)])
-            if tick % 2 == 0:
+            outbox.add_steps(who, [step_record(i, start) for i in range(per_flush)])
+            if with_samples:
                 outbox.add_process(who, protocol.PROCESS_FIELDS, [
-                    [now, 95.0, 300 << 20, 64 << 30, 2, None, None, None]])
-            state.num_messages += 1 + (tick % 2 == 0)
-            state.last_seq = state.num_sent = state.num_messages
-            state.last_seen, state.said_bye = now, last
-            outbox.save_sender(state)
-        if tick % 2 == 0:
-            outbox.add_system(system, protocol.SYSTEM_FIELDS, [[now, 50.0, 40.0, 64 << 30, []]])
-            states[system].num_messages += 1
-        states[system].said_bye = last
-        outbox.save_sender(states[system])
+                    [start, 95.0, 300 << 20, 64 << 30, 2, None, None, None]])
+            outbox.save_sender(SenderState(who, start, start, said_bye=last))
+        if with_samples:
+            outbox.add_system(system, protocol.SYSTEM_FIELDS, [[start, 50.0, 40.0, 64 << 30, []]])
+        outbox.save_sender(SenderState(system, start, start, said_bye=last))
         batch = outbox.take()
         assert batch is not None
-        out = [(envelope(p, protocol.KIND_RELAY, relay, protocol.relay_payload(batch)),
-                per_flush * len(ranks))]
+        return batch
+
+    templates = {(w, last): template(w, last) for w in (True, False) for last in (True, False)}
+    step_col, t_col = (1 + STEP_COLUMNS.index(c) for c in ("step", "t_begin"))
+
+    def messages(tick: int, last: bool) -> list[tuple[bytes, int]]:
+        batch = templates[(tick % 2 == 0, last)]
+        columns = list(batch.step_columns)
+        columns[step_col] = [tick * per_flush + i for _ in ranks for i in range(per_flush)]
+        columns[t_col] = [start + s / steps_per_s for s in columns[step_col]]
+        payload = protocol.relay_payload(replace(batch, step_columns=columns))
+        out = [(envelope(p, protocol.KIND_RELAY, relay, payload), per_flush * len(ranks))]
         if last:
             out.append((envelope(p, protocol.KIND_BYE, relay, {"t": time.time()}), 0))
         return out
@@ -266,7 +268,8 @@ def plan_relay(n: int, port: int, secret: str, steps: float, senders: int,
         f"relay: {nodes} nodes of {RANKS_PER_NODE} ranks; node 0's ranks send to the "
         f"collector; nodes 1-{real} run real relay processes (step trackers) fed by "
         f"simulated agents; the other {nodes - 1 - real} nodes' relays are simulated "
-        f"(paced batches of step rows encoded by the relay's Outbox, no step tracker), "
+        f"(paced batches of step rows built by the relay's Outbox, renumbered each "
+        f"tick, no step tracker), "
         f"from {senders} processes"))
     agents: list[tuple[str, Any, list[tuple[str, tuple[Any, ...]]]]] = [(node0, keys, [
         ("rank", (r, n, host, steps)) for r in range(RANKS_PER_NODE)])]

@@ -14,6 +14,7 @@ Each payload kind is decoded here into a typed record.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -119,7 +120,7 @@ class Sender:
     world_size: int | None = None
     restart: int = 0
 
-    @property
+    @functools.cached_property
     def sender_id(self) -> str:
         who = f"r{self.rank}" if self.rank is not None else self.role
         return f"{who}@n{self.node_rank}:{self.host}:{self.pid}:{self.restart}"

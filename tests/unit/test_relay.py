@@ -221,3 +221,51 @@ def test_outbox_batches_columns_and_sends_a_heartbeat(nodes: Nodes) -> None:
     outbox._last_batch -= 10  # as if the last batch left 10 s ago
     beat = outbox.take()
     assert beat is not None and beat.senders == [] and beat.step_columns == []
+
+
+ODD_VALUES: list[Any] = [None, True, -1, 2**63 - 1, 1e300, "x", [], {}, [[1]], {"a": 1}]
+
+
+def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj[:4]):
+            out += _paths(v, prefix + (i,))
+    return out
+
+
+def test_node_0_survives_mutated_relay_batches(nodes: Nodes, tmp_path: Path) -> None:
+    """Every value of a genuine batch replaced by one of another type or range: node 0
+    rejects or stores it, and never fails (nor its store)."""
+    import random
+
+    import orjson
+
+    a = nodes.agent(rank(8))
+    a.send(protocol.KIND_EVENTS, events(0, range(3)))
+    a.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
+        protocol.STALL, 1.7e9, 1.7e9 + 5)))
+    deadline = time.monotonic() + 10
+    while not (nodes.outbox._incidents and nodes.outbox._steps) and time.monotonic() < deadline:
+        nodes.listener1.poll(10, nodes.relay)  # not flushed: the batch stays in the outbox
+    outbox_batch = nodes.outbox.take()
+    assert outbox_batch is not None
+    genuine = protocol.relay_payload(outbox_batch)
+    relay = Sender("relay", HOST, 6, 1)
+    collector = nodes.collector0
+    random.seed(19)
+    for seq in range(400):
+        payload = orjson.loads(orjson.dumps(genuine))
+        path = random.choice(_paths(payload)[1:])
+        parent = payload
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = random.choice(ODD_VALUES)
+        collector.handle(protocol.encode(Envelope(SESSION, protocol.KIND_RELAY, relay, seq,
+                                                  time.time(), payload)), from_relay=True)
+    collector.flush()
+    assert not collector.store_failed
+    assert collector.rejected.get("bad relay payload", 0) > 100, collector.rejected

@@ -218,6 +218,7 @@ def _incident(payload: dict[str, Any]) -> protocol.IncidentReport:
 # -- a node's relay (`traceml.collector.relay`) ---------------------------------------------
 
 _STEP_VALUE_TYPES = frozenset({int, float, type(None)})
+_NONE = {type(None)}
 MAX_STEP_VALUE = 1e30  # FLOPs of one step of the largest model stay under it
 _BOUNDARY_COLUMN = STEP_COLUMNS.index("boundary")
 
@@ -258,10 +259,13 @@ def _step_columns(columns: list[list[Any]], num_senders: int) -> None:
             if not set(column) <= set(phases.STEP_BOUNDARIES):
                 raise ProtocolError("relayed step boundary unknown")
             continue
-        if not set(map(type, column)) <= _STEP_VALUE_TYPES:
+        types = set(map(type, column))
+        if not types <= _STEP_VALUE_TYPES:
             raise ProtocolError("relayed step value is not a number")
-        numbers = [v for v in column if v is not None]
-        if numbers and not 0 <= min(numbers) <= max(numbers) <= MAX_STEP_VALUE:
+        if types == _NONE:
+            continue
+        numbers = [v for v in column if v is not None] if type(None) in types else column
+        if not 0 <= min(numbers) <= max(numbers) <= MAX_STEP_VALUE:
             raise ProtocolError("relayed step value out of range")
 
 
@@ -278,9 +282,11 @@ def _relayed_incident(record: list[Any]) -> list[Any]:
             and type(open_phases) is list and len(open_phases) <= 64
             and all(isinstance(p, str) for p in open_phases)):
         raise ProtocolError("relayed incident out of range")
+    checked = _incident(report)
+    if checked.rank is None or checked.pid is None:
+        raise ProtocolError("relayed incident without its rank")
     shown = tuple(_escaped(p)[:64] for p in open_phases)
-    return [row_id, node_rank, cleared_at, step, phase and _escaped(phase)[:64], shown,
-            _incident(report)]
+    return [row_id, node_rank, cleared_at, step, phase and _escaped(phase)[:64], shown, checked]
 
 
 def _clear(record: list[Any]) -> list[Any]:

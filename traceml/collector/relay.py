@@ -131,6 +131,10 @@ class Outbox:
     def save_sender(self, s: SenderState) -> None:
         self._states[s.sender.sender_id] = s
 
+    def save_senders(self, states: Iterable[SenderState]) -> None:
+        for s in states:
+            self.save_sender(s)
+
     def save_rejected(self, counts: Mapping[str, int]) -> None:
         self._rejected = dict(counts)
 

@@ -114,6 +114,7 @@ class Store(Protocol):
     def add_incident(self, i: Incident) -> int: ...
     def clear_stall(self, row_id: int, cleared_at: float) -> None: ...
     def save_sender(self, s: SenderState) -> None: ...
+    def save_senders(self, states: Iterable[SenderState]) -> None: ...
     def save_rejected(self, counts: Mapping[str, int]) -> None: ...
     def save_run(self, record: RunStart | RunEnd) -> None: ...
     def add_join_error(self, error: JoinError) -> None: ...
@@ -279,6 +280,7 @@ class Collector:
         spoke here), then their steps, samples, FLOP counts and incidents."""
         now = time.time()
         senders = [self._relayed_sender(relay, who, values, now) for who, values in batch.senders]
+        self.store.save_senders(self.senders[s.sender_id] for s in senders if s is not None)
         self._relayed_steps(batch.step_columns, senders)
         for i, *count in batch.flop_counts:
             if senders[i] is not None:
@@ -325,7 +327,6 @@ class Collector:
         state = self.senders[key] = SenderState(who, *values)
         state.last_seen = now  # node 0's clock: its silence watch compares with it
         self.relayed_by[key] = relay.sender_id
-        self.store.save_sender(state)
         return who
 
     def _relayed_steps(self, columns: list[list[Any]], senders: list[Sender | None]) -> None:
