@@ -3,7 +3,8 @@
 Starts a real collector process and feeds it N simulated ranks at STEPS_PER_S
 steps per second each for DURATION seconds, on a steady schedule: every
 simulated sender sends its messages at its own offset in the flush interval
-(events every 0.5 s, a process sample every second), never a burst per tick.
+(an agent's events every 0.5 s and a process sample every second; a relay's
+batch every second), never a burst per tick.
 Senders send with NOBLOCK under a bounded high-water mark and count their own
 drops (zmq.Again); the envelopes carry the counts, so the collector's store
 has them too, beside the sequence gaps it counts itself.
@@ -45,8 +46,9 @@ import psutil
 import zmq
 
 from traceml import phases, protocol
+from traceml.collector.relay import SEND_HWM as RELAY_SEND_HWM
 from traceml.collector.relay import Outbox
-from traceml.collector.server import CollectorConfig
+from traceml.collector.server import RELAY_INTERVAL_S, CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import Envelope, RunEnd, RunStart, Sender
 from traceml.security import derive_keys, new_secret, relay_keys, secure_client
@@ -56,7 +58,7 @@ SESSION = "scale"
 FLUSH_S = 0.5  # as an agent ships its events, and as a relay its batches
 SAMPLE_S = 1.0  # process and system samples
 SLOTS = 50  # sends are spread over this many slots per flush interval
-SEND_HWM = 1000
+SEND_HWM = 1000  # an agent's (`traceml.sender.SEND_HWM`)
 RANKS_PER_NODE = 8
 START_DELAY_S = 3.0  # senders connect, then all start at one time
 
@@ -86,12 +88,14 @@ class Paced:
 
     offset_s: float
     messages: Callable[[int, bool], list[tuple[bytes, int]]]
+    rows_kind: str = "rank"  # or "relay"
+    sock: Any = None  # its own socket, as every rank and relay has
     seq: int = 0
     num_sent: int = 0
     num_dropped: int = 0
 
 
-def run_paced(sock: Any, senders: list[Paced], start_at: float, duration_s: float) -> Tally:
+def run_paced(senders: list[Paced], start_at: float, duration_s: float) -> Tally:
     """Send every sender's messages at its offset, tick after tick, without blocking."""
     slots: list[list[Paced]] = [[] for _ in range(SLOTS)]
     for s in senders:
@@ -106,7 +110,7 @@ def run_paced(sock: Any, senders: list[Paced], start_at: float, duration_s: floa
             for s in group:
                 for data, rows in s.messages(tick, tick == num_ticks - 1):
                     try:
-                        sock.send(data, zmq.NOBLOCK)
+                        s.sock.send(data, zmq.NOBLOCK)
                     except zmq.Again:
                         s.num_dropped += 1
                         tally.dropped += 1
@@ -174,10 +178,11 @@ def step_record(step: int, t_begin: float) -> StepRecord:
 
 
 def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
-    """A simulated node's relay: one batch per flush of its ranks' step rows and
-    samples.  The batches are built by the relay's own `Outbox` (once per kind of
-    tick, from step records as a tracker emits them); each tick only renumbers the
-    steps and their times, so simulating a node costs little more than encoding."""
+    """A simulated node's relay: one batch per `RELAY_INTERVAL_S` of its ranks' step
+    rows and samples.  The batches are built by the relay's own `Outbox` (once per
+    kind of batch, from step records as a tracker emits them); each batch only
+    renumbers the steps and their times, so simulating a node costs little more
+    than encoding."""
     host = f"sim-node{node}"
     relay = Sender("relay", host, 50_000 + node, node)
     ranks = [Sender("rank", host, 10_000 + r, node, rank=r, local_rank=r % RANKS_PER_NODE,
@@ -186,11 +191,12 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
     system = Sender("system", host, 40_000 + node, node)
     start = time.time()
     per_flush = max(1, round(steps_per_s * FLUSH_S))
+    every = max(1, round(RELAY_INTERVAL_S / FLUSH_S))  # ticks per batch
 
-    def template(with_samples: bool, last: bool) -> protocol.RelayBatch:
+    def template(num_ticks: int, with_samples: bool, last: bool) -> protocol.RelayBatch:
         outbox = Outbox(upstream=None)  # type: ignore[arg-type]  # only take() is used
         for who in ranks:
-            outbox.add_steps(who, [step_record(i, start) for i in range(per_flush)])
+            outbox.add_steps(who, [step_record(i, start) for i in range(per_flush * num_ticks)])
             if with_samples:
                 outbox.add_process(who, protocol.PROCESS_FIELDS, [
                     [start, 95.0, 300 << 20, 64 << 30, 2, None, None, None]])
@@ -202,37 +208,46 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
         assert batch is not None
         return batch
 
-    templates = {(w, last): template(w, last) for w in (True, False) for last in (True, False)}
+    templates = {(n, w, last): template(n, w, last) for n in range(1, every + 1)
+                 for w in (True, False) for last in (True, False)}
     step_col, t_col = (1 + STEP_COLUMNS.index(c) for c in ("step", "t_begin"))
+    done = [0]  # ticks whose steps were sent
 
     def messages(tick: int, last: bool) -> list[tuple[bytes, int]]:
-        batch = templates[(tick % 2 == 0, last)]
+        if (tick + 1) % every and not last:
+            return []
+        n = tick + 1 - done[0]
+        batch = templates[(n, tick // every % round(SAMPLE_S / RELAY_INTERVAL_S) == 0, last)]
         columns = list(batch.step_columns)
-        columns[step_col] = [tick * per_flush + i for _ in ranks for i in range(per_flush)]
+        first = done[0] * per_flush
+        done[0] = tick + 1
+        columns[step_col] = [first + i for _ in ranks for i in range(per_flush * n)]
         columns[t_col] = [start + s / steps_per_s for s in columns[step_col]]
         payload = protocol.relay_payload(replace(batch, step_columns=columns))
-        out = [(envelope(p, protocol.KIND_RELAY, relay, payload), per_flush * len(ranks))]
+        out = [(envelope(p, protocol.KIND_RELAY, relay, payload), per_flush * n * len(ranks))]
         if last:
             out.append((envelope(p, protocol.KIND_BYE, relay, {"t": time.time()}), 0))
         return out
 
-    p = Paced((node * 0.618034 % 1.0) * FLUSH_S, messages)
+    p = Paced((node * 0.618034 % 1.0) * FLUSH_S, messages, rows_kind="relay")
     return p
 
 
 def simulate(endpoint: str, keys: Any, make: list[tuple[str, tuple[Any, ...]]],
              start_at: float, duration_s: float, out: mp.Queue[Tally]) -> None:
-    """One sender process: one socket, several simulated senders, paced."""
+    """One sender process: several simulated senders, each with its own socket, paced."""
     context = zmq.Context()
-    sock = context.socket(zmq.PUSH)
-    sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-    sock.setsockopt(zmq.LINGER, 5000)
-    secure_client(sock, keys)
-    sock.connect(endpoint)
     makers = {"rank": rank_sender, "relay": relay_sender}
     senders = [makers[kind](*args) for kind, args in make]
-    tally = run_paced(sock, senders, start_at, duration_s)
-    sock.close()
+    for s in senders:
+        s.sock = context.socket(zmq.PUSH)
+        s.sock.setsockopt(zmq.SNDHWM, SEND_HWM if s.rows_kind == "rank" else RELAY_SEND_HWM)
+        s.sock.setsockopt(zmq.LINGER, 5000)
+        secure_client(s.sock, keys)
+        s.sock.connect(endpoint)
+    tally = run_paced(senders, start_at, duration_s)
+    for s in senders:
+        s.sock.close()
     context.term()
     out.put(tally)
 
