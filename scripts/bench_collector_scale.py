@@ -307,8 +307,9 @@ def plan_relay(n: int, port: int, secret: str, steps: float, senders: int,
     return plan
 
 
-def store_counts(db_path: Path) -> tuple[int, int, int]:
-    """Step rows stored, sequence gaps and drops the senders reported (in-band)."""
+def store_counts(db_path: Path) -> tuple[int, int, int] | None:
+    """Step rows stored, sequence gaps and drops the senders reported (in-band); None
+    while the store cannot be read."""
     try:
         db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
         try:
@@ -320,7 +321,7 @@ def store_counts(db_path: Path) -> tuple[int, int, int]:
         finally:
             db.close()
     except sqlite3.Error:
-        return 0, 0, 0
+        return None
 
 
 def cpu_s(proc: psutil.Process) -> float:
@@ -369,11 +370,11 @@ def bench(n: int, args: argparse.Namespace) -> str:
             w.join()
         for relay in plan.relays:
             relay.stop()
-        stored, caught_up = wait_stored(db_path, tally.rows, tally.last)
+        caught_up = wait_stored(db_path, tally.rows, tally.last)
         peak_rss = max(peak_rss, proc.memory_info().rss)
         collector.record(RunEnd(ended_at=time.time(), exit_code=0))
         collector.stop()
-        _, gaps, reported = store_counts(db_path)
+        stored, gaps, reported = store_counts(db_path) or (0, 0, 0)
         t0 = time.monotonic()
         report = subprocess.run([sys.executable, "-m", "traceml", "report", str(session_dir)],
                                 capture_output=True, text=True)
@@ -389,18 +390,18 @@ def bench(n: int, args: argparse.Namespace) -> str:
             + (f"; {reported} drops reported in-band" if reported else ""))
 
 
-def wait_stored(db_path: Path, rows: int, last_send: float) -> tuple[int, float]:
-    """Wait until the store holds every row sent, or stops growing; (rows, seconds
-    after the last send)."""
+def wait_stored(db_path: Path, rows: int, last_send: float) -> float:
+    """Wait until the store holds every row sent, or stops growing; returns how long
+    after the last send that was."""
     stored, since, grew = 0, time.monotonic(), time.monotonic()
     while time.monotonic() - grew < 10.0 and time.monotonic() - since < 120.0:
-        now_stored = store_counts(db_path)[0]
-        if now_stored != stored:
-            stored, grew = now_stored, time.monotonic()
+        counts = store_counts(db_path)
+        if counts is not None and counts[0] != stored:
+            stored, grew = counts[0], time.monotonic()
         if stored >= rows:
             break
         time.sleep(0.1)
-    return stored, time.time() - last_send
+    return time.time() - last_send
 
 
 def main() -> None:
