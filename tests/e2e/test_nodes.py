@@ -142,18 +142,25 @@ def test_two_nodes_c10d_with_curve(tmp_path: Path) -> None:
     assert summary["meta"]["transport"]["rejected"] == 0
 
 
-def test_node_lost_mid_run(tmp_path: Path) -> None:
+def _two_nodes_training(tmp_path: Path, session: str, steps: str) -> Nodes:
+    """Two one-rank nodes (static), started and polled until both stored steps."""
     common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1",
               f"--master-port={free_port()}", f"--aggregator-port={free_port()}",
               "--aggregator-bind-host=127.0.0.1"]
-    nodes = Nodes(tmp_path, "lost", common)
-    node0 = nodes.start("--node-rank=0", script("allreduce.py"), "400", "0.02")
-    node1 = nodes.start("--node-rank=1", script("allreduce.py"), "400", "0.02")
+    nodes = Nodes(tmp_path, session, common)
+    for node in (0, 1):
+        nodes.start(f"--node-rank={node}", script("allreduce.py"), steps, "0.02")
     store = nodes.session_dir / "telemetry.sqlite"
     if not wait_until(lambda: store.exists() and {s["rank"] for s in read_store(store)[0]} == {0, 1},
                       90, 0.1):
         nodes.kill_all()
         raise AssertionError("both nodes never stored steps")
+    return nodes
+
+
+def test_node_lost_mid_run(tmp_path: Path) -> None:
+    nodes = _two_nodes_training(tmp_path, "lost", "400")
+    node0, node1 = nodes.procs
     kill_tree(node1.pid)  # the whole node goes away: launcher, workers, sampler
     # Rank 0 now hangs in gloo until torch's 30-minute timeout; node 0 must not.
     summary_path = nodes.session_dir / "final_summary.json"
@@ -172,18 +179,8 @@ def test_node_lost_mid_run(tmp_path: Path) -> None:
 def test_relay_killed_mid_run_is_a_lost_node(tmp_path: Path) -> None:
     import psutil
 
-    common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-              f"--master-port={free_port()}", f"--aggregator-port={free_port()}",
-              "--aggregator-bind-host=127.0.0.1"]
-    nodes = Nodes(tmp_path, "relay-lost", common)
-    nodes.start("--node-rank=0", script("allreduce.py"), "500", "0.02")
-    node1 = nodes.start("--node-rank=1", script("allreduce.py"), "500", "0.02")
-    store = nodes.session_dir / "telemetry.sqlite"
-    if not wait_until(lambda: store.exists() and {s["rank"] for s in read_store(store)[0]} == {0, 1},
-                      90, 0.1):
-        nodes.kill_all()
-        raise AssertionError("both nodes never stored steps")
-    (relay,) = [p for p in psutil.Process(node1.pid).children()
+    nodes = _two_nodes_training(tmp_path, "relay-lost", "500")
+    (relay,) = [p for p in psutil.Process(nodes.procs[1].pid).children()
                 if "traceml.collector" in p.cmdline()]
     os.kill(relay.pid, signal.SIGKILL)  # the relay alone: node 1's ranks train on
     try:
