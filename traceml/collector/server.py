@@ -7,7 +7,11 @@ a stranger's handshake fails and is counted.  Every message is checked
 (`traceml.collector.intake`) before anything of it is stored; one that fails,
 a replay, a sender speaking for a rank another sender owns, or a control
 message from anyone but the launcher's key is rejected and counted by reason.
-Per-sender sequence gaps are counted too.  It stops when the launcher says the
+Per-sender sequence gaps are counted too.  On several nodes, other nodes'
+senders reach it through their node's relay (`traceml.collector.relay`, which
+runs this module's `Collector` over an outbox): a relay's batch, accepted from
+the relays' key alone, carries its senders' states and their step rows, samples
+and incidents, each sender claimed here as if it had spoken.  It stops when the launcher says the
 run ended (after draining what is still in flight) or when the launcher
 disappears.  The live page's server (``--mode=dashboard``) is handed in
 by the entry point, ``traceml.collector.__main__``: this module does not import
