@@ -66,13 +66,13 @@ class Agent:
 class Nodes:
     """Node 0's collector over a real store, and node 1's relay, both polled here."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, relay_node: int = 1) -> None:
         self.context = zmq.Context()
         self.db = str(tmp_path / "telemetry.sqlite")
         node0 = CollectorConfig(SESSION, "127.0.0.1", 0, self.db, 0, secret=SECRET)
         self.listener0 = Listener(self.context, node0)
         self.collector0 = Collector(node0, StoreWriter(self.db))
-        relay = CollectorConfig(SESSION, "127.0.0.1", 0, "", 0, secret=SECRET, node_rank=1,
+        relay = CollectorConfig(SESSION, "127.0.0.1", 0, "", 0, secret=SECRET, node_rank=relay_node,
                                 upstream=f"tcp://127.0.0.1:{self.listener0.port}")
         self.relay_context = zmq.Context()
         self.listener1 = Listener(self.relay_context, relay)
@@ -269,3 +269,17 @@ def test_node_0_survives_mutated_relay_batches(nodes: Nodes, tmp_path: Path) -> 
     collector.flush()
     assert not collector.store_failed
     assert collector.rejected.get("bad relay payload", 0) > 100, collector.rejected
+
+
+def test_a_c10d_relay_takes_its_node_rank_from_its_ranks(tmp_path: Path) -> None:
+    nodes = Nodes(tmp_path, relay_node=-1)  # started before the rendezvous gave a node rank
+    try:
+        agent = nodes.agent(rank(8, node=3))  # kept: a closed socket drops what it holds
+        agent.send(protocol.KIND_HELLO, {"t": time.time()})
+        nodes.pump_until(lambda: {s.sender.node_rank for s in nodes.collector0.senders.values()
+                                  if s.sender.role == "relay"} == {-1, 3})
+        relays = sorted((s.sender.node_rank, s.said_bye, s.num_gaps)
+                        for s in nodes.collector0.senders.values() if s.sender.role == "relay")
+        assert relays == [(-1, True, 0), (3, False, 0)]
+    finally:
+        nodes.close()

@@ -22,6 +22,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -68,6 +69,15 @@ class Upstream:
             return False
         self.num_sent += 1
         return True
+
+    def adopt_node(self, node_rank: int) -> None:
+        """Speak as the relay of ``node_rank`` from now on (c10d: the rendezvous gave
+        this node its rank after the relay started): a goodbye under the old identity,
+        then a hello under the new one, whose sequence and counts start afresh."""
+        self.send(protocol.KIND_BYE, {"t": time.time()})
+        self.identity = replace(self.identity, node_rank=node_rank)
+        self.seq = self.num_sent = self.num_dropped = 0
+        self.send(protocol.KIND_HELLO, {"t": time.time()})
 
     def close(self) -> None:
         self.send(protocol.KIND_BYE, {"t": time.time()})
@@ -162,6 +172,8 @@ class Outbox:
                 or time.monotonic() - self._last_batch >= HEARTBEAT_S):
             return None
         self._last_batch = time.monotonic()
+        if self.upstream is not None and self.upstream.identity.node_rank < 0:
+            self._learn_node()
         index = {key: i for i, key in enumerate(self._states)}
         steps = [(index[key], *values) for key, values in self._steps]
         batch = RelayBatch(
@@ -178,6 +190,14 @@ class Outbox:
         self._states, self._steps, self._flops, self._process, self._system = {}, [], [], [], []
         self._incidents, self._clears = [], []
         return batch
+
+
+    def _learn_node(self) -> None:
+        """The node's rank, as its ranks (their GROUP_RANK) or its system sampler say it."""
+        for s in self._states.values():
+            if s.sender.node_rank >= 0 and s.sender.role in ("rank", "system"):
+                self.upstream.adopt_node(s.sender.node_rank)
+                return
 
 
 def open_outbox(config: CollectorConfig) -> Outbox:
