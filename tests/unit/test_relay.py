@@ -214,7 +214,7 @@ def test_a_rank_that_spoke_to_node_0_cannot_be_relayed(nodes: Nodes) -> None:
     assert nodes.rows("SELECT COUNT(*) FROM steps") == [(0,)]
 
 
-def test_outbox_batches_columns_and_sends_a_heartbeat(nodes: Nodes) -> None:
+def test_outbox_sends_a_heartbeat_when_nothing_came(nodes: Nodes) -> None:
     outbox: Outbox = nodes.outbox
     assert outbox.take() is None  # nothing new, and a batch went out less than 2 s ago
     nodes.pump_until(lambda: len(nodes.collector0.senders) == 1)  # the relay's hello
