@@ -1,14 +1,29 @@
-"""How many ranks one collector can take.
+"""How many ranks node 0's collector can take.
 
-Starts a real collector process, then N simulated ranks (spread over a few
-sender processes, each rank with its own identity and sequence numbers) that
-each push a batch of step rows every flush interval at STEPS_PER_S steps per
-second, plus one process sample per second, for DURATION seconds.  Reports
-messages and step rows ingested per second, drops (sender-side queue full)
-and sequence gaps, the collector's CPU and memory, and how long the final
-summary takes to build and write.
+Starts a real collector process and feeds it N simulated ranks at STEPS_PER_S
+steps per second each for DURATION seconds, on a steady schedule: every
+simulated sender sends its messages at its own offset in the flush interval
+(an agent's events every 0.5 s and a process sample every second; a relay's
+batch every second), never a burst per tick.
+Senders send with NOBLOCK under a bounded high-water mark and count their own
+drops (zmq.Again); the envelopes carry the counts, so the collector's store
+has them too, beside the sequence gaps it counts itself.
 
-    python scripts/bench_collector_scale.py [--ranks 64 256 1024] [--duration 20]
+``--mode relay`` (the default): the N ranks are N/8 nodes of 8 ranks.  Node
+0's 8 ranks send to the collector themselves; nodes 1..R run real relay
+processes (`traceml.collector.relay`: the collector's intake and step tracker)
+fed by simulated agents; the other nodes' relays are simulated: paced batches
+built by the relay's own `Outbox` from step rows (no step tracker runs for
+them), from a few processes.  ``--mode direct``: every rank sends its events
+to the collector, which runs every step tracker.
+
+Reported per size, over the real send window (first to last send): step rows
+stored per second, drops counted by the senders and by the collector (gaps),
+node 0's collector CPU % (its cpu_times over the window), its peak RSS, how
+long after the last send the store held every row, and the wall time of
+``traceml report`` on the store at the end.
+
+    python scripts/bench_collector_scale.py [--ranks 1024 4096 8192] [--mode relay]
 """
 
 from __future__ import annotations
@@ -16,72 +31,103 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import socket
+import sqlite3
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 import zmq
 
-from traceml import protocol
-from traceml.collector.server import CollectorConfig
+from traceml import phases, protocol
+from traceml.collector.relay import SEND_HWM as RELAY_SEND_HWM
+from traceml.collector.relay import Outbox
+from traceml.collector.server import RELAY_INTERVAL_S, CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import Envelope, RunEnd, RunStart, Sender
-from traceml.security import derive_keys, new_secret, secure_client
-from traceml.store import StoreError, StoreReader
+from traceml.security import derive_keys, new_secret, relay_keys, secure_client
+from traceml.store import STEP_COLUMNS, SenderState, StepRecord
 
 SESSION = "scale"
-FLUSH_S = 0.5
+FLUSH_S = 0.5  # as an agent ships its events, and as a relay its batches
+SAMPLE_S = 1.0  # process and system samples
+SLOTS = 50  # sends are spread over this many slots per flush interval
+SEND_HWM = 1000  # an agent's (`traceml.sender.SEND_HWM`)
+RANKS_PER_NODE = 8
+START_DELAY_S = 3.0  # senders connect, then all start at one time
 
 
-def simulate(endpoint: str, secret: str, ranks: range, world: int, steps_per_s: float, duration_s: float,
-             out: mp.Queue[tuple[int, int, int]]) -> None:
-    """One sender process speaking for several ranks."""
-    context = zmq.Context()
-    sock = context.socket(zmq.PUSH)
-    sock.setsockopt(zmq.SNDHWM, 1000)
-    sock.setsockopt(zmq.LINGER, 2000)
-    secure_client(sock, derive_keys(secret, SESSION))
-    sock.connect(endpoint)
-    seqs = {r: 0 for r in ranks}
-    sent = dropped = rows_sent = 0
-    per_flush = max(1, round(steps_per_s * FLUSH_S))
-    start = time.monotonic()
-    tick = 0
-    while True:
-        last = time.monotonic() - start >= duration_s
-        now = time.time()
-        for r in ranks:
-            who = Sender("rank", f"sim{r // 8}", 10_000 + r, r // 8, rank=r, local_rank=r % 8,
-                         world_size=world)
-            times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
-            for i in range(per_flush):
-                log_iteration(times, (tick * per_flush + i) / steps_per_s)
-            if last:
-                times[protocol.CLOSE].append(times[protocol.OPTIMIZER_END][-1])
-            rss = [(times[protocol.INPUT][0], 300 << 20)]
-            messages = [(protocol.KIND_EVENTS,
-                         protocol.events_payload(tick, now, times, [], rss))]
-            if tick % 2 == 0:
-                messages.append((protocol.KIND_PROCESS, protocol.rows_payload(
-                    protocol.PROCESS_FIELDS, [(now, 95.0, 300 << 20, 64 << 30, 2, None, None,
-                                               None)])))
-            for kind, payload in messages:
-                env = Envelope(SESSION, kind, who, seqs[r], now, payload)
-                seqs[r] += 1
-                try:
-                    sock.send(protocol.encode(env), zmq.NOBLOCK)
-                    sent += 1
-                    rows_sent += per_flush if kind == protocol.KIND_EVENTS else 0
-                except zmq.Again:
-                    dropped += 1
-        if last:
-            break
-        tick += 1
-        time.sleep(max(0.0, start + tick * FLUSH_S - time.monotonic()))
-    sock.close()
-    context.term()
-    out.put((sent, dropped, rows_sent))
+@dataclass
+class Tally:
+    """What one sender process sent: message and row counts, its window."""
+
+    sent: int = 0
+    dropped: int = 0
+    rows: int = 0
+    first: float = float("inf")
+    last: float = 0.0
+
+    def add(self, other: Tally) -> None:
+        self.sent += other.sent
+        self.dropped += other.dropped
+        self.rows += other.rows
+        self.first = min(self.first, other.first)
+        self.last = max(self.last, other.last)
+
+
+@dataclass
+class Paced:
+    """One simulated sender: its offset in the flush interval and what it sends per tick
+    (``messages(tick, last)`` -> [(encoded message, step rows in it)])."""
+
+    offset_s: float
+    messages: Callable[[int, bool], list[tuple[bytes, int]]]
+    rows_kind: str = "rank"  # or "relay"
+    sock: Any = None  # its own socket, as every rank and relay has
+    seq: int = 0
+    num_sent: int = 0
+    num_dropped: int = 0
+
+
+def run_paced(senders: list[Paced], start_at: float, duration_s: float) -> Tally:
+    """Send every sender's messages at its offset, tick after tick, without blocking."""
+    slots: list[list[Paced]] = [[] for _ in range(SLOTS)]
+    for s in senders:
+        slots[int(s.offset_s / FLUSH_S * SLOTS) % SLOTS].append(s)
+    tally = Tally()
+    num_ticks = max(1, round(duration_s / FLUSH_S))
+    for tick in range(num_ticks):
+        for slot, group in enumerate(slots):
+            wait = start_at + (tick + slot / SLOTS) * FLUSH_S - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            for s in group:
+                for data, rows in s.messages(tick, tick == num_ticks - 1):
+                    try:
+                        s.sock.send(data, zmq.NOBLOCK)
+                    except zmq.Again:
+                        s.num_dropped += 1
+                        tally.dropped += 1
+                        continue
+                    s.num_sent += 1
+                    tally.sent += 1
+                    tally.rows += rows
+                    now = time.time()
+                    tally.first, tally.last = min(tally.first, now), now
+    return tally
+
+
+def envelope(p: Paced, kind: str, who: Sender, payload: dict[str, Any]) -> bytes:
+    data = protocol.encode(Envelope(SESSION, kind, who, p.seq, time.time(), payload,
+                                    num_sent=p.num_sent, num_dropped=p.num_dropped))
+    p.seq += 1
+    return data
 
 
 def log_iteration(times: list[list[float]], t: float) -> None:
@@ -95,17 +141,195 @@ def log_iteration(times: list[list[float]], t: float) -> None:
         times[code].append(at)
 
 
-def count_steps(db_path: Path) -> int:
+def rank_sender(r: int, world: int, host: str, steps_per_s: float) -> Paced:
+    """A simulated agent: its events every flush, a process sample every second."""
+    who = Sender("rank", host, 10_000 + r, r // RANKS_PER_NODE, rank=r,
+                 local_rank=r % RANKS_PER_NODE, world_size=world)
+    per_flush = max(1, round(steps_per_s * FLUSH_S))
+    wall = time.time()
+
+    def messages(tick: int, last: bool) -> list[tuple[bytes, int]]:
+        times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
+        for i in range(per_flush):
+            log_iteration(times, (tick * per_flush + i) / steps_per_s)
+        if last:
+            times[protocol.CLOSE].append(times[protocol.OPTIMIZER_END][-1])
+        out = [(envelope(p, protocol.KIND_EVENTS, who, protocol.events_payload(
+            tick, wall, times, [], [(times[protocol.INPUT][0], 300 << 20)])), per_flush)]
+        if tick % 2 == 0:
+            out.append((envelope(p, protocol.KIND_PROCESS, who, protocol.rows_payload(
+                protocol.PROCESS_FIELDS, [(time.time(), 95.0, 300 << 20, 64 << 30, 2, None,
+                                           None, None)])), 0))
+        if last:
+            out.append((envelope(p, protocol.KIND_BYE, who, {"t": time.time()}), 0))
+        return out
+
+    p = Paced((r * 0.618034 % 1.0) * FLUSH_S, messages)
+    return p
+
+
+def step_record(step: int, t_begin: float) -> StepRecord:
+    """A step as a relay's tracker emits it (the times of `log_iteration`'s loop)."""
+    phase_ms = {"input": 1.0, "forward": 20.0, "backward": 39.0, "optimizer": 10.0}
+    return StepRecord(step=step, t_begin=t_begin, total_ms=100.0, wait_ms=30.0,
+                      phase_ms=tuple(phase_ms.get(p.name, 0.0) for p in phases.PHASES),
+                      counts=tuple(1 if p.name in phase_ms else 0 for p in phases.PHASES),
+                      rss_bytes=300 << 20, boundary="optimizer")
+
+
+def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
+    """A simulated node's relay: one batch per `RELAY_INTERVAL_S` of its ranks' step
+    rows and samples.  The batches are built by the relay's own `Outbox` (once per
+    kind of batch, from step records as a tracker emits them); each batch only
+    renumbers the steps and their times, so simulating a node costs little more
+    than encoding."""
+    host = f"sim-node{node}"
+    relay = Sender("relay", host, 50_000 + node, node)
+    ranks = [Sender("rank", host, 10_000 + r, node, rank=r, local_rank=r % RANKS_PER_NODE,
+                    world_size=world)
+             for r in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)]
+    system = Sender("system", host, 40_000 + node, node)
+    start = time.time()
+    per_flush = max(1, round(steps_per_s * FLUSH_S))
+    every = max(1, round(RELAY_INTERVAL_S / FLUSH_S))  # ticks per batch
+
+    def template(num_ticks: int, with_samples: bool, last: bool) -> protocol.RelayBatch:
+        outbox = Outbox(upstream=None)  # type: ignore[arg-type]  # only take() is used
+        for who in ranks:
+            outbox.add_steps(who, [step_record(i, start) for i in range(per_flush * num_ticks)])
+            if with_samples:
+                outbox.add_process(who, protocol.PROCESS_FIELDS, [
+                    [start, 95.0, 300 << 20, 64 << 30, 2, None, None, None]])
+            outbox.save_sender(SenderState(who, start, start, said_bye=last))
+        if with_samples:
+            outbox.add_system(system, protocol.SYSTEM_FIELDS, [[start, 50.0, 40.0, 64 << 30, []]])
+        outbox.save_sender(SenderState(system, start, start, said_bye=last))
+        batch = outbox.take()
+        assert batch is not None
+        return batch
+
+    templates = {(n, w, last): template(n, w, last) for n in range(1, every + 1)
+                 for w in (True, False) for last in (True, False)}
+    step_col, t_col = (1 + STEP_COLUMNS.index(c) for c in ("step", "t_begin"))
+    done = [0]  # ticks whose steps were sent
+
+    def messages(tick: int, last: bool) -> list[tuple[bytes, int]]:
+        if (tick + 1) % every and not last:
+            return []
+        n = tick + 1 - done[0]
+        batch = templates[(n, tick // every % round(SAMPLE_S / RELAY_INTERVAL_S) == 0, last)]
+        columns = list(batch.step_columns)
+        first = done[0] * per_flush
+        done[0] = tick + 1
+        columns[step_col] = [first + i for _ in ranks for i in range(per_flush * n)]
+        columns[t_col] = [start + s / steps_per_s for s in columns[step_col]]
+        payload = protocol.relay_payload(replace(batch, step_columns=columns))
+        out = [(envelope(p, protocol.KIND_RELAY, relay, payload), per_flush * n * len(ranks))]
+        if last:
+            out.append((envelope(p, protocol.KIND_BYE, relay, {"t": time.time()}), 0))
+        return out
+
+    p = Paced((node * 0.618034 % 1.0) * FLUSH_S, messages, rows_kind="relay")
+    return p
+
+
+def simulate(endpoint: str, keys: Any, make: list[tuple[str, tuple[Any, ...]]],
+             start_at: float, duration_s: float, out: mp.Queue[Tally]) -> None:
+    """One sender process: several simulated senders, each with its own socket, paced."""
+    context = zmq.Context()
+    makers = {"rank": rank_sender, "relay": relay_sender}
+    senders = [makers[kind](*args) for kind, args in make]
+    for s in senders:
+        s.sock = context.socket(zmq.PUSH)
+        s.sock.setsockopt(zmq.SNDHWM, SEND_HWM if s.rows_kind == "rank" else RELAY_SEND_HWM)
+        s.sock.setsockopt(zmq.LINGER, 5000)
+        secure_client(s.sock, keys)
+        s.sock.connect(endpoint)
+    tally = run_paced(senders, start_at, duration_s)
+    for s in senders:
+        s.sock.close()
+    context.term()
+    out.put(tally)
+
+
+@dataclass
+class Plan:
+    """Who sends where: (endpoint, keys, simulated senders) per sender process."""
+
+    processes: list[tuple[str, Any, list[tuple[str, tuple[Any, ...]]]]] = field(
+        default_factory=list)
+    relays: list[CollectorProcess] = field(default_factory=list)
+    note: str = ""
+
+
+def plan_direct(n: int, port: int, secret: str, steps: float, senders: int) -> Plan:
+    keys = derive_keys(secret, SESSION)
+    host = socket.gethostname()
+    plan = Plan(note=f"direct: {n} ranks send to the collector, which runs every step tracker")
+    for i in range(senders):
+        plan.processes.append((f"tcp://127.0.0.1:{port}", keys, [
+            ("rank", (r, n, host, steps)) for r in range(i, n, senders)]))
+    return plan
+
+
+def plan_relay(n: int, port: int, secret: str, steps: float, senders: int,
+               num_relays: int) -> Plan:
+    keys = derive_keys(secret, SESSION)
+    host = socket.gethostname()
+    nodes = max(1, n // RANKS_PER_NODE)
+    node0 = f"tcp://127.0.0.1:{port}"
+    real = min(num_relays, nodes - 1)
+    plan = Plan(note=(
+        f"relay: {nodes} nodes of {RANKS_PER_NODE} ranks; node 0's ranks send to the "
+        f"collector; nodes 1-{real} run real relay processes (step trackers) fed by "
+        f"simulated agents; the other {nodes - 1 - real} nodes' relays are simulated "
+        f"(paced batches of step rows built by the relay's Outbox, renumbered each "
+        f"tick, no step tracker), "
+        f"from {senders} processes"))
+    agents: list[tuple[str, Any, list[tuple[str, tuple[Any, ...]]]]] = [(node0, keys, [
+        ("rank", (r, n, host, steps)) for r in range(RANKS_PER_NODE)])]
+    for node in range(1, 1 + real):
+        relay = CollectorProcess(CollectorConfig(
+            session_id=SESSION, bind_host="127.0.0.1", port=0, db_path="",
+            parent_pid=os.getpid(), secret=secret, upstream=node0, node_rank=node))
+        plan.relays.append(relay)
+        agents.append((f"tcp://127.0.0.1:{relay.port}", keys, [
+            ("rank", (r, n, host, steps))
+            for r in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)]))
+    plan.processes += agents
+    simulated = list(range(1 + real, nodes))
+    relay_key = relay_keys(keys, secret, SESSION)
+    for i in range(senders):
+        part = simulated[i::senders]
+        if part:
+            plan.processes.append((node0, relay_key, [("relay", (node, n, steps))
+                                                      for node in part]))
+    return plan
+
+
+def store_counts(db_path: Path) -> tuple[int, int, int] | None:
+    """Step rows stored, sequence gaps and drops the senders reported (in-band); None
+    while the store cannot be read."""
     try:
-        with StoreReader(db_path) as reader:
-            return reader.num_steps()
-    except StoreError:
-        return 0
+        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
+        try:
+            (steps,) = db.execute("SELECT COUNT(*) FROM steps").fetchone()
+            gaps, dropped = db.execute(
+                "SELECT COALESCE(SUM(num_gaps), 0), COALESCE(SUM(num_dropped), 0) "
+                "FROM senders").fetchone()
+            return int(steps), int(gaps), int(dropped)
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
 
 
-def bench(num_ranks: int, steps_per_s: float, duration_s: float, senders: int) -> None:
-    from traceml.report.session import write_summary
+def cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return float(t.user + t.system)
 
+
+def bench(n: int, args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         session_dir = Path(tmp) / SESSION
         session_dir.mkdir()
@@ -117,50 +341,83 @@ def bench(num_ranks: int, steps_per_s: float, duration_s: float, senders: int) -
         collector.record(RunStart(
             session_id=SESSION, command=("bench",), started_at=time.time(),
             traceml_version="", torch_version="", python_version="",
-            summary_window_rows=10000, mode="run", expected_world_size=num_ranks))
+            summary_window_rows=10000, mode="run", expected_world_size=n,
+            expected_nodes=max(1, n // RANKS_PER_NODE)))
+        if args.mode == "relay":
+            plan = plan_relay(n, collector.port, secret, args.steps_per_s, args.senders,
+                              args.real_relays)
+        else:
+            plan = plan_direct(n, collector.port, secret, args.steps_per_s, args.senders)
         proc = psutil.Process(collector.proc.pid)
-        proc.cpu_percent(None)
-        out: mp.Queue[tuple[int, int, int]] = mp.Queue()
-        chunks = [range(i, num_ranks, senders) for i in range(senders)]
-        workers = [mp.Process(target=simulate, args=(
-            f"tcp://127.0.0.1:{collector.port}", secret, c, num_ranks, steps_per_s, duration_s, out))
-            for c in chunks]
-        start = time.monotonic()
+        out: mp.Queue[Tally] = mp.Queue()
+        start_at = time.time() + START_DELAY_S + 0.1 * len(plan.processes)
+        workers = [mp.Process(target=simulate, args=(endpoint, keys, make, start_at,
+                                                     args.duration, out))
+                   for endpoint, keys, make in plan.processes]
         for w in workers:
             w.start()
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0, wall0 = cpu_s(proc), time.time()
         peak_rss = 0
-        while any(w.is_alive() for w in workers):
+        while time.time() < start_at + args.duration:
             peak_rss = max(peak_rss, proc.memory_info().rss)
             time.sleep(0.5)
-        results = [out.get() for _ in workers]
-        cpu_pct = proc.cpu_percent(None)
-        sent, dropped, rows_sent = (sum(x) for x in zip(*results))
-        deadline = time.monotonic() + 60
-        while count_steps(db_path) < rows_sent and time.monotonic() < deadline:
-            time.sleep(0.2)
-        ingest_s = time.monotonic() - start
-        stored = count_steps(db_path)
+        cpu1, wall1 = cpu_s(proc), time.time()
+        tally = Tally()
+        for _ in workers:
+            tally.add(out.get())
+        for w in workers:
+            w.join()
+        for relay in plan.relays:
+            relay.stop()
+        caught_up = wait_stored(db_path, tally.rows, tally.last)
+        peak_rss = max(peak_rss, proc.memory_info().rss)
         collector.record(RunEnd(ended_at=time.time(), exit_code=0))
         collector.stop()
+        stored, gaps, reported = store_counts(db_path) or (0, 0, 0)
         t0 = time.monotonic()
-        write_summary(session_dir)
+        report = subprocess.run([sys.executable, "-m", "traceml", "report", str(session_dir)],
+                                capture_output=True, text=True)
         summary_s = time.monotonic() - t0
-    print(f"{num_ranks:5d} ranks  {sent / ingest_s:8.0f} msg/s  {stored / ingest_s:9.0f} rows/s  "
-          f"stored {stored}/{rows_sent} rows  dropped {dropped}  collector CPU {cpu_pct:4.0f}%  "
-          f"RSS {peak_rss / 2**20:5.0f} MiB  final summary {summary_s:5.1f} s")
+    window = tally.last - tally.first
+    cpu_pct = 100.0 * (cpu1 - cpu0) / (wall1 - wall0)
+    failed = "" if report.returncode == 0 else f"  (report exit {report.returncode})"
+    return (f"{n:5d} ranks  {stored / window:7.0f} steps/s stored  {tally.sent / window:6.0f} msg/s  "
+            f"stored {stored}/{tally.rows}  dropped: senders {tally.dropped}, collector "
+            f"{gaps} gaps  node 0 collector CPU {cpu_pct:3.0f}%  RSS {peak_rss / 2**20:4.0f} MiB  "
+            f"all stored {caught_up:4.1f} s after the last send  final summary "
+            f"{summary_s:5.1f} s{failed}\n       {plan.note}"
+            + (f"; {reported} drops reported in-band" if reported else ""))
+
+
+def wait_stored(db_path: Path, rows: int, last_send: float) -> float:
+    """Wait until the store holds every row sent, or stops growing; returns how long
+    after the last send that was."""
+    stored, since, grew = 0, time.monotonic(), time.monotonic()
+    while time.monotonic() - grew < 10.0 and time.monotonic() - since < 120.0:
+        counts = store_counts(db_path)
+        if counts is not None and counts[0] != stored:
+            stored, grew = counts[0], time.monotonic()
+        if stored >= rows:
+            break
+        time.sleep(0.1)
+    return time.time() - last_send
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--mode", choices=("relay", "direct"), default="relay")
     parser.add_argument("--steps-per-s", type=float, default=10.0)
     parser.add_argument("--duration", type=float, default=20.0)
-    parser.add_argument("--senders", type=int, default=4)
+    parser.add_argument("--senders", type=int, default=3, help="simulating processes")
+    parser.add_argument("--real-relays", type=int, default=2,
+                        help="relay processes that run (relay mode)")
     args = parser.parse_args()
-    print(f"{args.steps_per_s:g} steps/s per rank for {args.duration:g} s, "
-          f"{args.senders} sender processes, {os.cpu_count()} CPUs")
+    print(f"{args.steps_per_s:g} steps/s per rank for {args.duration:g} s, mode {args.mode}, "
+          f"{os.cpu_count()} CPUs", flush=True)
     for n in args.ranks:
-        bench(n, args.steps_per_s, args.duration, args.senders)
+        print(bench(n, args), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Each payload kind is decoded here into a typed record.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,9 +35,10 @@ KIND_HELLO = "hello"
 KIND_BYE = "bye"
 KIND_CONTROL = "control"
 KIND_INCIDENT = "incident"
+KIND_RELAY = "relay"
 KINDS = frozenset({KIND_EVENTS, KIND_PROCESS, KIND_SYSTEM, KIND_HELLO, KIND_BYE,
-                   KIND_CONTROL, KIND_INCIDENT})
-ROLES = frozenset({"rank", "system", "launcher", "watch"})
+                   KIND_CONTROL, KIND_INCIDENT, KIND_RELAY})
+ROLES = frozenset({"rank", "system", "launcher", "watch", "relay"})
 
 # Bounds of a sender's identity: beyond them the numbers are not a job's.
 MAX_WORLD_SIZE = 1 << 17
@@ -118,7 +120,7 @@ class Sender:
     world_size: int | None = None
     restart: int = 0
 
-    @property
+    @functools.cached_property
     def sender_id(self) -> str:
         who = f"r{self.rank}" if self.rank is not None else self.role
         return f"{who}@n{self.node_rank}:{self.host}:{self.pid}:{self.restart}"
@@ -147,8 +149,7 @@ def encode(env: Envelope) -> bytes:
             "v": env.version,
             "sid": env.session_id,
             "kind": env.kind,
-            "from": [s.role, s.host, s.pid, s.node_rank, s.rank, s.local_rank,
-                     s.world_size, s.restart],
+            "from": sender_values(s),
             "seq": env.seq,
             "at": env.sent_at,
             "ns": env.num_sent,
@@ -193,6 +194,11 @@ def _envelope_from(obj: dict[str, Any]) -> Envelope:
         num_sent=_bounded(obj.get("ns", 0), 0, _MAX_INT, "ns"),
         num_dropped=_bounded(obj.get("nd", 0), 0, _MAX_INT, "nd"),
     )
+
+
+def sender_values(s: Sender) -> list[Any]:
+    """A sender identity as the wire carries it (``from`` of an envelope)."""
+    return [s.role, s.host, s.pid, s.node_rank, s.rank, s.local_rank, s.world_size, s.restart]
 
 
 def _sender_from(values: Any) -> Sender:
@@ -330,6 +336,74 @@ def check_events(payload: dict[str, Any]) -> EventBatch:
     if not _records(batches, _BATCH_CHECKS) or not _records(flop_counts, _FLOP_COUNT_CHECKS):
         raise ProtocolError("malformed batch sizes or FLOP counts")
     return EventBatch(batch, float(offset), times, marks, rss, spans, batches, flop_counts)
+
+
+# -- a node's relay to node 0's collector (KIND_RELAY) -------------------------------------
+# One message per relay flush: the states of the node's senders (an identity and
+# RELAY_STATE_FIELDS each), their steps (columnar: the sender's index in
+# ``senders``, then one list per step column of the store), FLOP counts
+# ``[index, time, *FLOP_COUNT_FIELDS]``, process and system samples
+# ``[index, columnar payload]``, incidents the relay placed at the rank's step
+# (``[id, node_rank, cleared_at, step, phase, open_phases, incident payload]``),
+# stalls that cleared (``[id, at]``) and the relay's rejections by reason.
+
+RELAY_STATE_FIELDS = ("first_seen", "last_seen", "num_messages", "num_gaps", "last_seq",
+                      "num_sent", "num_dropped", "said_bye")
+MAX_RELAYED_SENDERS = 4096
+MAX_REJECT_REASONS = 64
+
+
+@dataclass(frozen=True)
+class RelayBatch:
+    """A decoded relay payload; its values are checked by the collector's intake."""
+
+    senders: list[tuple[Sender, list[Any]]]  # identity, RELAY_STATE_FIELDS values
+    step_columns: list[list[Any]]  # [sender index, *one list per step column], or []
+    flop_counts: list[list[Any]]
+    process: list[list[Any]]
+    system: list[list[Any]]
+    incidents: list[list[Any]]
+    clears: list[list[Any]]
+    rejected: dict[str, int]
+
+
+def relay_payload(batch: RelayBatch) -> dict[str, Any]:
+    return {"senders": [[*sender_values(s), *state] for s, state in batch.senders],
+            "steps": batch.step_columns, "flops": batch.flop_counts, "process": batch.process,
+            "system": batch.system, "incidents": batch.incidents, "clears": batch.clears,
+            "rejected": batch.rejected}
+
+
+def _lists(value: Any, length: int | None = None) -> bool:
+    return isinstance(value, list) and all(
+        type(item) is list and (length is None or len(item) == length) for item in value)
+
+
+def check_relay(payload: dict[str, Any]) -> RelayBatch:
+    """A relay payload's shape, checked; ProtocolError for anything else."""
+    senders: Any = payload.get("senders")
+    steps: Any = payload.get("steps")
+    rejected: Any = payload.get("rejected")
+    parts: list[Any] = [payload.get(k) for k in ("flops", "process", "system", "incidents",
+                                                 "clears")]
+    if not _lists(senders, 8 + len(RELAY_STATE_FIELDS)) or len(senders) > MAX_RELAYED_SENDERS:
+        raise ProtocolError("relayed senders are not identities with their states")
+    if not _lists(steps) or (steps and len({len(c) for c in steps}) != 1):
+        raise ProtocolError("relayed steps are not columns of one length")
+    if not all(_lists(p) for p in parts):
+        raise ProtocolError("relayed records are not lists")
+    flops, process, system, incidents, clears = parts
+    if (not all(len(r) == 2 and isinstance(r[1], dict) for r in [*process, *system])
+            or not all(flops) or not _records([r[1:] for r in flops], _FLOP_COUNT_CHECKS)):
+        raise ProtocolError("relayed records are not lists of their shape")
+    if (not isinstance(rejected, dict) or len(rejected) > MAX_REJECT_REASONS
+            or not all(type(n) is int and n >= 0 and len(k) <= 200 for k, n in rejected.items())):
+        raise ProtocolError("relayed rejections are not counts by reason")
+    try:
+        identities = [(_sender_from(s[:8]), s[8:]) for s in senders]
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"relayed sender: {exc}") from None
+    return RelayBatch(identities, steps, flops, process, system, incidents, clears, rejected)
 
 
 def rows_payload(fields: tuple[str, ...], rows: list[tuple[Any, ...]]) -> dict[str, Any]:

@@ -6,7 +6,9 @@ server and client key pairs are derived from the session secret, so only a
 process that knows the secret can complete the handshake, and the collector's
 authenticator admits only the derived client key, plus the launcher's own key
 (derived from a second secret that only the launcher and its collector know:
-control messages are accepted from that key alone).
+control messages are accepted from that key alone), plus the key of the
+nodes' relays (derived from the session secret under another name: a relay's
+batches are accepted from that key alone).
 
 The secret: the user's (an environment variable or a 0600 file: see
 `traceml.environment`); else, on one node, a random one per run, handed to the
@@ -61,6 +63,15 @@ def launcher_keys(keys: CurveKeys, launcher_secret: str) -> CurveKeys:
     its collector know ``launcher_secret``."""
     client_secret = bytes(z85.encode(hashlib.sha256(
         f"traceml/launcher/{launcher_secret}".encode()).digest()))
+    return replace(keys, client_public=zmq.curve_public(client_secret),
+                   client_secret=client_secret)
+
+
+def relay_keys(keys: CurveKeys, secret: str | None, session_id: str) -> CurveKeys:
+    """A node's relay's client key pair for node 0's collector, from the session secret
+    (what a relay forwards, node 0 accepts from this key alone)."""
+    client_secret = bytes(z85.encode(hashlib.sha256(
+        f"traceml/relay/{session_id}/{secret or session_id}".encode()).digest()))
     return replace(keys, client_public=zmq.curve_public(client_secret),
                    client_secret=client_secret)
 

@@ -290,11 +290,15 @@ class StoreWriter:
     def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int:
         """Store the steps; returns how many were new (a step already stored is kept)."""
         prefix = (sender.rank, sender.restart, sender.node_rank)
-        batch = [prefix + record.values() for record in records]
-        if not batch:
+        return self.add_step_rows([prefix + record.values() for record in records])
+
+    def add_step_rows(self, rows: Sequence[Sequence[Any]]) -> int:
+        """Steps as rows of (rank, restart, node_rank, *STEP_COLUMNS values), as a
+        node's relay forwards them; returns how many were new."""
+        if not rows:
             return 0
         with _sqlite_errors():
-            return int(self.db.executemany(_STEPS_SQL, batch).rowcount)
+            return int(self.db.executemany(_STEPS_SQL, rows).rowcount)
 
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
         prefix = (sender.rank, sender.restart, sender.node_rank)
@@ -334,11 +338,14 @@ class StoreWriter:
         self._execute("UPDATE incidents SET cleared_at = ? WHERE rowid = ?", (cleared_at, row_id))
 
     def save_sender(self, s: SenderState) -> None:
-        p = s.sender
-        self._execute(_SENDER_SQL, (
-            p.sender_id, p.role, p.host, p.pid, p.node_rank, p.rank, p.local_rank,
-            p.world_size, p.restart, s.first_seen, s.last_seen, s.num_messages, s.num_gaps,
-            s.last_seq, s.num_sent, s.num_dropped, int(s.said_bye)))
+        self.save_senders((s,))
+
+    def save_senders(self, states: Iterable[SenderState]) -> None:
+        self._executemany(_SENDER_SQL, [(
+            s.sender.sender_id, s.sender.role, s.sender.host, s.sender.pid, s.sender.node_rank,
+            s.sender.rank, s.sender.local_rank, s.sender.world_size, s.sender.restart,
+            s.first_seen, s.last_seen, s.num_messages, s.num_gaps, s.last_seq, s.num_sent,
+            s.num_dropped, int(s.said_bye)) for s in states])
 
     def save_rejected(self, counts: Mapping[str, int]) -> None:
         self._executemany(_REJECTED_SQL, list(counts.items()))

@@ -1,9 +1,11 @@
 """Several nodes on one machine: two launchers over loopback act as two nodes
-(static and c10d rendezvous); node loss; mismatching options; watch."""
+(static and c10d rendezvous), node 1's telemetry through its relay; node loss, a
+relay's loss; mismatching options; watch."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -91,7 +93,24 @@ def _assert_all_ranks(nodes: Nodes, world: int) -> dict[str, Any]:
     assert len(evidence) == world and all(
         f'"allreduce": {world * (world + 1) / 2}' in e for e in evidence)
     assert _system_nodes(nodes.session_dir) == {0, 1}  # node 1's system samples arrived
+    _assert_relayed(nodes, world)
     return summary
+
+
+def _assert_relayed(nodes: Nodes, world: int) -> None:
+    """Node 1's steps came through its relay: the relay spoke to node 0 (and said
+    goodbye) in fewer messages than node 1's ranks sent it, and node 0 refused
+    nothing (a rank of node 1 speaking to node 0 itself would be refused there)."""
+    steps, senders = read_store(nodes.session_dir / "telemetry.sqlite")
+    relays = [s for s in senders if s["role"] == "relay"]
+    # c10d: the relay starts before the rendezvous, then speaks as its node's relay.
+    (relay,) = [s for s in relays if s["node_rank"] >= 0]
+    relayed = [s for s in senders if s["role"] == "rank" and s["node_rank"] == relay["node_rank"]]
+    assert all(r["said_bye"] == 1 and r["num_gaps"] == 0 and r["num_dropped"] == 0
+               for r in relays)
+    assert len(relayed) == world // 2 and all(s["said_bye"] for s in relayed)
+    assert {st["rank"] for st in steps} == set(range(world))
+    assert 2 <= relay["num_messages"] < sum(s["num_messages"] for s in relayed) + 2
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -126,18 +145,25 @@ def test_two_nodes_c10d_with_curve(tmp_path: Path) -> None:
     assert summary["meta"]["transport"]["rejected"] == 0
 
 
-def test_node_lost_mid_run(tmp_path: Path) -> None:
+def _two_nodes_training(tmp_path: Path, session: str, steps: str) -> Nodes:
+    """Two one-rank nodes (static), started and polled until both stored steps."""
     common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1",
               f"--master-port={free_port()}", f"--aggregator-port={free_port()}",
               "--aggregator-bind-host=127.0.0.1"]
-    nodes = Nodes(tmp_path, "lost", common)
-    node0 = nodes.start("--node-rank=0", script("allreduce.py"), "400", "0.02")
-    node1 = nodes.start("--node-rank=1", script("allreduce.py"), "400", "0.02")
+    nodes = Nodes(tmp_path, session, common)
+    for node in (0, 1):
+        nodes.start(f"--node-rank={node}", script("allreduce.py"), steps, "0.02")
     store = nodes.session_dir / "telemetry.sqlite"
     if not wait_until(lambda: store.exists() and {s["rank"] for s in read_store(store)[0]} == {0, 1},
                       90, 0.1):
         nodes.kill_all()
         raise AssertionError("both nodes never stored steps")
+    return nodes
+
+
+def test_node_lost_mid_run(tmp_path: Path) -> None:
+    nodes = _two_nodes_training(tmp_path, "lost", "400")
+    node0, node1 = nodes.procs
     kill_tree(node1.pid)  # the whole node goes away: launcher, workers, sampler
     # Rank 0 now hangs in gloo until torch's 30-minute timeout; node 0 must not.
     summary_path = nodes.session_dir / "final_summary.json"
@@ -151,6 +177,26 @@ def test_node_lost_mid_run(tmp_path: Path) -> None:
     # Either node 0 noticed the silence, or its rank failed and the run ended:
     # both say which node is gone.
     assert "node 1" in err, err[-3000:]
+
+
+def test_relay_killed_mid_run_is_a_lost_node(tmp_path: Path) -> None:
+    import psutil
+
+    nodes = _two_nodes_training(tmp_path, "relay-lost", "500")
+    (relay,) = [p for p in psutil.Process(nodes.procs[1].pid).children()
+                if "traceml.collector" in p.cmdline()]
+    os.kill(relay.pid, signal.SIGKILL)  # the relay alone: node 1's ranks train on
+    try:
+        (code0, out0, err0), (code1, _, err1) = nodes.finish(timeout=120)
+    finally:
+        nodes.kill_all()
+    assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
+    assert "relay to node 0 died" in err1, err1[-2000:]
+    assert "no goodbye from node 1" in err0 and "its relay stopped" in err0, err0[-3000:]
+    summary = read_summary(nodes.session_dir)
+    assert summary is not None and summary["meta"]["partial"] is True
+    assert summary["meta"]["missing_ranks"] == [1]
+    assert "TraceML Run Summary" in out0
 
 
 def test_mismatching_node_is_reported_not_hung(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """``python -m traceml.collector CONFIG_JSON`` (collector process).
 
 The collector's composition root: the server, plus the live page's server when
-the configuration asks for one (``--mode=dashboard``).  Composed here so that
+the configuration asks for one (``--mode=dashboard``); or, with an ``upstream``,
+a node's relay (`traceml.collector.relay`).  Composed here so that
 ``traceml.collector.server`` does not import the live views.
 """
 
@@ -28,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     text = args[0] if args else sys.stdin.readline()
     config = CollectorConfig.from_json(text)
+    if config.upstream is not None:  # a node's relay to node 0's collector
+        from traceml.collector.relay import serve_relay
+
+        return serve_relay(config)
     return serve(config, live_server(config))
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from traceml import protocol, stacks
+from traceml import phases, protocol, stacks
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     GPU_FIELDS,
@@ -28,6 +28,7 @@ from traceml.protocol import (
     RunEnd,
     RunStart,
 )
+from traceml.store import STEP_COLUMNS
 
 MAX_FIELDS = 64  # columnar payloads: fields per row (a sender may add some)
 MAX_GPUS = 1024
@@ -214,6 +215,86 @@ def _incident(payload: dict[str, Any]) -> protocol.IncidentReport:
     return dataclasses.replace(report, detail=detail, stack=stack)
 
 
+# -- a node's relay (`traceml.collector.relay`) ---------------------------------------------
+
+_STEP_VALUE_TYPES = frozenset({int, float, type(None)})
+_NONE = {type(None)}
+MAX_STEP_VALUE = 1e30  # FLOPs of one step of the largest model stay under it
+_BOUNDARY_COLUMN = STEP_COLUMNS.index("boundary")
+
+
+def _relay(payload: dict[str, Any]) -> protocol.RelayBatch:
+    """A relay's batch: its shape from `protocol.check_relay`, its values checked here
+    as each kind's own validator checks them (step rows column by column: the
+    relay ran the plausibility checks, node 0 checks types and ranges)."""
+    batch = protocol.check_relay(payload)
+    n = len(batch.senders)
+    for _, state in batch.senders:
+        if not (all(_TIME(t) for t in state[:2]) and state[-1] in (True, False)
+                and all(type(v) is int and v >= -1 for v in state[2:-1])):
+            raise ProtocolError("relayed sender state out of range")
+    _step_columns(batch.step_columns, n)
+    indexed = [r[0] for part in (batch.flop_counts, batch.process, batch.system) for r in part]
+    if not all(type(i) is int and 0 <= i < n for i in indexed):
+        raise ProtocolError("relayed record of no relayed sender")
+    process, system = _columnar(_PROCESS_CHECKS), _columnar(_SYSTEM_CHECKS)
+    return dataclasses.replace(
+        batch, process=[[r[0], *process(r[1])] for r in batch.process],
+        system=[[r[0], *system(r[1])] for r in batch.system],
+        incidents=[_relayed_incident(r) for r in batch.incidents],
+        clears=[_clear(r) for r in batch.clears],
+        rejected={_escaped(k)[:200]: v for k, v in batch.rejected.items()})
+
+
+def _step_columns(columns: list[list[Any]], num_senders: int) -> None:
+    if not columns:
+        return
+    if len(columns) != 1 + len(STEP_COLUMNS):
+        raise ProtocolError("relayed steps have other columns")
+    index, *values = columns
+    if set(map(type, index)) != {int} or min(index) < 0 or max(index) >= num_senders:
+        raise ProtocolError("relayed step of no relayed sender")
+    for i, column in enumerate(values):
+        if i == _BOUNDARY_COLUMN:
+            if not set(column) <= set(phases.STEP_BOUNDARIES):
+                raise ProtocolError("relayed step boundary unknown")
+            continue
+        types = set(map(type, column))
+        if not types <= _STEP_VALUE_TYPES:
+            raise ProtocolError("relayed step value is not a number")
+        if types == _NONE:
+            continue
+        numbers = [v for v in column if v is not None] if type(None) in types else column
+        if not 0 <= min(numbers) <= max(numbers) <= MAX_STEP_VALUE:
+            raise ProtocolError("relayed step value out of range")
+
+
+def _relayed_incident(record: list[Any]) -> list[Any]:
+    """``[id, node_rank, cleared_at, step, phase, open_phases, incident payload]``."""
+    if len(record) != 7:
+        raise ProtocolError("relayed incident of another shape")
+    row_id, node_rank, cleared_at, step, phase, open_phases, report = record
+    if not (type(row_id) is int and row_id >= 0 and type(node_rank) is int
+            and -1 <= node_rank < protocol.MAX_NODES
+            and (cleared_at is None or _TIME(cleared_at))
+            and (step is None or (type(step) is int and step >= 0))
+            and (phase is None or isinstance(phase, str)) and isinstance(report, dict)
+            and type(open_phases) is list and len(open_phases) <= 64
+            and all(isinstance(p, str) for p in open_phases)):
+        raise ProtocolError("relayed incident out of range")
+    checked = _incident(report)
+    if checked.rank is None or checked.pid is None:
+        raise ProtocolError("relayed incident without its rank")
+    shown = tuple(_escaped(p)[:64] for p in open_phases)
+    return [row_id, node_rank, cleared_at, step, phase and _escaped(phase)[:64], shown, checked]
+
+
+def _clear(record: list[Any]) -> list[Any]:
+    if len(record) != 2 or type(record[0]) is not int or not _TIME(record[1]):
+        raise ProtocolError("relayed stall end out of range")
+    return record
+
+
 VALIDATORS: dict[str, Callable[[dict[str, Any]], Any]] = {
     protocol.KIND_EVENTS: _events,
     protocol.KIND_PROCESS: _columnar(_PROCESS_CHECKS),
@@ -222,6 +303,7 @@ VALIDATORS: dict[str, Callable[[dict[str, Any]], Any]] = {
     protocol.KIND_BYE: _timestamped,
     protocol.KIND_CONTROL: _control,
     protocol.KIND_INCIDENT: _incident,
+    protocol.KIND_RELAY: _relay,
 }
 """Each payload kind's validator: the payload in, what the collector stores
 out (ProtocolError, TypeError, ValueError or KeyError: rejected)."""

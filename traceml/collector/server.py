@@ -7,7 +7,11 @@ a stranger's handshake fails and is counted.  Every message is checked
 (`traceml.collector.intake`) before anything of it is stored; one that fails,
 a replay, a sender speaking for a rank another sender owns, or a control
 message from anyone but the launcher's key is rejected and counted by reason.
-Per-sender sequence gaps are counted too.  It stops when the launcher says the
+Per-sender sequence gaps are counted too.  On several nodes, other nodes'
+senders reach it through their node's relay (`traceml.collector.relay`, which
+runs this module's `Collector` over an outbox): a relay's batch, accepted from
+the relays' key alone, carries its senders' states and their step rows, samples
+and incidents, each sender claimed here as if it had spoken.  It stops when the launcher says the
 run ended (after draining what is still in flight) or when the launcher
 disappears.  The live page's server (``--mode=dashboard``) is handed in
 by the entry point, ``traceml.collector.__main__``: this module does not import
@@ -20,6 +24,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,12 +35,13 @@ from traceml import phases, protocol, stacks
 from traceml.collector import intake
 from traceml.collector.intake import Accepted, Rejected
 from traceml.collector.steps import RankSteps
-from traceml.diagnosis.samples import Incident
+from traceml.diagnosis.samples import FlopCount, Incident
 from traceml.errors import ProtocolError
-from traceml.protocol import Envelope, IncidentReport, RunEnd, RunStart, Sender
+from traceml.protocol import Envelope, IncidentReport, RelayBatch, RunEnd, RunStart, Sender
 from traceml.security import (
     derive_keys,
     launcher_keys,
+    relay_keys,
     secure_server,
     start_authenticator,
 )
@@ -45,6 +51,7 @@ HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 COMMIT_INTERVAL_S = 0.25
+RELAY_INTERVAL_S = 1.0
 POLL_MS = 100
 DRAIN_IDLE_S = 0.3
 DRAIN_MAX_S = 5.0
@@ -74,6 +81,10 @@ class CollectorConfig:
     # Several nodes: the join check.
     join_port: int | None = None
     expected: dict[str, str] | None = None  # nnodes, nproc_per_node as node 0 has them
+    # A node's relay (`traceml.collector.relay`): node 0's collector, where this
+    # process forwards what its node's senders send (None: this is the collector).
+    upstream: str | None = None
+    node_rank: int = -1  # the relay's node (-1: c10d, not known when it starts)
 
     def to_json(self) -> str:
         return orjson.dumps(self.__dict__).decode()
@@ -93,10 +104,32 @@ class LiveServer(Protocol):
         """The run is over and the store closed: serve the final report, then stop."""
 
 
+class Store(Protocol):
+    """Where the collector puts what it accepted: the SQLite store on node 0
+    (`StoreWriter`), or a relay's batch to node 0 (`traceml.collector.relay.Outbox`)."""
+
+    def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int: ...
+    def add_step_rows(self, rows: Sequence[Sequence[Any]]) -> int: ...
+    def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None: ...
+    def add_process(self, sender: Sender, fields: Sequence[str],
+                    rows: Iterable[Sequence[Any]]) -> None: ...
+    def add_system(self, sender: Sender, fields: Sequence[str],
+                   rows: Iterable[Sequence[Any]]) -> None: ...
+    def add_incident(self, i: Incident) -> int: ...
+    def clear_stall(self, row_id: int, cleared_at: float) -> None: ...
+    def save_sender(self, s: SenderState) -> None: ...
+    def save_senders(self, states: Iterable[SenderState]) -> None: ...
+    def save_rejected(self, counts: Mapping[str, int]) -> None: ...
+    def save_run(self, record: RunStart | RunEnd) -> None: ...
+    def add_join_error(self, error: JoinError) -> None: ...
+    def commit(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class Collector:
     """Receives envelopes and writes them to the store."""
 
-    def __init__(self, config: CollectorConfig, store: StoreWriter) -> None:
+    def __init__(self, config: CollectorConfig, store: Store) -> None:
         self.config = config
         self.store = store
         self.senders: dict[str, SenderState] = {}
@@ -107,13 +140,17 @@ class Collector:
         self.ended = False
         self.store_failed = False
         self.num_steps = 0
+        self.relayed_by: dict[str, str] = {}  # sender id -> the relay that speaks for it
+        self.relayed_rows: dict[tuple[str, int], int] = {}  # (relay, its stall id) -> row
+        self.relayed_rejected: dict[str, dict[str, int]] = {}  # relay -> what it rejected
         self._prefix = intake.session_prefix(config.session_id)
 
-    def handle(self, data: bytes, from_launcher: bool = False) -> None:
-        """One message; ``from_launcher``: it came with the launcher's key."""
+    def handle(self, data: bytes, from_launcher: bool = False, from_relay: bool = False) -> None:
+        """One message; ``from_launcher`` / ``from_relay``: it came with the
+        launcher's key / the relays' key."""
         try:
             msg = intake.accept(data, self._prefix, self.config.max_message_bytes)
-            self._dispatch(msg, from_launcher)
+            self._dispatch(msg, from_launcher, from_relay)
         except Rejected as exc:
             self.reject(exc.reason)
         except (ProtocolError, ValueError, TypeError, KeyError, ArithmeticError):
@@ -126,8 +163,8 @@ class Collector:
         """Every sender that spoke has said goodbye: nothing more is in flight."""
         return all(state.said_bye for state in self.senders.values())
 
-    def reject(self, reason: str) -> None:
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+    def reject(self, reason: str, n: int = 1) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + n
 
     def _state(self, env: Envelope) -> SenderState:
         """The sender's state; Rejected for a replay, or a sender speaking for
@@ -157,15 +194,19 @@ class Collector:
         state.num_sent = max(state.num_sent, env.num_sent + 1)
         state.num_dropped = max(state.num_dropped, env.num_dropped)
 
-    def _dispatch(self, msg: Accepted, from_launcher: bool) -> None:
+    def _dispatch(self, msg: Accepted, from_launcher: bool, from_relay: bool = False) -> None:
         env = msg.envelope
         if env.kind == protocol.KIND_CONTROL:
             if not from_launcher:
                 raise Rejected("control message from a sender other than the launcher")
             self._control(msg.payload)
             return
+        if env.kind == protocol.KIND_RELAY and not (from_relay and env.sender.role == "relay"):
+            raise Rejected("relay batch from a sender other than a relay")
         state = self._state(env)
-        if env.kind == protocol.KIND_EVENTS:
+        if env.kind == protocol.KIND_RELAY:
+            self._relayed(env.sender, msg.payload)
+        elif env.kind == protocol.KIND_EVENTS:
             self._add_steps(env.sender, msg.payload)
         elif env.kind == protocol.KIND_PROCESS:
             self.store.add_process(env.sender, *msg.payload)
@@ -238,6 +279,83 @@ class Collector:
             self.reject("duplicate step")
         self.num_steps += stored
 
+    def _relayed(self, relay: Sender, batch: RelayBatch) -> None:
+        """A node's relay's batch: its senders' states (each claims its rank as if it
+        spoke here), then their steps, samples, FLOP counts and incidents."""
+        now = time.time()
+        senders = [self._relayed_sender(relay, who, values, now) for who, values in batch.senders]
+        self.store.save_senders(self.senders[s.sender_id] for s in senders if s is not None)
+        self._relayed_steps(batch.step_columns, senders)
+        for i, *count in batch.flop_counts:
+            if senders[i] is not None:
+                self.store.add_flop_counts(senders[i], [FlopCount(*count)])
+        for part, add in ((batch.process, self.store.add_process),
+                          (batch.system, self.store.add_system)):
+            for i, fields, rows in part:
+                if senders[i] is not None:
+                    add(senders[i], fields, rows)
+        for row_id, node_rank, cleared_at, step, phase, open_phases, r in batch.incidents:
+            row = self.store.add_incident(Incident(
+                what=r.what, rank=r.rank, node_rank=node_rank, host=relay.host, pid=r.pid,
+                began_at=r.began_at, detected_at=r.at, cleared_at=cleared_at, step=step,
+                phase=phase, open_phases=open_phases, stack=r.stack,
+                stack_source=r.stack_source, detail=r.detail))
+            if r.what == protocol.STALL and cleared_at is None:
+                self.relayed_rows[(relay.sender_id, row_id)] = row
+        for row_id, at in batch.clears:
+            if (relay.sender_id, row_id) in self.relayed_rows:
+                self.store.clear_stall(self.relayed_rows.pop((relay.sender_id, row_id)), at)
+        self.relayed_rejected[relay.sender_id] = batch.rejected
+
+    def _relayed_sender(self, relay: Sender, who: Sender, values: list[Any],
+                        now: float) -> Sender | None:
+        """A relayed sender's state, stored as seen now; None: refused (another node's
+        sender, or a rank another sender or relay speaks for)."""
+        key = who.sender_id
+        if who.host != relay.host or who.role == "relay":
+            self.reject("relayed sender of another node")
+            return None
+        if key in self.senders:
+            if self.relayed_by.get(key) != relay.sender_id:
+                self.reject("rank or node claimed by another sender")
+                return None
+        elif len(self.senders) >= MAX_SENDERS:
+            self.reject("too many senders")
+            return None
+        else:
+            claim = _claim(who)
+            if claim is not None and self.owners.setdefault(claim, (who.host, who.pid)) != (
+                    who.host, who.pid):
+                self.reject("rank or node claimed by another sender")
+                return None
+        state = self.senders[key] = SenderState(who, *values)
+        state.last_seen = now  # node 0's clock: its silence watch compares with it
+        self.relayed_by[key] = relay.sender_id
+        return who
+
+    def _relayed_steps(self, columns: list[list[Any]], senders: list[Sender | None]) -> None:
+        if not columns:
+            return
+        index, *values = columns
+        prefixes = [None if s is None or s.rank is None else (s.rank, s.restart, s.node_rank)
+                    for s in senders]
+        rows = [p + v for p, v in zip(map(prefixes.__getitem__, index), zip(*values))
+                if p is not None]
+        if len(rows) < len(index):
+            self.reject("relayed step of a refused sender", len(index) - len(rows))
+        stored = self.store.add_step_rows(rows)
+        if stored < len(rows):
+            self.reject("duplicate step", len(rows) - stored)
+        self.num_steps += stored
+
+    def all_rejected(self) -> dict[str, int]:
+        """What this collector rejected, and what every relay reported it rejected."""
+        total = dict(self.rejected)
+        for counts in self.relayed_rejected.values():
+            for reason, n in counts.items():
+                total[reason] = total.get(reason, 0) + n
+        return total
+
     def _control(self, record: protocol.Control) -> None:
         if isinstance(record, RunStart) and record.session_id != self.config.session_id:
             raise Rejected("run start of another session")
@@ -250,8 +368,9 @@ class Collector:
         """Commit what was stored; a store that cannot be written (a full disk)
         is remembered, and the run goes on."""
         try:
-            if self.rejected:
-                self.store.save_rejected(self.rejected)
+            rejected = self.all_rejected()
+            if rejected:
+                self.store.save_rejected(rejected)
             self.store.commit()
         except StoreError:
             self.store_failed = True
@@ -298,6 +417,10 @@ class Listener:
         self.config = config
         keys = derive_keys(config.secret or config.session_id, config.session_id)
         admitted = [keys.client_public]
+        self.relay_id = ""  # a relay forwards to node 0 only: its own listener admits none
+        if config.upstream is None:
+            admitted.append(relay_keys(keys, config.secret, config.session_id).client_public)
+            self.relay_id = admitted[-1].decode("ascii")
         self.launcher_id = ""
         if config.launcher_secret is not None:
             launcher_public = launcher_keys(keys, config.launcher_secret).client_public
@@ -342,8 +465,9 @@ class Listener:
                 frame = self.sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return n
-            from_launcher = bool(self.launcher_id) and frame.get("User-Id") == self.launcher_id
-            collector.handle(frame.bytes, from_launcher)
+            user = frame.get("User-Id")
+            collector.handle(frame.bytes, bool(self.launcher_id) and user == self.launcher_id,
+                             bool(self.relay_id) and user == self.relay_id)
             n += 1
 
     def _count_handshake_failures(self, collector: Collector) -> None:
@@ -403,11 +527,17 @@ def join_problem(request: dict[str, Any], config: CollectorConfig) -> str:
     return ""
 
 
-def serve(config: CollectorConfig, dashboard: LiveServer | None = None) -> int:
+def open_store_writer(config: CollectorConfig) -> Store:
+    return StoreWriter(config.db_path)
+
+
+def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
+          open_store: Callable[[CollectorConfig], Store] = open_store_writer) -> int:
     """Run until the launcher ends the session; returns the exit status (3: the
     store could not be written, so what arrived is not all stored).
 
-    ``dashboard`` is started when the configuration asks for one (``dashboard_port``)."""
+    ``dashboard`` is started when the configuration asks for one (``dashboard_port``);
+    ``open_store`` opens where accepted messages go (a relay: its batches to node 0)."""
     # Ctrl-C and the job's SIGTERM (``timeout``, ``scancel`` of the process group) are
     # the launcher's to handle: it stops this process once the run is over.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -419,7 +549,7 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None) -> int:
         return _not_ready(context, f"cannot listen on {config.bind_host}:{config.port}: "
                                    f"{exc.strerror}")
     try:
-        store = StoreWriter(config.db_path)
+        store = open_store(config)
     except StoreError as exc:
         listener.close()
         return _not_ready(context, f"cannot write telemetry to {config.db_path}: {exc}",
@@ -461,6 +591,8 @@ def _start_dashboard(dashboard: LiveServer | None, config: CollectorConfig,
 
 
 def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> None:
+    # A relay commits a batch to node 0 once a second; node 0 commits to SQLite more often.
+    interval_s = COMMIT_INTERVAL_S if config.upstream is None else RELAY_INTERVAL_S
     last_commit = time.monotonic()
     drain_since: float | None = None
     last_data = time.monotonic()
@@ -468,7 +600,7 @@ def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> 
         if listener.poll(POLL_MS, collector):
             last_data = time.monotonic()
         now = time.monotonic()
-        if now - last_commit >= COMMIT_INTERVAL_S:
+        if now - last_commit >= interval_s:
             collector.flush()
             last_commit = now
         if drain_since is None and (collector.ended or os.getppid() != config.parent_pid):

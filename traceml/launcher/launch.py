@@ -207,15 +207,33 @@ def run(cfg: RunConfig) -> int:
     if collector is not None:
         record_start(collector, cfg)
     port = collector.port if collector is not None else topo.port
-    agent_env = agent_env_for(cfg, f"tcp://{topo.connect_host}:{port}", session_dir, topo,
-                              secret)
+    endpoint = f"tcp://{topo.connect_host}:{port}"
+    relay = start_relay(cfg, topo, endpoint, secret) if collector is None else None
+    if relay is not None:  # this node's senders send to its relay, which forwards to node 0
+        endpoint = f"tcp://127.0.0.1:{relay.port}"
+    agent_env = agent_env_for(cfg, endpoint, session_dir, topo, secret)
     if cfg.command == "run":
         inject(agent_env)  # watch injects nothing: the launcher samples from outside
-    return _supervise(cfg, topo, agent_env, collector, session_dir)
+    return _supervise(cfg, topo, agent_env, collector, session_dir, relay)
+
+
+def start_relay(cfg: RunConfig, topo: Topology, upstream: str,
+                secret: str | None) -> CollectorProcess | None:
+    """This node's relay to node 0's collector (`traceml.collector.relay`); None when
+    it cannot start (the node's senders then send to node 0 themselves)."""
+    try:
+        return CollectorProcess(CollectorConfig(
+            session_id=cfg.session_id, bind_host="127.0.0.1", port=0, db_path="",
+            parent_pid=os.getpid(), secret=secret, upstream=upstream,
+            node_rank=cfg.node_rank if topo.static else -1))
+    except UsageError as exc:
+        print(f"{exc}; this node's telemetry goes to node 0 directly", file=sys.stderr)
+        return None
 
 
 def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
-               collector: CollectorProcess | None, session_dir: Path) -> int:
+               collector: CollectorProcess | None, session_dir: Path,
+               relay: CollectorProcess | None = None) -> int:
     """Run torch's launch with the node's helpers around it; end with the summary."""
     keys = session_keys(True, agent_env.secret, cfg.session_id)
     stack_watch = StackWatch(session_dir)
@@ -223,7 +241,7 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
                             cfg.node_rank if topo.static else None, cfg.sample_interval_s, keys,
                             extra=[stack_watch.produce] if cfg.command == "run" else [])
     sampler.start()
-    helpers = node_helpers(cfg, topo, collector, session_dir, keys)
+    helpers = node_helpers(cfg, topo, collector or relay, session_dir, keys)
     if collector is not None and cfg.command == "run" and cfg.worker_log_dir is None:
         # Node 0 prints a stall once known (the cli view shows it in its place).
         helpers.append(StallAlert(session_dir / STORE_FILENAME))
@@ -254,6 +272,9 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
         for helper in helpers:
             helper.stop()
         sampler.stop()
+        if relay is not None and relay.stop() != 0:  # after the sampler's last messages
+            print("traceml: this node's relay to node 0 died; node 0 reports this node's "
+                  "ranks as lost", file=sys.stderr)
         view.stop()  # live views: the final summary prints after the view closes
         if collector is not None:
             end_session(cfg, collector, session_dir, exit_code)
@@ -285,14 +306,16 @@ def hold_signals() -> None:
 
 def node_helpers(cfg: RunConfig, topo: Topology, collector: CollectorProcess | None,
                  session_dir: Path, keys: Any) -> list[Any]:
-    """Threads that watch the rendezvous and check this node against node 0."""
+    """Threads that watch the rendezvous and check this node against node 0;
+    ``collector`` is node 0's collector or this node's relay."""
     if not cfg.multi_node:
         return []
-    db_path = session_dir / STORE_FILENAME if collector is not None else None
+    here = collector is not None and collector.config.upstream is None
+    db_path = session_dir / STORE_FILENAME if here else None
     skip = {collector.proc.pid} if collector is not None else set()
     rendezvous = topology.rendezvous_address(cfg)
     helpers: list[Any] = [Waiting(cfg, rendezvous, db_path, skip)]
-    if collector is None:
+    if not here:
         helpers.append(JoinCheck(cfg, topo.connect_host, topo.join_port, keys))
     else:
         helpers.append(SilenceWatch(session_dir, max(15.0, 10 * cfg.sample_interval_s)))

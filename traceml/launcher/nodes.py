@@ -33,6 +33,7 @@ from traceml.store import STORE_FILENAME, JoinError, SenderState, StoreError, St
 
 WAIT_REPORT_S = 10.0
 NODES_FINISH_TIMEOUT_S = 20.0
+RELAY_SILENT_S = 10.0  # 5 of a relay's heartbeats (`traceml.collector.relay.HEARTBEAT_S`)
 JOIN_REPLY_TIMEOUT_MS = 2000
 
 
@@ -168,20 +169,31 @@ class Waiting(threading.Thread):
         self.done.set()
 
 
+def _lost_relays(senders: tuple[SenderState, ...]) -> set[int]:
+    """Nodes whose relay fell silent without a goodbye: what it had not forwarded is lost."""
+    now = time.time()
+    return {s.sender.node_rank for s in senders if s.sender.role == "relay" and not s.said_bye
+            and s.sender.node_rank >= 0 and now - s.last_seen > RELAY_SILENT_S}
+
+
 def wait_for_nodes(db_path: Path, num_nodes: int) -> list[str]:
-    """Wait until every node's launcher that reported said goodbye; what is missing.
+    """Wait until every node's launcher that reported said goodbye (or its relay fell
+    silent); what is missing.
 
     A node that never reported (it never joined) is not waited for, only named.
     """
     deadline = time.monotonic() + NODES_FINISH_TIMEOUT_S
     announced = False
     while True:
-        launchers = [s for s in _launchers(db_path) if s.sender.node_rank >= 0]
+        senders = _read_store(db_path, StoreReader.senders)
+        launchers = [s for s in senders if s.sender.role == "system" and s.sender.node_rank >= 0]
         seen = {s.sender.node_rank for s in launchers}
         done = {s.sender.node_rank for s in launchers if s.said_bye}
-        if done >= seen or time.monotonic() >= deadline:
-            missing = [f"node {s.sender.node_rank} ({s.sender.host})" for s in launchers
-                       if s.sender.node_rank not in done]
+        lost = _lost_relays(senders) - done
+        if done | lost >= seen or time.monotonic() >= deadline:
+            missing = [f"node {s.sender.node_rank} ({s.sender.host}"
+                       + ("; its relay stopped)" if s.sender.node_rank in lost else ")")
+                       for s in launchers if s.sender.node_rank not in done]
             never = max(0, num_nodes - len(seen))
             return missing + ([f"{never} node(s) that never joined"] if never else [])
         if not announced:

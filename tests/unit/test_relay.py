@@ -1,0 +1,285 @@
+"""A node's relay between its senders and node 0's collector, over real ZeroMQ
+sockets on 127.0.0.1 with CURVE: what it forwards, in how many messages, and
+what node 0 refuses."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from traceml import protocol
+from traceml.collector.relay import Outbox, open_outbox
+from traceml.collector.server import Collector, CollectorConfig, Listener
+from traceml.collector.steps import RankSteps
+from traceml.protocol import Envelope, IncidentReport, Sender
+from traceml.security import derive_keys, relay_keys, secure_client
+from traceml.store import StoreWriter
+
+SESSION, SECRET = "relay-test", "a secret"
+HOST = socket.gethostname()
+
+
+def iteration(times: list[list[float]], t: float) -> None:
+    """One training iteration's events as an agent logs them."""
+    for code, at in ((protocol.INPUT, t), (protocol.END, t + 0.001),
+                     (protocol.FORWARD, t + 0.001), (protocol.END, t + 0.02),
+                     (protocol.BACKWARD, t + 0.02), (protocol.END, t + 0.06),
+                     (protocol.OPTIMIZER, t + 0.06), (protocol.OPTIMIZER_END, t + 0.07)):
+        times[code].append(at)
+
+
+def events(batch: int, steps: range, close: bool = False) -> dict[str, Any]:
+    times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
+    for i in steps:
+        iteration(times, 0.1 * i)
+    if close:
+        times[protocol.CLOSE].append(0.1 * steps.stop)
+    return protocol.events_payload(batch, 1.7e9, times, [], [])
+
+
+def rank(r: int, node: int = 1) -> Sender:
+    return Sender("rank", HOST, 20_000 + r, node, rank=r, local_rank=r % 8, world_size=16)
+
+
+@dataclass
+class Agent:
+    """A sender's PUSH socket with the session's key."""
+
+    sock: Any
+    identity: Sender
+    seq: int = 0
+
+    def send(self, kind: str, payload: dict[str, Any]) -> None:
+        self.sock.send(protocol.encode(Envelope(SESSION, kind, self.identity, self.seq,
+                                                time.time(), payload)))
+        self.seq += 1
+
+
+class Nodes:
+    """Node 0's collector over a real store, and node 1's relay, both polled here."""
+
+    def __init__(self, tmp_path: Path, relay_node: int = 1) -> None:
+        self.context = zmq.Context()
+        self.db = str(tmp_path / "telemetry.sqlite")
+        node0 = CollectorConfig(SESSION, "127.0.0.1", 0, self.db, 0, secret=SECRET)
+        self.listener0 = Listener(self.context, node0)
+        self.collector0 = Collector(node0, StoreWriter(self.db))
+        relay = CollectorConfig(SESSION, "127.0.0.1", 0, "", 0, secret=SECRET, node_rank=relay_node,
+                                upstream=f"tcp://127.0.0.1:{self.listener0.port}")
+        self.relay_context = zmq.Context()
+        self.listener1 = Listener(self.relay_context, relay)
+        self.outbox = open_outbox(relay)
+        self.relay = Collector(relay, self.outbox)
+        self.keys = derive_keys(SECRET, SESSION)
+
+    def agent(self, identity: Sender, port: int | None = None, keys: Any = None) -> Agent:
+        sock = self.context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, keys or self.keys)
+        sock.connect(f"tcp://127.0.0.1:{port or self.listener1.port}")
+        return Agent(sock, identity)
+
+    def pump_until(self, done: Any, timeout_s: float = 10.0) -> None:
+        """Poll the relay (and commit its batch) and node 0 until ``done()``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.listener1.poll(10, self.relay)
+            self.relay.flush()
+            self.listener0.poll(10, self.collector0)
+            self.collector0.flush()
+            if done():
+                return
+        raise AssertionError("not done before the deadline")
+
+    def rows(self, sql: str) -> list[tuple[Any, ...]]:
+        db = sqlite3.connect(self.db)
+        try:
+            return db.execute(sql).fetchall()
+        finally:
+            db.close()
+
+    def close(self) -> None:
+        self.outbox.close()
+        self.listener1.close()
+        self.listener0.close()
+        self.collector0.close()
+        self.context.destroy(0)
+        self.relay_context.destroy(0)
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[Nodes]:
+    n = Nodes(tmp_path)
+    yield n
+    n.close()
+
+
+def test_relay_forwards_steps_states_samples_and_incidents_in_few_messages(
+        nodes: Nodes) -> None:
+    agents = [nodes.agent(rank(r)) for r in (8, 9)]
+    system = nodes.agent(Sender("system", HOST, 30_000, 1))
+    tracker = RankSteps()  # rank 9's events replayed here, for where its crash is placed
+    for a in agents:
+        a.send(protocol.KIND_HELLO, {"t": time.time()})
+        for b in range(4):
+            payload = events(b, range(5 * b, 5 * b + 5), close=b == 3)
+            a.send(protocol.KIND_EVENTS, payload)
+            if a.identity.rank == 9:
+                tracker.feed(payload)
+        a.send(protocol.KIND_PROCESS, protocol.rows_payload(
+            protocol.PROCESS_FIELDS, [(time.time(), 50.0, 1 << 28, 1 << 34, 2, None, None, None)]))
+    system.send(protocol.KIND_SYSTEM, protocol.rows_payload(
+        protocol.SYSTEM_FIELDS, [(time.time(), 12.0, 30.0, 1 << 34, [])]))
+    nodes.pump_until(lambda: nodes.rows("SELECT COUNT(*) FROM steps") == [(40,)])
+    now = time.time()
+    system.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
+        protocol.EXIT, now, now, rank=9, pid=20_009, detail={"exit_code": 1})))
+    nodes.pump_until(lambda: nodes.rows("SELECT COUNT(*) FROM incidents") == [(1,)])
+    for a in (*agents, system):
+        a.send(protocol.KIND_BYE, {"t": time.time()})
+    nodes.pump_until(lambda: len(nodes.collector0.senders) == 4 and all(
+        s.said_bye for s in nodes.collector0.senders.values() if s.sender.role != "relay"))
+    steps = nodes.rows("SELECT rank, node_rank, COUNT(*) FROM steps GROUP BY rank")
+    assert steps == [(8, 1, 20), (9, 1, 20)]  # 20 iterations each, the last ended by CLOSE
+    senders = {r[0]: r[1:] for r in nodes.rows(
+        "SELECT sender_id, role, node_rank, num_messages, said_bye FROM senders")}
+    relay_id = nodes.outbox.upstream.identity.sender_id
+    assert senders[relay_id][0] == "relay"
+    assert senders[rank(8).sender_id] == ("rank", 1, 7, 1)  # hello, 4 events, process, bye
+    assert senders[f"system@n1:{HOST}:30000:0"] == ("system", 1, 3, 1)
+    # Node 0 got the node's 17 messages in fewer of the relay's (a batch per flush).
+    assert senders[relay_id][2] < 17
+    assert nodes.rows("SELECT node_rank, cpu_pct FROM system") == [(1, 12.0)]
+    assert nodes.rows("SELECT rank, cpu_pct FROM process ORDER BY rank") == [(8, 50.0),
+                                                                            (9, 50.0)]
+    # The crash record is placed where the relay's step tracker stood.
+    assert nodes.rows("SELECT what, rank, node_rank, step FROM incidents") == [
+        ("exit", 9, 1, tracker.tracker.position()[0])]
+    assert nodes.collector0.all_rejected() == {}
+
+
+def test_a_stall_the_relay_placed_clears_on_node_0(nodes: Nodes) -> None:
+    a = nodes.agent(rank(8))
+    a.send(protocol.KIND_EVENTS, events(0, range(3)))  # steps 0 and 1 done, 2 open
+    a.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
+        protocol.STALL, 1.7e9, 1.7e9 + 5)))
+    nodes.pump_until(lambda: nodes.rows("SELECT COUNT(*) FROM incidents") == [(1,)])
+    a.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
+        protocol.RESUMED, 1.7e9, 1.7e9 + 9)))
+    nodes.pump_until(lambda: nodes.rows("SELECT cleared_at FROM incidents") == [(1.7e9 + 9,)])
+    assert nodes.rows("SELECT what, step, phase FROM incidents") == [("stall", 2, None)]
+
+
+def test_relay_rejections_are_counted_on_node_0(nodes: Nodes) -> None:
+    stranger = nodes.agent(rank(8))
+    stranger.sock.send(b"not a message")
+    forged = nodes.agent(rank(9))
+    forged.send(protocol.KIND_HELLO, {"t": time.time()})
+    forged.identity = Sender("rank", HOST, 1, 1, rank=9, local_rank=1, world_size=16)
+    forged.send(protocol.KIND_HELLO, {"t": time.time()})  # rank 9, another process
+    nodes.pump_until(lambda: nodes.rows("SELECT reason, count FROM rejected ORDER BY reason") == [
+        ("not an envelope of this protocol", 1), ("rank or node claimed by another sender", 1)])
+
+
+def test_node_0_takes_relay_batches_from_the_relay_key_only(nodes: Nodes) -> None:
+    batch = protocol.RelayBatch([], [], [], [], [], [], [], {})
+    agent = nodes.agent(Sender("relay", HOST, 4, 1), port=nodes.listener0.port)
+    agent.send(protocol.KIND_RELAY, protocol.relay_payload(batch))
+    relay_key = relay_keys(nodes.keys, SECRET, SESSION)
+    relay = nodes.agent(Sender("relay", HOST, 5, 1), port=nodes.listener0.port, keys=relay_key)
+    relay.send(protocol.KIND_RELAY, protocol.relay_payload(batch))
+    ours = nodes.outbox.upstream.identity.sender_id  # the relay under test said hello
+    nodes.pump_until(lambda: len(nodes.collector0.senders) == 2)
+    assert nodes.collector0.rejected == {"relay batch from a sender other than a relay": 1}
+    assert set(nodes.collector0.senders) == {ours, relay.identity.sender_id}
+
+
+def test_a_rank_that_spoke_to_node_0_cannot_be_relayed(nodes: Nodes) -> None:
+    direct = nodes.agent(rank(8), port=nodes.listener0.port)
+    direct.send(protocol.KIND_HELLO, {"t": time.time()})
+    nodes.pump_until(lambda: rank(8).sender_id in nodes.collector0.senders)
+    relayed = nodes.agent(rank(8))
+    relayed.identity = Sender("rank", HOST, 77, 1, rank=8, local_rank=0, world_size=16)
+    relayed.send(protocol.KIND_EVENTS, events(0, range(3)))
+    nodes.pump_until(lambda: nodes.collector0.rejected.get("relayed step of a refused sender"))
+    assert nodes.collector0.rejected["rank or node claimed by another sender"] == 1
+    assert nodes.rows("SELECT COUNT(*) FROM steps") == [(0,)]
+
+
+def test_outbox_sends_a_heartbeat_when_nothing_came(nodes: Nodes) -> None:
+    outbox: Outbox = nodes.outbox
+    assert outbox.take() is None  # nothing new, and a batch went out less than 2 s ago
+    nodes.pump_until(lambda: len(nodes.collector0.senders) == 1)  # the relay's hello
+    outbox._last_batch -= 10  # as if the last batch left 10 s ago
+    beat = outbox.take()
+    assert beat is not None and beat.senders == [] and beat.step_columns == []
+
+
+ODD_VALUES: list[Any] = [None, True, -1, 2**63 - 1, 1e300, "x", [], {}, [[1]], {"a": 1}]
+
+
+def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj[:4]):
+            out += _paths(v, prefix + (i,))
+    return out
+
+
+def test_node_0_survives_mutated_relay_batches(nodes: Nodes, tmp_path: Path) -> None:
+    """Every value of a genuine batch replaced by one of another type or range: node 0
+    rejects or stores it, and never fails (nor its store)."""
+    import random
+
+    import orjson
+
+    a = nodes.agent(rank(8))
+    a.send(protocol.KIND_EVENTS, events(0, range(3)))
+    a.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
+        protocol.STALL, 1.7e9, 1.7e9 + 5)))
+    deadline = time.monotonic() + 10
+    while not (nodes.outbox._incidents and nodes.outbox._steps) and time.monotonic() < deadline:
+        nodes.listener1.poll(10, nodes.relay)  # not flushed: the batch stays in the outbox
+    outbox_batch = nodes.outbox.take()
+    assert outbox_batch is not None
+    genuine = protocol.relay_payload(outbox_batch)
+    relay = Sender("relay", HOST, 6, 1)
+    collector = nodes.collector0
+    random.seed(19)
+    for seq in range(400):
+        payload = orjson.loads(orjson.dumps(genuine))
+        path = random.choice(_paths(payload)[1:])
+        parent = payload
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = random.choice(ODD_VALUES)
+        collector.handle(protocol.encode(Envelope(SESSION, protocol.KIND_RELAY, relay, seq,
+                                                  time.time(), payload)), from_relay=True)
+    collector.flush()
+    assert not collector.store_failed
+    assert collector.rejected.get("bad relay payload", 0) > 100, collector.rejected
+
+
+def test_a_c10d_relay_takes_its_node_rank_from_its_ranks(tmp_path: Path) -> None:
+    nodes = Nodes(tmp_path, relay_node=-1)  # started before the rendezvous gave a node rank
+    try:
+        agent = nodes.agent(rank(8, node=3))  # kept: a closed socket drops what it holds
+        agent.send(protocol.KIND_HELLO, {"t": time.time()})
+        nodes.pump_until(lambda: {s.sender.node_rank for s in nodes.collector0.senders.values()
+                                  if s.sender.role == "relay"} == {-1, 3})
+        relays = sorted((s.sender.node_rank, s.said_bye, s.num_gaps)
+                        for s in nodes.collector0.senders.values() if s.sender.role == "relay")
+        assert relays == [(-1, True, 0), (3, False, 0)]
+    finally:
+        nodes.close()

@@ -1,0 +1,215 @@
+"""A node's relay (relay process: started by the launcher of every node but the
+collector's on a multi-node job).
+
+It listens on 127.0.0.1 for its own node's senders (the ranks' agents, the
+node's system sampler) and runs the collector's own intake on what they send
+(`traceml.collector.server.Collector`: the same validators, CURVE keys, replay
+and claim checks, rejected counts, and the step tracker with its incident
+placement), but over an `Outbox` instead of the store: what node 0 would store
+is collected into one `protocol.RelayBatch` and sent to node 0's collector every
+`server.RELAY_INTERVAL_S` with the relays' key (node 0 accepts relay batches
+from that key alone).  So node 0 stores compact step rows and replays no rank's
+events: its work grows with the number of nodes, not of ranks.
+
+A relay that dies stops its node's messages: node 0 reports that node as lost
+(its system sampler falls silent, and so does the relay's heartbeat), as when
+the whole node dies.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import zmq
+
+from traceml import protocol
+from traceml.collector.server import CollectorConfig, serve
+from traceml.diagnosis.samples import FlopCount, Incident
+from traceml.protocol import Envelope, IncidentReport, RelayBatch, RunEnd, RunStart, Sender
+from traceml.security import derive_keys, relay_keys, secure_client
+from traceml.store import JoinError, SenderState, StepRecord
+
+SEND_HWM = 100
+SEND_TIMEOUT_MS = 1000  # node 0 slow or gone: the relay waits this long, then drops the batch
+EXIT_LINGER_MS = 2000
+HEARTBEAT_S = 2.0  # a batch at least this often, empty when nothing came: node 0 sees it live
+
+
+class Upstream:
+    """The relay's PUSH socket to node 0's collector, speaking with the relays' key.
+
+    Not on any training path, so a send may wait (up to `SEND_TIMEOUT_MS`)
+    rather than drop at once; a batch still not taken is dropped and counted."""
+
+    def __init__(self, endpoint: str, session_id: str, identity: Sender, keys: Any) -> None:
+        self.session_id, self.identity = session_id, identity
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        secure_client(self.sock, keys)
+        self.sock.connect(endpoint)
+        self.seq = self.num_sent = self.num_dropped = 0
+        self.send(protocol.KIND_HELLO, {"t": time.time()})
+
+    def send(self, kind: str, payload: dict[str, Any]) -> bool:
+        env = Envelope(self.session_id, kind, self.identity, self.seq, time.time(), payload,
+                       num_sent=self.num_sent, num_dropped=self.num_dropped)
+        self.seq += 1
+        try:
+            self.sock.send(protocol.encode(env))
+        except zmq.Again:
+            self.num_dropped += 1
+            return False
+        self.num_sent += 1
+        return True
+
+    def adopt_node(self, node_rank: int) -> None:
+        """Speak as the relay of ``node_rank`` from now on (c10d: the rendezvous gave
+        this node its rank after the relay started): a goodbye under the old identity,
+        then a hello under the new one, whose sequence and counts start afresh."""
+        self.send(protocol.KIND_BYE, {"t": time.time()})
+        self.identity = replace(self.identity, node_rank=node_rank)
+        self.seq = self.num_sent = self.num_dropped = 0
+        self.send(protocol.KIND_HELLO, {"t": time.time()})
+
+    def close(self) -> None:
+        self.send(protocol.KIND_BYE, {"t": time.time()})
+        self.sock.setsockopt(zmq.LINGER, EXIT_LINGER_MS)
+        self.sock.close()
+        self.context.term()
+
+
+class Outbox:
+    """The relay's `server.Store`: what the collector accepted, held until the next
+    batch to node 0 (`commit`)."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        self._states: dict[str, SenderState] = {}  # changed since the last batch
+        self._steps: list[tuple[str, tuple[Any, ...]]] = []
+        self._flops: list[tuple[str, list[Any]]] = []
+        self._process: list[tuple[str, dict[str, Any]]] = []
+        self._system: list[tuple[str, dict[str, Any]]] = []
+        self._incidents: list[list[Any]] = []
+        self._clears: list[list[Any]] = []
+        self._rejected: dict[str, int] = {}
+        self._rejected_sent: dict[str, int] = {}
+        self._next_id = 0
+        self._last_batch = time.monotonic()
+        self.num_steps = 0  # forwarded so far
+
+    def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int:
+        rows = [(sender.sender_id, r.values()) for r in records]
+        self._steps += rows
+        return len(rows)
+
+    def add_step_rows(self, rows: Sequence[Sequence[Any]]) -> int:
+        raise AssertionError("a relay's listener admits no relay")
+
+    def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
+        self._flops += [(sender.sender_id, [c.t, c.flops, c.dtype, c.dtype_share,
+                                            c.device_name, c.sm_count, c.reason, c.ran])
+                        for c in counts]
+
+    def add_process(self, sender: Sender, fields: Sequence[str],
+                    rows: Iterable[Sequence[Any]]) -> None:
+        self._process.append((sender.sender_id, {"fields": list(fields), "rows": list(rows)}))
+
+    def add_system(self, sender: Sender, fields: Sequence[str],
+                   rows: Iterable[Sequence[Any]]) -> None:
+        self._system.append((sender.sender_id, {"fields": list(fields), "rows": list(rows)}))
+
+    def add_incident(self, i: Incident) -> int:
+        """A stall or crash placed at the rank's step here; node 0 stores it."""
+        self._next_id += 1
+        report = IncidentReport(i.what, i.began_at, i.detected_at, i.stack, i.stack_source,
+                                i.rank, i.pid, i.detail)
+        self._incidents.append([self._next_id, i.node_rank, i.cleared_at, i.step, i.phase,
+                                list(i.open_phases), protocol.incident_payload(report)])
+        return self._next_id
+
+    def clear_stall(self, row_id: int, cleared_at: float) -> None:
+        self._clears.append([row_id, cleared_at])
+
+    def save_sender(self, s: SenderState) -> None:
+        self._states[s.sender.sender_id] = s
+
+    def save_senders(self, states: Iterable[SenderState]) -> None:
+        for s in states:
+            self.save_sender(s)
+
+    def save_rejected(self, counts: Mapping[str, int]) -> None:
+        self._rejected = dict(counts)
+
+    def save_run(self, record: RunStart | RunEnd) -> None:
+        """Node 0's launcher records the run; a relay's launcher sends no such record."""
+
+    def add_join_error(self, error: JoinError) -> None:
+        """Only node 0's collector answers join checks."""
+
+    def commit(self) -> None:
+        """Send what arrived since the last batch, as one message."""
+        batch = self.take()
+        if batch is not None:
+            self.upstream.send(protocol.KIND_RELAY, protocol.relay_payload(batch))
+
+    def close(self) -> None:
+        self.commit()
+        self.upstream.close()
+
+    def take(self) -> RelayBatch | None:
+        """The batch of everything held (None: nothing new, and a batch went out
+        less than `HEARTBEAT_S` ago), and an empty outbox."""
+        if not (self._states or self._incidents or self._clears
+                or self._rejected != self._rejected_sent
+                or time.monotonic() - self._last_batch >= HEARTBEAT_S):
+            return None
+        self._last_batch = time.monotonic()
+        if self.upstream is not None and self.upstream.identity.node_rank < 0:
+            self._learn_node()
+        index = {key: i for i, key in enumerate(self._states)}
+        steps = [(index[key], *values) for key, values in self._steps]
+        batch = RelayBatch(
+            senders=[(s.sender, [s.first_seen, s.last_seen, s.num_messages, s.num_gaps,
+                                 s.last_seq, s.num_sent, s.num_dropped, s.said_bye])
+                     for s in self._states.values()],
+            step_columns=[list(column) for column in zip(*steps)],
+            flop_counts=[[index[key], *values] for key, values in self._flops],
+            process=[[index[key], p] for key, p in self._process],
+            system=[[index[key], p] for key, p in self._system],
+            incidents=self._incidents, clears=self._clears, rejected=dict(self._rejected))
+        self.num_steps += len(steps)
+        self._rejected_sent = batch.rejected
+        self._states, self._steps, self._flops, self._process, self._system = {}, [], [], [], []
+        self._incidents, self._clears = [], []
+        return batch
+
+
+    def _learn_node(self) -> None:
+        """The node's rank, as its ranks (their GROUP_RANK) or its system sampler say it."""
+        for s in self._states.values():
+            if s.sender.node_rank >= 0 and s.sender.role in ("rank", "system"):
+                self.upstream.adopt_node(s.sender.node_rank)
+                return
+
+
+def open_outbox(config: CollectorConfig) -> Outbox:
+    """The relay's outbox, connected to node 0's collector with the relays' key."""
+    assert config.upstream is not None
+    keys = derive_keys(config.secret or config.session_id, config.session_id)
+    identity = Sender(role="relay", host=socket.gethostname(), pid=os.getpid(),
+                      node_rank=config.node_rank)
+    return Outbox(Upstream(config.upstream, config.session_id, identity,
+                           relay_keys(keys, config.secret, config.session_id)))
+
+
+def serve_relay(config: CollectorConfig) -> int:
+    """Run the relay until its launcher stops it (or disappears)."""
+    return serve(config, None, open_outbox)
