@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,17 +29,23 @@ from typing import Any, Generic, TypeVar
 import orjson
 
 from traceml import phases, stacks
+from traceml.diagnosis.ending import RAM_LOOKBACK_S
 from traceml.diagnosis.samples import (
+    TOTALED,
     FlopCount,
     GpuSample,
     Incident,
     NodeInfo,
     ProcessSample,
+    RankTotals,
     RunData,
     RunMeta,
     StepRow,
     SystemSample,
+    totals_of,
 )
+from traceml.diagnosis.thresholds import WARMUP_FRACTION, WARMUP_MAX_STEPS
+from traceml.diagnosis.window import num_aligned, select_window, tail_decides
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     MAX_WORLD_SIZE,
@@ -52,9 +59,11 @@ from traceml.protocol import (
 )
 
 STORE_FILENAME = "telemetry.sqlite"
-SCHEMA_VERSION = 3  # 2: a column per phase (communication), collective_ms
+SCHEMA_VERSION = 4  # 2: a column per phase (communication), collective_ms
 # 3: samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval per step; the
 # flop_counts and incidents tables
+# 4: indexes on process(t) and system(t), for the summary's bounded read (a store
+# without them reads the same, scanning those tables)
 JOIN_ERROR_PREFIX = "join_error/"
 
 
@@ -198,6 +207,10 @@ _DDL = [
     "device_reserved_bytes INTEGER, device_total_bytes INTEGER)",
     "CREATE TABLE IF NOT EXISTS system (node_rank INTEGER NOT NULL, host TEXT NOT NULL, "
     "t REAL NOT NULL, cpu_pct REAL, ram_pct REAL, ram_total_bytes INTEGER, gpus TEXT)",
+    # The summary reads the samples taken while its window ran (the steps table's
+    # primary key already orders each rank's steps).
+    "CREATE INDEX IF NOT EXISTS process_t ON process (t)",
+    "CREATE INDEX IF NOT EXISTS system_t ON system (t)",
     "CREATE TABLE IF NOT EXISTS incidents (what TEXT NOT NULL, rank INTEGER NOT NULL, "
     "node_rank INTEGER NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL, "
     "began_at REAL NOT NULL, detected_at REAL NOT NULL, cleared_at REAL, step INTEGER, "
@@ -426,20 +439,133 @@ class StoreReader:
             for key, value in self._meta().items() if key.startswith(JOIN_ERROR_PREFIX)))
 
     def run(self, records: RunRecords) -> RunData:
-        """The whole run, described by its ``records`` (see :meth:`records`)."""
+        """The whole run, every stored row, described by its ``records`` (see
+        :meth:`records`)."""
         steps = tuple(self._read(self._rows(
             "SELECT * FROM steps ORDER BY rank, restart, step"), _step_row, "step"))
         process = tuple(self._read(self._rows(
-            "SELECT * FROM process ORDER BY t"), _process_sample, "process"))
+            "SELECT * FROM process ORDER BY t, rowid"), _process_sample, "process"))
         # A c10d launcher samples before it learns its node rank (-1): not a node yet.
         system = tuple(self._read(self._rows(
-            "SELECT * FROM system WHERE node_rank >= 0 ORDER BY t"), _system_sample, "system"))
+            f"SELECT * FROM system WHERE {_NODE_SAMPLE} ORDER BY t, rowid"), _system_sample,
+            "system"))
+        return self._run_data(records, steps, process, system, totals_of(steps))
+
+    def window_run(self, records: RunRecords, window_rows: int) -> RunData:
+        """What a summary over the last ``window_rows`` aligned steps per rank reads:
+        each rank's steps from a little before that window to its end (enough to
+        place it and its warm-up exactly), the process and system samples taken
+        while it ran, and each rank's whole-run totals summed in SQL.  Only the
+        stored rows the reader loads are checked one by one (see the module
+        docstring)."""
+        totals, spans = self._step_totals()
+        steps = self._window_steps(spans, window_rows)
+        span = select_window(steps, window_rows, 0).time_span()
+        num_ranks = max(1, len(totals), len(records.senders))
+        process = tuple(self._read(self._samples_near(
+            "process", "rank", "1", span, num_ranks), _process_sample, "process"))
         incidents = self.incidents()
+        system = tuple(self._read(self._samples_near(
+            "system", "node_rank", _NODE_SAMPLE, span, num_ranks, _crash_spans(incidents)),
+            _system_sample, "system"))
+        return self._run_data(records, steps, process, system, totals, incidents)
+
+    def _run_data(self, records: RunRecords, steps: tuple[StepRow, ...],
+                  process: tuple[ProcessSample, ...], system: tuple[SystemSample, ...],
+                  totals: tuple[RankTotals, ...],
+                  incidents: tuple[Incident, ...] | None = None) -> RunData:
         rejected = {**records.rejected, **self.skipped}
         return dataclasses.replace(
             run_data(RunRecords(records.start, records.end, records.senders, rejected),
-                     steps, process, system, incidents),
+                     steps, process, system,
+                     self.incidents() if incidents is None else incidents, totals),
             flop_counts=self.flop_counts())
+
+    def _step_totals(self) -> tuple[tuple[RankTotals, ...], list[_StepSpan]]:
+        """Per rank, its stored steps summed in SQL (one pass over the table), and per
+        attempt of a rank its first and last step.  A rank whose sums are not what a
+        collector writes (the file was edited) is summed row by row instead."""
+        have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
+        sums = ", ".join(f"SUM({c}) AS {c}" if c in have else f"0.0 AS {c}"
+                         for c in _TOTALED_COLUMNS)
+        evals = ("SUM(CASE WHEN num_eval != 0 THEN eval_ms ELSE 0 END) AS eval_ms, "
+                 "SUM(num_eval) AS num_eval" if "num_eval" in have
+                 else "0.0 AS eval_ms, 0 AS num_eval")
+        groups = self._rows(
+            "SELECT rank, restart, COUNT(*) AS num_rows, MIN(step) AS first_step, "
+            f"MAX(step) AS last_step, {sums}, {evals}, "
+            "COUNT(peak_allocated_bytes) AS num_cuda FROM steps GROUP BY rank, restart")
+        parts: dict[int, list[RankTotals]] = {}
+        spans = []
+        for g in groups:
+            try:
+                rank = _integer(g["rank"], 0, MAX_WORLD_SIZE - 1)
+            except ValueError:  # none of its rows can be read
+                for _ in range(int(g["num_rows"])):
+                    self._skip("stored step row with bad values")
+                continue
+            try:
+                first, part = _integer(g["first_step"], 0), _group_totals(rank, g)
+            except (TypeError, ValueError):
+                rows = _readable(self._rows("SELECT * FROM steps WHERE rank = ? AND restart = ?",
+                                            (g["rank"], g["restart"])), _step_row)
+                if not rows:
+                    continue
+                first, part = min(r.step for r in rows), totals_of(rows)[0]
+            parts.setdefault(rank, []).append(part)
+            spans.append(_StepSpan(rank, g["restart"], first, part.last_step))
+        return tuple(_merged(parts[r]) for r in sorted(parts)), spans
+
+    def _window_steps(self, spans: Sequence[_StepSpan], window_rows: int) -> tuple[StepRow, ...]:
+        """Each rank's steps up to the last one every rank reached, from far enough
+        back that the window and its warm-up are what all of them would give."""
+        if not spans:
+            return ()
+        upper = min(max(s.last for s in spans if s.rank == r) for r in {s.rank for s in spans})
+        first = min(s.first for s in spans)
+        depth = max(window_rows + WARMUP_MAX_STEPS, math.ceil(WARMUP_MAX_STEPS / WARMUP_FRACTION))
+        ranks = sorted({s.rank for s in spans})
+        while True:
+            low = upper - depth
+            if low < first:  # every step up to there: read in one pass
+                return self._steps_where(f"step <= ? AND {_READABLE_RANK}", (upper,))
+            steps = tuple(row for s in spans if s.last > low and s.first <= upper
+                          for row in self._steps_where(
+                              "rank = ? AND restart = ? AND step > ? AND step <= ?",
+                              (s.rank, s.restart, low, upper)))
+            if tail_decides(num_aligned(steps, ranks), window_rows):
+                return steps
+            depth *= 4  # steps missing in some rank (dropped): look further back
+
+    def _steps_where(self, where: str, params: Sequence[Any]) -> tuple[StepRow, ...]:
+        return tuple(self._read(self._rows(
+            f"SELECT * FROM steps WHERE {where} ORDER BY rank, restart, step", params),
+            _step_row, "step"))
+
+    def _samples_near(self, table: str, source: str, where: str,
+                      span: tuple[float, float] | None, num_sources: int,
+                      extra: Sequence[tuple[float, float]] = ()) -> list[dict[str, Any]]:
+        """The samples of ``table`` taken within ``span``; of a ``source`` with none in
+        it (a window shorter than the sample interval, or no window), its samples
+        nearest the span, at most :data:`SAMPLES_PER_SOURCE` shared out (so all of
+        them in a short run, as `traceml.diagnosis.window.in_span` takes); and those
+        within the ``extra`` spans.  Oldest first."""
+        start, end = span if span is not None else (math.inf, -math.inf)
+        near = (start + end) / 2 if span is not None else _LIMIT
+        cap = max(MIN_SAMPLES_PER_SOURCE, SAMPLES_PER_SOURCE // num_sources)
+        inside = f"{where} AND t >= ? AND t <= ?"
+        select = f"SELECT rowid AS row_id, *, 0 AS nearness FROM {table} WHERE {inside}"
+        params: list[Any] = [near, start, end, cap, start, end]
+        for low, high in extra:
+            params += [low, high]
+        rows = self._rows(
+            f"SELECT * FROM (SELECT rowid AS row_id, *, ROW_NUMBER() OVER ("
+            f"PARTITION BY {source} ORDER BY ABS(t - ?)) AS nearness FROM {table} "
+            f"WHERE {where} AND {source} NOT IN (SELECT {source} FROM {table} WHERE {inside})) "
+            f"WHERE nearness <= ? UNION ALL {select}"
+            + f" UNION ALL {select}" * len(extra) + " ORDER BY t, row_id", params)
+        seen: set[int] = set()
+        return [r for r in rows if not (r["row_id"] in seen or seen.add(r["row_id"]))]
 
     def incidents(self) -> tuple[Incident, ...]:
         """Every stall and crash, in the order they were reported (none in a store
@@ -639,6 +765,62 @@ def _gpu_sample(values: Any) -> GpuSample:
     return GpuSample(_integer(index, 0), *(_number(x) for x in rest))
 
 
+# -- the bounded read's SQL and sums --------------------------------------------------------
+
+_TOTALED_COLUMNS = tuple(p.column for p in TOTALED)
+_NODE_SAMPLE = "node_rank >= 0"  # a c10d launcher samples before it learns its node rank
+_READABLE_RANK = f"typeof(rank) = 'integer' AND rank BETWEEN 0 AND {MAX_WORLD_SIZE - 1}"
+SAMPLES_PER_SOURCE = 200_000
+"""Process (or system) samples a bounded read takes, shared out over the ranks (nodes),
+of the sources with none taken while the window ran."""
+MIN_SAMPLES_PER_SOURCE = 60
+
+
+@dataclass(frozen=True)
+class _StepSpan:
+    """One attempt of a rank: its first and last stored step."""
+
+    rank: int
+    restart: int
+    first: int
+    last: int
+
+
+def _group_totals(rank: int, g: Mapping[str, Any]) -> RankTotals:
+    """One attempt's sums as SQL gave them; ValueError when one is not what a
+    collector's rows add up to."""
+    return RankTotals(
+        rank=rank, num_rows=_integer(g["num_rows"], 1), last_step=_integer(g["last_step"], 0),
+        sum_ms={p.name: float(_number(g[p.column] or 0.0, False, 0.0)) for p in TOTALED},
+        eval_ms=float(_number(g["eval_ms"] or 0.0, False, 0.0)),
+        num_eval=_integer(g["num_eval"] or 0, 0), device_measured=bool(g["num_cuda"]))
+
+
+def _merged(parts: Sequence[RankTotals]) -> RankTotals:
+    """One rank's totals from those of its attempts."""
+    return RankTotals(
+        rank=parts[0].rank, num_rows=sum(p.num_rows for p in parts),
+        last_step=max(p.last_step for p in parts),
+        sum_ms={p.name: sum(t.sum_ms.get(p.name, 0.0) for t in parts) for p in TOTALED},
+        eval_ms=sum(p.eval_ms for p in parts), num_eval=sum(p.num_eval for p in parts),
+        device_measured=any(p.device_measured for p in parts))
+
+
+def _readable(rows: Iterable[dict[str, Any]], convert: Callable[[dict[str, Any]], _T]) -> list[_T]:
+    """The rows that convert (the others are counted where they are read)."""
+    out = []
+    for r in rows:
+        with contextlib.suppress(TypeError, ValueError, KeyError, orjson.JSONDecodeError):
+            out.append(convert(r))
+    return out
+
+
+def _crash_spans(incidents: Sequence[Incident]) -> list[tuple[float, float]]:
+    """Around each crash, the host samples its ending reads (a SIGKILL's memory)."""
+    return [(i.began_at - RAM_LOOKBACK_S, i.began_at + 1.0)
+            for i in incidents if i.what != "stall"]
+
+
 # -- the run, described from its records --------------------------------------------------
 
 _NO_START = RunStart(session_id="", command=(), started_at=0.0, traceml_version="",
@@ -646,20 +828,22 @@ _NO_START = RunStart(session_id="", command=(), started_at=0.0, traceml_version=
 
 
 def run_data(records: RunRecords, steps: tuple[StepRow, ...], process: tuple[ProcessSample, ...],
-             system: tuple[SystemSample, ...], incidents: tuple[Incident, ...] = ()) -> RunData:
-    """The run as the diagnosis reads it: these samples (all, or the recent ones a live
-    view keeps) and what ``records`` say about the run."""
-    return RunData(_run_meta(records, steps, process), steps, process, system,
-                   incidents=incidents)
+             system: tuple[SystemSample, ...], incidents: tuple[Incident, ...] = (),
+             totals: tuple[RankTotals, ...] | None = None) -> RunData:
+    """The run as the diagnosis reads it: these samples (all, the window's, or the
+    recent ones a live view keeps), what ``records`` say about the run and each rank's
+    whole-run ``totals`` (None: ``steps`` are all there is)."""
+    meta = _run_meta(records, totals_of(steps) if totals is None else totals, process)
+    return RunData(meta, steps, process, system, incidents=incidents, totals=totals)
 
 
-def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
+def _run_meta(records: RunRecords, totals: tuple[RankTotals, ...],
               process: tuple[ProcessSample, ...]) -> RunMeta:
     start = records.start or _NO_START
-    world_size, missing = _ranks(records, steps)
+    world_size, missing = _ranks(records, totals)
     exit_code = records.end.exit_code if records.end is not None else None
     complete = records.end.telemetry_complete if records.end is not None else True
-    cuda = any(s.peak_allocated_bytes is not None for s in steps) or any(
+    cuda = any(t.device_measured for t in totals) or any(
         p.device_total_bytes is not None for p in process)
     senders = records.senders
     return RunMeta(
@@ -681,13 +865,13 @@ def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
     )
 
 
-def _ranks(records: RunRecords, steps: tuple[StepRow, ...]) -> tuple[int, tuple[int, ...]]:
+def _ranks(records: RunRecords, totals: tuple[RankTotals, ...]) -> tuple[int, tuple[int, ...]]:
     """The world size and the ranks missing from it."""
     start = records.start or _NO_START
     ranked = [s for s in records.senders if s.sender.rank is not None]
     reported = [s.sender.world_size for s in records.senders if s.sender.world_size]
     world_size = max(reported + [start.expected_world_size, len({s.sender.rank for s in ranked}),
-                                 1 + max((s.rank for s in steps), default=-1)])
+                                 1 + max((t.rank for t in totals), default=-1)])
     # A rank that never said goodbye was lost (killed, or its node died): its data
     # stops early.  Watch mode has no agent to say goodbye.
     seen = {s.sender.rank for s in ranked if s.said_bye or start.mode != "run"}

@@ -86,6 +86,21 @@ def warmup_steps(num_aligned: int) -> int:
     return min(thresholds.WARMUP_MAX_STEPS, int(num_aligned * thresholds.WARMUP_FRACTION))
 
 
+def tail_decides(num_aligned: int, window_rows: int) -> bool:
+    """Whether the last ``num_aligned`` aligned steps give the window all of them would:
+    enough for the window after the longest warm-up, and already that warm-up's length."""
+    return (num_aligned >= window_rows + thresholds.WARMUP_MAX_STEPS
+            and warmup_steps(num_aligned) == thresholds.WARMUP_MAX_STEPS)
+
+
+def num_aligned(steps: Iterable[StepRow], ranks: Iterable[int] = ()) -> int:
+    """How many step indices every rank of ``steps`` (and of ``ranks``) holds."""
+    per_rank: dict[int, set[int]] = {rank: set() for rank in ranks}
+    for row in steps:
+        per_rank.setdefault(row.rank, set()).add(row.step)
+    return len(set.intersection(*per_rank.values())) if per_rank else 0
+
+
 def select_window(steps: Iterable[StepRow], window_rows: int, world_size: int) -> StepWindow:
     """The last ``window_rows`` aligned steps after warm-up (see the module docstring)."""
     per_rank: dict[int, dict[int, StepRow]] = {}
