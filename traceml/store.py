@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
+import operator
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -441,8 +443,7 @@ class StoreReader:
     def run(self, records: RunRecords) -> RunData:
         """The whole run, every stored row, described by its ``records`` (see
         :meth:`records`)."""
-        steps = tuple(self._read(self._rows(
-            "SELECT * FROM steps ORDER BY rank, restart, step"), _step_row, "step"))
+        steps = self._steps_where("1", ())
         process = tuple(self._read(self._rows(
             "SELECT * FROM process ORDER BY t, rowid"), _process_sample, "process"))
         # A c10d launcher samples before it learns its node rank (-1): not a node yet.
@@ -507,8 +508,8 @@ class StoreReader:
             try:
                 first, part = _integer(g["first_step"], 0), _group_totals(rank, g)
             except (TypeError, ValueError):
-                rows = _readable(self._rows("SELECT * FROM steps WHERE rank = ? AND restart = ?",
-                                            (g["rank"], g["restart"])), _step_row)
+                rows = self._steps_where("rank = ? AND restart = ?", (g["rank"], g["restart"]),
+                                         count=False)  # counted where the window reads them
                 if not rows:
                     continue
                 first, part = min(r.step for r in rows), totals_of(rows)[0]
@@ -521,10 +522,13 @@ class StoreReader:
         back that the window and its warm-up are what all of them would give."""
         if not spans:
             return ()
-        upper = min(max(s.last for s in spans if s.rank == r) for r in {s.rank for s in spans})
+        last: dict[int, int] = {}
+        for s in spans:
+            last[s.rank] = max(last.get(s.rank, s.last), s.last)
+        upper = min(last.values())
         first = min(s.first for s in spans)
         depth = max(window_rows + WARMUP_MAX_STEPS, math.ceil(WARMUP_MAX_STEPS / WARMUP_FRACTION))
-        ranks = sorted({s.rank for s in spans})
+        ranks = sorted(last)
         while True:
             low = upper - depth
             if low < first:  # every step up to there: read in one pass
@@ -537,10 +541,24 @@ class StoreReader:
                 return steps
             depth *= 4  # steps missing in some rank (dropped): look further back
 
-    def _steps_where(self, where: str, params: Sequence[Any]) -> tuple[StepRow, ...]:
-        return tuple(self._read(self._rows(
-            f"SELECT * FROM steps WHERE {where} ORDER BY rank, restart, step", params),
-            _step_row, "step"))
+    def _steps_where(self, where: str, params: Sequence[Any],
+                     count: bool = True) -> tuple[StepRow, ...]:
+        """The stored steps ``where`` says, by rank, attempt and step; a row that will
+        not convert is skipped (and counted, with ``count``)."""
+        with _sqlite_errors():
+            cursor = self._db.cursor()
+            cursor.row_factory = None  # tuples: a dict per row costs more than the row
+            rows = cursor.execute(
+                f"SELECT * FROM steps WHERE {where} ORDER BY rank, restart, step", params)
+            convert = _step_converter(tuple(d[0] for d in cursor.description))
+            out = []
+            for row in rows:
+                try:
+                    out.append(convert(row))
+                except (TypeError, ValueError):
+                    if count:
+                        self._skip("stored step row with bad values")
+        return tuple(out)
 
     def _samples_near(self, table: str, source: str, where: str,
                       span: tuple[float, float] | None, num_sources: int,
@@ -689,32 +707,60 @@ def _boundary(value: Any) -> str:
     return str(value)
 
 
+_not_none = functools.partial(operator.is_not, None)
+
+
 def _step_row(r: Mapping[str, Any]) -> StepRow:
-    v = _numbers(r, [c for c in r.keys() if c not in _STEP_TYPE])
-    if any(v.get(c) is not None and v[c] < 0 for c in STEP_COLUMNS if c.endswith("_ms")):
-        raise ValueError("a negative time")
-    return StepRow(
-        # A store written before a phase existed has no column for it: it took 0.
-        rank=_integer(r["rank"], 0, MAX_WORLD_SIZE - 1), step=_integer(r["step"], 0),
-        phase_ms={p.name: v.get(p.column) or 0.0 for p in phases.PHASES},
-        total_ms=_number(r["total_ms"], False, 0.0), wait_ms=_number(r["wait_ms"], False, 0.0),
-        peak_allocated_bytes=v["peak_allocated_bytes"],
-        peak_reserved_bytes=v["peak_reserved_bytes"], rss_bytes=v["rss_bytes"],
-        t=(v["t_begin"] + v["total_ms"] / 1e3) if v["t_begin"] is not None else None,
-        gpu_ms=_gpu_ms(v), collective_ms=v.get("collective_ms"),
-        samples=v.get("samples"), tokens=v.get("tokens"), flops=v.get("flops"),
-        flops_counted=bool(v.get("flops_counted")),
-        boundary=_boundary(r.get("boundary")),
-        eval_ms=v.get("eval_ms") or 0.0, num_eval=v.get("num_eval") or 0,
-        num_input=v.get(phases.PHASES[0].count_column) or 0,
-    )
+    return _step_converter(tuple(r.keys()))(tuple(r.values()))
 
 
-def _gpu_ms(r: Mapping[str, Any]) -> float | None:
-    """GPU time of the step's GPU-timed phases (None off CUDA)."""
-    parts: list[float | None] = [r.get(p.gpu_column) for p in phases.gpu_timed()]
-    times = [p for p in parts if p is not None]
-    return float(sum(times)) if len(times) == len(parts) else None
+_OPTIONAL_STEP_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes", "rss_bytes",
+                         "collective_ms", "samples", "tokens", "flops", "flops_counted",
+                         "boundary", "eval_ms", "num_eval", phases.PHASES[0].count_column)
+
+
+@functools.lru_cache(maxsize=8)
+def _step_converter(names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], StepRow]:
+    """Stored step rows of these columns -> StepRow; ValueError or TypeError for a row
+    a collector does not write.  Built once per query: a summary converts millions."""
+    at = {n: i for i, n in enumerate(names)}
+    missing = len(names)  # a column the store lacks reads as None (the row gets one more)
+    # Several columns each (rank, step, ...; total_ms, wait_ms, ...): the getters give tuples.
+    numeric = operator.itemgetter(*(i for n, i in at.items() if n not in _STEP_TYPE))
+    times = operator.itemgetter(*(i for n, i in at.items() if n.endswith("_ms")))
+    # A store written before a phase existed has no column for it: it took 0.
+    phase_names = tuple(p.name for p in phases.PHASES)
+    phase_ms = operator.itemgetter(*(at.get(p.column, missing) for p in phases.PHASES))
+    gpu_ms = operator.itemgetter(*(at.get(p.gpu_column, missing) for p in phases.gpu_timed()),
+                                 missing, missing)  # a tuple, also without GPU-timed phases
+    fields = operator.itemgetter(at["rank"], at["step"], at["total_ms"], at["wait_ms"],
+                                 at["t_begin"],
+                                 *(at.get(f, missing) for f in _OPTIONAL_STEP_FIELDS))
+
+    def convert(stored: tuple[Any, ...]) -> StepRow:
+        values = list(filter(_not_none, numeric(stored)))
+        # A string or blob fails the comparison (TypeError); Inf fails the range.
+        if values and (max(values) > _LIMIT or min(values) < -_LIMIT):
+            raise ValueError("a stored number out of range")
+        if min(filter(_not_none, times(stored)), default=0.0) < 0:
+            raise ValueError("a negative time")
+        row = (*stored, None)
+        (rank, step, total_ms, wait_ms, t_begin, peak_allocated, peak_reserved, rss, collective,
+         samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval,
+         num_input) = fields(row)
+        gpu = gpu_ms(row)[:-2]
+        return StepRow(
+            rank=_integer(rank, 0, MAX_WORLD_SIZE - 1), step=_integer(step, 0),
+            phase_ms={n: v or 0.0 for n, v in zip(phase_names, phase_ms(row))},
+            total_ms=_number(total_ms, False, 0.0), wait_ms=_number(wait_ms, False, 0.0),
+            peak_allocated_bytes=peak_allocated, peak_reserved_bytes=peak_reserved,
+            rss_bytes=rss, t=(t_begin + total_ms / 1e3) if t_begin is not None else None,
+            gpu_ms=float(sum(gpu)) if None not in gpu else None, collective_ms=collective,
+            samples=samples, tokens=tokens, flops=flops, flops_counted=bool(flops_counted),
+            boundary=_boundary(boundary), eval_ms=eval_ms or 0.0, num_eval=num_eval or 0,
+            num_input=num_input or 0)
+
+    return convert
 
 
 def _process_sample(r: Mapping[str, Any]) -> ProcessSample:
@@ -804,15 +850,6 @@ def _merged(parts: Sequence[RankTotals]) -> RankTotals:
         sum_ms={p.name: sum(t.sum_ms.get(p.name, 0.0) for t in parts) for p in TOTALED},
         eval_ms=sum(p.eval_ms for p in parts), num_eval=sum(p.num_eval for p in parts),
         device_measured=any(p.device_measured for p in parts))
-
-
-def _readable(rows: Iterable[dict[str, Any]], convert: Callable[[dict[str, Any]], _T]) -> list[_T]:
-    """The rows that convert (the others are counted where they are read)."""
-    out = []
-    for r in rows:
-        with contextlib.suppress(TypeError, ValueError, KeyError, orjson.JSONDecodeError):
-            out.append(convert(r))
-    return out
 
 
 def _crash_spans(incidents: Sequence[Incident]) -> list[tuple[float, float]]:

@@ -61,6 +61,18 @@ class StepRow:
         return self.phase_ms.get(name, 0.0)
 
 
+def ms_column(rows: Sequence[StepRow], name: str) -> list[float]:
+    """``[row.ms(name) for row in rows]``, without a call per row (a wide job has
+    millions)."""
+    if name == "total":
+        return [r.total_ms for r in rows]
+    if name == "wait":
+        return [r.wait_ms for r in rows]
+    if name == "compute":
+        return [sum(r.phase_ms.get(n, 0.0) for n in _COMPUTE) for r in rows]
+    return [r.phase_ms.get(name, 0.0) for r in rows]
+
+
 @dataclass(frozen=True)
 class FlopCount:
     """One FLOP count of a rank (`traceml.agent.flops`): one training step run under

@@ -12,6 +12,7 @@ else all its samples; so a rank with samples is never missing from them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -70,15 +71,19 @@ class StepWindow:
             num_counted_steps=self.num_counted_steps,
         )
 
-    def time_span(self) -> tuple[float, float] | None:
-        """Unix seconds from the first window step's start to the last one's end,
-        when steps carry end times; None otherwise."""
+    @functools.cached_property  # a frozen instance's __dict__ takes it all the same
+    def _time_span(self) -> tuple[float, float] | None:
         rows = [row for rank_rows in self.by_rank.values() for row in rank_rows]
         ends = [row.t for row in rows if row.t is not None]
         if not rows or len(ends) < len(rows):
             return None
         starts = [row.t - row.total_ms / 1000.0 for row in rows if row.t is not None]
         return min(starts), max(ends)
+
+    def time_span(self) -> tuple[float, float] | None:
+        """Unix seconds from the first window step's start to the last one's end,
+        when steps carry end times; None otherwise."""
+        return self._time_span
 
 
 def warmup_steps(num_aligned: int) -> int:
