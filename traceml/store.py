@@ -376,6 +376,7 @@ class StoreReader:
 
     def __init__(self, path: str | Path, timeout_s: float = 5.0) -> None:
         self.skipped: dict[str, int] = {}  # stored rows not read back, by reason
+        self._step_columns: str | None = None  # those of _READ_STEP_COLUMNS the store has
         with _sqlite_errors():
             self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
         self._db.row_factory = sqlite3.Row
@@ -545,11 +546,14 @@ class StoreReader:
                      count: bool = True) -> tuple[StepRow, ...]:
         """The stored steps ``where`` says, by rank, attempt and step; a row that will
         not convert is skipped (and counted, with ``count``)."""
+        if self._step_columns is None:
+            have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
+            self._step_columns = ", ".join(c for c in _READ_STEP_COLUMNS if c in have)
         with _sqlite_errors():
             cursor = self._db.cursor()
             cursor.row_factory = None  # tuples: a dict per row costs more than the row
-            rows = cursor.execute(
-                f"SELECT * FROM steps WHERE {where} ORDER BY rank, restart, step", params)
+            rows = cursor.execute(f"SELECT {self._step_columns} FROM steps WHERE {where} "
+                                  "ORDER BY rank, restart, step", params)
             convert = _step_converter(tuple(d[0] for d in cursor.description))
             out = []
             for row in rows:
@@ -582,8 +586,7 @@ class StoreReader:
             f"WHERE {where} AND {source} NOT IN (SELECT {source} FROM {table} WHERE {inside})) "
             f"WHERE nearness <= ? UNION ALL {select}"
             + f" UNION ALL {select}" * len(extra) + " ORDER BY t, row_id", params)
-        seen: set[int] = set()
-        return [r for r in rows if not (r["row_id"] in seen or seen.add(r["row_id"]))]
+        return list({r["row_id"]: r for r in rows}.values())  # a sample in two spans once
 
     def incidents(self) -> tuple[Incident, ...]:
         """Every stall and crash, in the order they were reported (none in a store
@@ -719,6 +722,13 @@ _OPTIONAL_STEP_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes", "rss_byt
                          "boundary", "eval_ms", "num_eval", phases.PHASES[0].count_column)
 
 
+_READ_STEP_COLUMNS = ("rank", "restart", "step", "t_begin", "total_ms", "wait_ms",
+                      *(p.column for p in phases.PHASES), *(p.gpu_column for p in phases.gpu_timed()),
+                      *_OPTIONAL_STEP_FIELDS)
+"""What a StepRow is made of (and the attempt, which orders them): a bulk read selects
+these only, since every column costs in a read of millions of rows."""
+
+
 @functools.lru_cache(maxsize=8)
 def _step_converter(names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], StepRow]:
     """Stored step rows of these columns -> StepRow; ValueError or TypeError for a row
@@ -738,9 +748,10 @@ def _step_converter(names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], StepR
                                  *(at.get(f, missing) for f in _OPTIONAL_STEP_FIELDS))
 
     def convert(stored: tuple[Any, ...]) -> StepRow:
-        values = list(filter(_not_none, numeric(stored)))
-        # A string or blob fails the comparison (TypeError); Inf fails the range.
-        if values and (max(values) > _LIMIT or min(values) < -_LIMIT):
+        values = tuple(filter(_not_none, numeric(stored)))
+        # A string or blob fails the sum (TypeError); Inf, or a number far out of range,
+        # takes it out of range (summing is cheaper than comparing each).
+        if not -_LIMIT <= sum(values) <= _LIMIT * len(values):
             raise ValueError("a stored number out of range")
         if min(filter(_not_none, times(stored)), default=0.0) < 0:
             raise ValueError("a negative time")
@@ -749,9 +760,12 @@ def _step_converter(names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], StepR
          samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval,
          num_input) = fields(row)
         gpu = gpu_ms(row)[:-2]
+        times_ms = phase_ms(row)
+        if None in times_ms:
+            times_ms = tuple(v or 0.0 for v in times_ms)
         return StepRow(
             rank=_integer(rank, 0, MAX_WORLD_SIZE - 1), step=_integer(step, 0),
-            phase_ms={n: v or 0.0 for n, v in zip(phase_names, phase_ms(row))},
+            phase_ms=dict(zip(phase_names, times_ms)),
             total_ms=_number(total_ms, False, 0.0), wait_ms=_number(wait_ms, False, 0.0),
             peak_allocated_bytes=peak_allocated, peak_reserved_bytes=peak_reserved,
             rss_bytes=rss, t=(t_begin + total_ms / 1e3) if t_begin is not None else None,

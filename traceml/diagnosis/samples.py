@@ -69,7 +69,8 @@ def ms_column(rows: Sequence[StepRow], name: str) -> list[float]:
     if name == "wait":
         return [r.wait_ms for r in rows]
     if name == "compute":
-        return [sum(r.phase_ms.get(n, 0.0) for n in _COMPUTE) for r in rows]
+        zeros = (0.0,) * len(_COMPUTE)
+        return [sum(map(r.phase_ms.get, _COMPUTE, zeros)) for r in rows]
     return [r.phase_ms.get(name, 0.0) for r in rows]
 
 
