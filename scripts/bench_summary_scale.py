@@ -106,8 +106,9 @@ def _add_samples(writer: StoreWriter, senders: list[Sender], num_ranks: int,
         writer.commit()
 
 
-def timed_summary(folder: Path, full: bool) -> tuple[float, float, str]:
-    """Wall seconds, peak RSS (MB) and the verdict line of one summary in a fresh process."""
+def timed_summary(folder: Path, full: bool) -> tuple[float, float, float, str]:
+    """Wall seconds, CPU seconds, peak RSS (MB) and the verdict of one summary in a
+    fresh process."""
     code = ("import sys; from pathlib import Path; "
             "from traceml.report.session import write_summary; "
             f"f = write_summary(Path(sys.argv[1]), full={full}); "
@@ -124,7 +125,7 @@ def timed_summary(folder: Path, full: bool) -> tuple[float, float, str]:
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode != 0:
         raise SystemExit(f"the summary of {folder} failed (exit {child.returncode})")
-    return wall_s, usage.ru_maxrss / 1024, out.strip()
+    return wall_s, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, out.strip()
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -141,8 +142,8 @@ def main() -> None:
                         help="shapes also timed with the full read")
     parser.add_argument("--fresh", action="store_true", help="rebuild the cached stores")
     args = parser.parse_args()
-    print(f"{'store':>12} {'rows':>11} {'MB':>7} {'path':>8} {'wall s':>7} {'peak RSS MB':>11}"
-          "  verdict")
+    print(f"{'store':>12} {'rows':>11} {'MB':>7} {'path':>8} {'wall s':>7} {'CPU s':>6} "
+          f"{'peak RSS MB':>11}  verdict")
     for text in args.shapes:
         num_ranks, num_steps = _shape(text)
         folder = args.cache / f"r{num_ranks}x{num_steps}"
@@ -150,14 +151,17 @@ def main() -> None:
             shutil.rmtree(folder)
         if not (folder / STORE_FILENAME).is_file():
             started = time.perf_counter()
-            build_store(folder, num_ranks, num_steps)
+            partial = folder.with_name(folder.name + ".partial")  # an interrupted build
+            shutil.rmtree(partial, ignore_errors=True)
+            build_store(partial, num_ranks, num_steps)
+            partial.rename(folder)
             print(f"# built {folder} in {time.perf_counter() - started:.0f} s", flush=True)
         size_mb = os.path.getsize(folder / STORE_FILENAME) / 1e6
         for full in ([False, True] if text in args.full_on else [False]):
-            wall_s, rss_mb, verdict = timed_summary(folder, full)
+            wall_s, cpu_s, rss_mb, verdict = timed_summary(folder, full)
             print(f"{text:>12} {num_ranks * num_steps:>11,} {size_mb:>7.0f} "
-                  f"{'full' if full else 'bounded':>8} {wall_s:>7.2f} {rss_mb:>11.0f}  {verdict}",
-                  flush=True)
+                  f"{'full' if full else 'bounded':>8} {wall_s:>7.2f} {cpu_s:>6.2f} "
+                  f"{rss_mb:>11.0f}  {verdict}", flush=True)
 
 
 if __name__ == "__main__":

@@ -549,12 +549,13 @@ class StoreReader:
         if self._step_columns is None:
             have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
             self._step_columns = ", ".join(c for c in _READ_STEP_COLUMNS if c in have)
+        checked = self._in_range(where, params)
         with _sqlite_errors():
             cursor = self._db.cursor()
             cursor.row_factory = None  # tuples: a dict per row costs more than the row
             rows = cursor.execute(f"SELECT {self._step_columns} FROM steps WHERE {where} "
                                   "ORDER BY rank, restart, step", params)
-            convert = _step_converter(tuple(d[0] for d in cursor.description))
+            convert = _step_converter(tuple(d[0] for d in cursor.description), not checked)
             out = []
             for row in rows:
                 try:
@@ -563,6 +564,24 @@ class StoreReader:
                     if count:
                         self._skip("stored step row with bad values")
         return tuple(out)
+
+    def _in_range(self, where: str, params: Sequence[Any]) -> bool:
+        """Whether every number of the steps ``where`` says is one a collector writes:
+        SQL's MIN and MAX of each column tell (a text sorts above every number), so
+        the rows need not be checked one by one."""
+        assert self._step_columns is not None
+        numeric = [c for c in self._step_columns.split(", ") if c not in _STEP_TYPE]
+        bounds = self._rows("SELECT " + ", ".join(f"MIN({c}) AS lo_{c}, MAX({c}) AS hi_{c}"
+                                                  for c in numeric)
+                            + f" FROM steps WHERE {where}", params)[0]
+        for c in numeric:
+            low = 0.0 if c.endswith("_ms") else -_LIMIT
+            try:
+                _number(bounds[f"lo_{c}"], True, low)
+                _number(bounds[f"hi_{c}"], True, low)
+            except ValueError:
+                return False
+        return True
 
     def _samples_near(self, table: str, source: str, where: str,
                       span: tuple[float, float] | None, num_sources: int,
@@ -730,9 +749,11 @@ these only, since every column costs in a read of millions of rows."""
 
 
 @functools.lru_cache(maxsize=8)
-def _step_converter(names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], StepRow]:
+def _step_converter(names: tuple[str, ...],
+                    check: bool = True) -> Callable[[tuple[Any, ...]], StepRow]:
     """Stored step rows of these columns -> StepRow; ValueError or TypeError for a row
-    a collector does not write.  Built once per query: a summary converts millions."""
+    a collector does not write (``check``: every number in range; without, rows whose
+    numbers are known to be).  Built once per query: a summary converts millions."""
     at = {n: i for i, n in enumerate(names)}
     missing = len(names)  # a column the store lacks reads as None (the row gets one more)
     # Several columns each (rank, step, ...; total_ms, wait_ms, ...): the getters give tuples.
@@ -748,13 +769,14 @@ def _step_converter(names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], StepR
                                  *(at.get(f, missing) for f in _OPTIONAL_STEP_FIELDS))
 
     def convert(stored: tuple[Any, ...]) -> StepRow:
-        values = tuple(filter(_not_none, numeric(stored)))
-        # A string or blob fails the sum (TypeError); Inf, or a number far out of range,
-        # takes it out of range (summing is cheaper than comparing each).
-        if not -_LIMIT <= sum(values) <= _LIMIT * len(values):
-            raise ValueError("a stored number out of range")
-        if min(filter(_not_none, times(stored)), default=0.0) < 0:
-            raise ValueError("a negative time")
+        if check:
+            values = tuple(filter(_not_none, numeric(stored)))
+            # A string or blob fails the sum (TypeError); Inf, or a number far out of
+            # range, takes it out of range (summing is cheaper than comparing each).
+            if not -_LIMIT <= sum(values) <= _LIMIT * len(values):
+                raise ValueError("a stored number out of range")
+            if min(filter(_not_none, times(stored)), default=0.0) < 0:
+                raise ValueError("a negative time")
         row = (*stored, None)
         (rank, step, total_ms, wait_ms, t_begin, peak_allocated, peak_reserved, rss, collective,
          samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval,
@@ -763,16 +785,15 @@ def _step_converter(names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], StepR
         times_ms = phase_ms(row)
         if None in times_ms:
             times_ms = tuple(v or 0.0 for v in times_ms)
+        # Positional, in StepRow's field order: a call with keywords costs more.
         return StepRow(
-            rank=_integer(rank, 0, MAX_WORLD_SIZE - 1), step=_integer(step, 0),
-            phase_ms=dict(zip(phase_names, times_ms)),
-            total_ms=_number(total_ms, False, 0.0), wait_ms=_number(wait_ms, False, 0.0),
-            peak_allocated_bytes=peak_allocated, peak_reserved_bytes=peak_reserved,
-            rss_bytes=rss, t=(t_begin + total_ms / 1e3) if t_begin is not None else None,
-            gpu_ms=float(sum(gpu)) if None not in gpu else None, collective_ms=collective,
-            samples=samples, tokens=tokens, flops=flops, flops_counted=bool(flops_counted),
-            boundary=_boundary(boundary), eval_ms=eval_ms or 0.0, num_eval=num_eval or 0,
-            num_input=num_input or 0)
+            _integer(rank, 0, MAX_WORLD_SIZE - 1), _integer(step, 0),
+            dict(zip(phase_names, times_ms)), _number(total_ms, False, 0.0),
+            _number(wait_ms, False, 0.0), peak_allocated, peak_reserved, rss,
+            float(sum(gpu)) if None not in gpu else None,
+            (t_begin + total_ms / 1e3) if t_begin is not None else None, collective,
+            samples, tokens, flops, bool(flops_counted), _boundary(boundary),
+            eval_ms or 0.0, num_eval or 0, num_input or 0)
 
     return convert
 

@@ -25,7 +25,7 @@ RUNDATA_FORMAT = "traceml.rundata/1"
 _COMPUTE = phases.compute_names()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a wide job's summary holds a million of them
 class StepRow:
     """One training step of one rank."""
 
