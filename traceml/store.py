@@ -7,7 +7,10 @@ table has one column per phase of `traceml.phases`; the meta table holds the
 launcher's `RunStart` and `RunEnd` (one JSON value per field, keyed by the
 field's name) and the nodes whose options did not match (``join_error/<t>``).
 `StoreWriter` takes typed records; `StoreReader` gives back `RunData` and the
-same records, whole or as the rows added since a rowid (the live views' tail).
+same records: every row, what a summary over its window reads (that window's
+rows, the samples taken while it ran, and per-rank sums over the whole run in
+SQL: `StoreReader.window_run`), or the rows added since a rowid (the live
+views' tail).
 Whatever SQLite raises comes out as `StoreError`.  A stored row whose values
 no collector writes (a string for a time, NaN, a world of 10^12 ranks: the
 file was edited or damaged) is skipped and counted with the rejections, so a
