@@ -466,12 +466,13 @@ class StoreReader:
         totals, spans = self._step_totals()
         steps = self._window_steps(spans, window_rows)
         span = select_window(steps, window_rows, 0).time_span()
-        num_ranks = max(1, len(totals), len(records.senders))
+        num_ranks = max(len(totals), len({s.sender.rank for s in records.senders}))
         process = tuple(self._read(self._samples_near(
             "process", "rank", "1", span, num_ranks), _process_sample, "process"))
         incidents = self.incidents()
+        num_nodes = len({s.sender.node_rank for s in records.senders})
         system = tuple(self._read(self._samples_near(
-            "system", "node_rank", _NODE_SAMPLE, span, num_ranks, _crash_spans(incidents)),
+            "system", "node_rank", _NODE_SAMPLE, span, num_nodes, _crash_spans(incidents)),
             _system_sample, "system"))
         return self._run_data(records, steps, process, system, totals, incidents)
 
@@ -596,7 +597,7 @@ class StoreReader:
         within the ``extra`` spans.  Oldest first."""
         start, end = span if span is not None else (math.inf, -math.inf)
         near = (start + end) / 2 if span is not None else _LIMIT
-        cap = max(MIN_SAMPLES_PER_SOURCE, SAMPLES_PER_SOURCE // num_sources)
+        cap = max(MIN_SAMPLES_PER_SOURCE, SAMPLES_PER_SOURCE // max(1, num_sources))
         inside = f"{where} AND t >= ? AND t <= ?"
         select = f"SELECT rowid AS row_id, *, 0 AS nearness FROM {table} WHERE {inside}"
         params: list[Any] = [near, start, end, cap, start, end]
