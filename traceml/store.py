@@ -7,7 +7,10 @@ table has one column per phase of `traceml.phases`; the meta table holds the
 launcher's `RunStart` and `RunEnd` (one JSON value per field, keyed by the
 field's name) and the nodes whose options did not match (``join_error/<t>``).
 `StoreWriter` takes typed records; `StoreReader` gives back `RunData` and the
-same records, whole or as the rows added since a rowid (the live views' tail).
+same records: every row, what a summary over its window reads (that window's
+rows, the samples taken while it ran, and per-rank sums over the whole run in
+SQL: `StoreReader.window_run`), or the rows added since a rowid (the live
+views' tail).
 Whatever SQLite raises comes out as `StoreError`.  A stored row whose values
 no collector writes (a string for a time, NaN, a world of 10^12 ranks: the
 file was edited or damaged) is skipped and counted with the rejections, so a
@@ -18,6 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import math
+import operator
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,17 +34,23 @@ from typing import Any, Generic, TypeVar
 import orjson
 
 from traceml import phases, stacks
+from traceml.diagnosis.ending import RAM_LOOKBACK_S
 from traceml.diagnosis.samples import (
+    TOTALED,
     FlopCount,
     GpuSample,
     Incident,
     NodeInfo,
     ProcessSample,
+    RankTotals,
     RunData,
     RunMeta,
     StepRow,
     SystemSample,
+    totals_of,
 )
+from traceml.diagnosis.thresholds import WARMUP_FRACTION, WARMUP_MAX_STEPS
+from traceml.diagnosis.window import num_aligned, select_window, tail_decides
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     MAX_WORLD_SIZE,
@@ -52,9 +64,11 @@ from traceml.protocol import (
 )
 
 STORE_FILENAME = "telemetry.sqlite"
-SCHEMA_VERSION = 3  # 2: a column per phase (communication), collective_ms
+SCHEMA_VERSION = 4  # 2: a column per phase (communication), collective_ms
 # 3: samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval per step; the
 # flop_counts and incidents tables
+# 4: indexes on process(t) and system(t), for the summary's bounded read (a store
+# without them reads the same, scanning those tables)
 JOIN_ERROR_PREFIX = "join_error/"
 
 
@@ -198,6 +212,10 @@ _DDL = [
     "device_reserved_bytes INTEGER, device_total_bytes INTEGER)",
     "CREATE TABLE IF NOT EXISTS system (node_rank INTEGER NOT NULL, host TEXT NOT NULL, "
     "t REAL NOT NULL, cpu_pct REAL, ram_pct REAL, ram_total_bytes INTEGER, gpus TEXT)",
+    # The summary reads the samples taken while its window ran (the steps table's
+    # primary key already orders each rank's steps).
+    "CREATE INDEX IF NOT EXISTS process_t ON process (t)",
+    "CREATE INDEX IF NOT EXISTS system_t ON system (t)",
     "CREATE TABLE IF NOT EXISTS incidents (what TEXT NOT NULL, rank INTEGER NOT NULL, "
     "node_rank INTEGER NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL, "
     "began_at REAL NOT NULL, detected_at REAL NOT NULL, cleared_at REAL, step INTEGER, "
@@ -368,6 +386,7 @@ class StoreReader:
 
     def __init__(self, path: str | Path, timeout_s: float = 5.0) -> None:
         self.skipped: dict[str, int] = {}  # stored rows not read back, by reason
+        self._step_columns: str | None = None  # those of _READ_STEP_COLUMNS the store has
         with _sqlite_errors():
             self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
         self._db.row_factory = sqlite3.Row
@@ -433,20 +452,171 @@ class StoreReader:
             for key, value in self._meta().items() if key.startswith(JOIN_ERROR_PREFIX)))
 
     def run(self, records: RunRecords) -> RunData:
-        """The whole run, described by its ``records`` (see :meth:`records`)."""
-        steps = tuple(self._read(self._rows(
-            "SELECT * FROM steps ORDER BY rank, restart, step"), _step_row, "step"))
+        """The whole run, every stored row, described by its ``records`` (see
+        :meth:`records`)."""
+        steps = self._steps_where("1", ())
         process = tuple(self._read(self._rows(
-            "SELECT * FROM process ORDER BY t"), _process_sample, "process"))
+            "SELECT * FROM process ORDER BY t, rowid"), _process_sample, "process"))
         # A c10d launcher samples before it learns its node rank (-1): not a node yet.
         system = tuple(self._read(self._rows(
-            "SELECT * FROM system WHERE node_rank >= 0 ORDER BY t"), _system_sample, "system"))
+            f"SELECT * FROM system WHERE {_NODE_SAMPLE} ORDER BY t, rowid"), _system_sample,
+            "system"))
+        return self._run_data(records, steps, process, system, totals_of(steps))
+
+    def window_run(self, records: RunRecords, window_rows: int) -> RunData:
+        """What a summary over the last ``window_rows`` aligned steps per rank reads:
+        each rank's steps from a little before that window to its end (enough to
+        place it and its warm-up exactly), the process and system samples taken
+        while it ran, and each rank's whole-run totals summed in SQL.  Only the
+        stored rows the reader loads are checked one by one (see the module
+        docstring)."""
+        totals, spans = self._step_totals()
+        steps = self._window_steps(spans, window_rows)
+        span = select_window(steps, window_rows, 0).time_span()
+        num_ranks = max(len(totals), len({s.sender.rank for s in records.senders}))
+        process = tuple(self._read(self._samples_near(
+            "process", "rank", "1", span, num_ranks), _process_sample, "process"))
         incidents = self.incidents()
+        num_nodes = len({s.sender.node_rank for s in records.senders})
+        system = tuple(self._read(self._samples_near(
+            "system", "node_rank", _NODE_SAMPLE, span, num_nodes, _crash_spans(incidents)),
+            _system_sample, "system"))
+        return self._run_data(records, steps, process, system, totals, incidents)
+
+    def _run_data(self, records: RunRecords, steps: tuple[StepRow, ...],
+                  process: tuple[ProcessSample, ...], system: tuple[SystemSample, ...],
+                  totals: tuple[RankTotals, ...],
+                  incidents: tuple[Incident, ...] | None = None) -> RunData:
         rejected = {**records.rejected, **self.skipped}
         return dataclasses.replace(
             run_data(RunRecords(records.start, records.end, records.senders, rejected),
-                     steps, process, system, incidents),
+                     steps, process, system,
+                     self.incidents() if incidents is None else incidents, totals),
             flop_counts=self.flop_counts())
+
+    def _step_totals(self) -> tuple[tuple[RankTotals, ...], list[_StepSpan]]:
+        """Per rank, its stored steps summed in SQL (one pass over the table), and per
+        attempt of a rank its first and last step.  A rank whose sums are not what a
+        collector writes (the file was edited) is summed row by row instead."""
+        have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
+        sums = ", ".join(f"SUM({c}) AS {c}" if c in have else f"0.0 AS {c}"
+                         for c in _TOTALED_COLUMNS)
+        evals = ("SUM(CASE WHEN num_eval != 0 THEN eval_ms ELSE 0 END) AS eval_ms, "
+                 "SUM(num_eval) AS num_eval" if "num_eval" in have
+                 else "0.0 AS eval_ms, 0 AS num_eval")
+        groups = self._rows(
+            "SELECT rank, restart, COUNT(*) AS num_rows, MIN(step) AS first_step, "
+            f"MAX(step) AS last_step, {sums}, {evals}, "
+            "COUNT(peak_allocated_bytes) AS num_cuda FROM steps GROUP BY rank, restart")
+        parts: dict[int, list[RankTotals]] = {}
+        spans = []
+        for g in groups:
+            try:
+                rank = _integer(g["rank"], 0, MAX_WORLD_SIZE - 1)
+            except ValueError:  # none of its rows can be read
+                for _ in range(int(g["num_rows"])):
+                    self._skip("stored step row with bad values")
+                continue
+            try:
+                first, part = _integer(g["first_step"], 0), _group_totals(rank, g)
+            except (TypeError, ValueError):
+                rows = self._steps_where("rank = ? AND restart = ?", (g["rank"], g["restart"]),
+                                         count=False)  # counted where the window reads them
+                if not rows:
+                    continue
+                first, part = min(r.step for r in rows), totals_of(rows)[0]
+            parts.setdefault(rank, []).append(part)
+            spans.append(_StepSpan(rank, g["restart"], first, part.last_step))
+        return tuple(_merged(parts[r]) for r in sorted(parts)), spans
+
+    def _window_steps(self, spans: Sequence[_StepSpan], window_rows: int) -> tuple[StepRow, ...]:
+        """Each rank's steps up to the last one every rank reached, from far enough
+        back that the window and its warm-up are what all of them would give."""
+        if not spans:
+            return ()
+        last: dict[int, int] = {}
+        for s in spans:
+            last[s.rank] = max(last.get(s.rank, s.last), s.last)
+        upper = min(last.values())
+        first = min(s.first for s in spans)
+        depth = max(window_rows + WARMUP_MAX_STEPS, math.ceil(WARMUP_MAX_STEPS / WARMUP_FRACTION))
+        ranks = sorted(last)
+        while True:
+            low = upper - depth
+            if low < first:  # every step up to there: read in one pass
+                return self._steps_where(f"step <= ? AND {_READABLE_RANK}", (upper,))
+            steps = tuple(row for s in spans if s.last > low and s.first <= upper
+                          for row in self._steps_where(
+                              "rank = ? AND restart = ? AND step > ? AND step <= ?",
+                              (s.rank, s.restart, low, upper)))
+            if tail_decides(num_aligned(steps, ranks), window_rows):
+                return steps
+            depth *= 4  # steps missing in some rank (dropped): look further back
+
+    def _steps_where(self, where: str, params: Sequence[Any],
+                     count: bool = True) -> tuple[StepRow, ...]:
+        """The stored steps ``where`` says, by rank, attempt and step; a row that will
+        not convert is skipped (and counted, with ``count``)."""
+        if self._step_columns is None:
+            have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
+            self._step_columns = ", ".join(c for c in _READ_STEP_COLUMNS if c in have)
+        checked = self._in_range(where, params)
+        with _sqlite_errors():
+            cursor = self._db.cursor()
+            cursor.row_factory = None  # tuples: a dict per row costs more than the row
+            rows = cursor.execute(f"SELECT {self._step_columns} FROM steps WHERE {where} "
+                                  "ORDER BY rank, restart, step", params)
+            convert = _step_converter(tuple(d[0] for d in cursor.description), not checked)
+            out = []
+            for row in rows:
+                try:
+                    out.append(convert(row))
+                except (TypeError, ValueError):
+                    if count:
+                        self._skip("stored step row with bad values")
+        return tuple(out)
+
+    def _in_range(self, where: str, params: Sequence[Any]) -> bool:
+        """Whether every number of the steps ``where`` says is one a collector writes:
+        SQL's MIN and MAX of each column tell (a text sorts above every number), so
+        the rows need not be checked one by one."""
+        assert self._step_columns is not None
+        numeric = [c for c in self._step_columns.split(", ") if c not in _STEP_TYPE]
+        bounds = self._rows("SELECT " + ", ".join(f"MIN({c}) AS lo_{c}, MAX({c}) AS hi_{c}"
+                                                  for c in numeric)
+                            + f" FROM steps WHERE {where}", params)[0]
+        for c in numeric:
+            low = 0.0 if c.endswith("_ms") else -_LIMIT
+            try:
+                _number(bounds[f"lo_{c}"], True, low)
+                _number(bounds[f"hi_{c}"], True, low)
+            except ValueError:
+                return False
+        return True
+
+    def _samples_near(self, table: str, source: str, where: str,
+                      span: tuple[float, float] | None, num_sources: int,
+                      extra: Sequence[tuple[float, float]] = ()) -> list[dict[str, Any]]:
+        """The samples of ``table`` taken within ``span``; of a ``source`` with none in
+        it (a window shorter than the sample interval, or no window), its samples
+        nearest the span, at most :data:`SAMPLES_PER_SOURCE` shared out (so all of
+        them in a short run, as `traceml.diagnosis.window.in_span` takes); and those
+        within the ``extra`` spans.  Oldest first."""
+        start, end = span if span is not None else (math.inf, -math.inf)
+        near = (start + end) / 2 if span is not None else _LIMIT
+        cap = max(MIN_SAMPLES_PER_SOURCE, SAMPLES_PER_SOURCE // max(1, num_sources))
+        inside = f"{where} AND t >= ? AND t <= ?"
+        select = f"SELECT rowid AS row_id, *, 0 AS nearness FROM {table} WHERE {inside}"
+        params: list[Any] = [near, start, end, cap, start, end]
+        for low, high in extra:
+            params += [low, high]
+        rows = self._rows(
+            f"SELECT * FROM (SELECT rowid AS row_id, *, ROW_NUMBER() OVER ("
+            f"PARTITION BY {source} ORDER BY ABS(t - ?)) AS nearness FROM {table} "
+            f"WHERE {where} AND {source} NOT IN (SELECT {source} FROM {table} WHERE {inside})) "
+            f"WHERE nearness <= ? UNION ALL {select}"
+            + f" UNION ALL {select}" * len(extra) + " ORDER BY t, row_id", params)
+        return list({r["row_id"]: r for r in rows}.values())  # a sample in two spans once
 
     def incidents(self) -> tuple[Incident, ...]:
         """Every stall and crash, in the order they were reported (none in a store
@@ -570,32 +740,73 @@ def _boundary(value: Any) -> str:
     return str(value)
 
 
+_not_none = functools.partial(operator.is_not, None)
+
+
 def _step_row(r: Mapping[str, Any]) -> StepRow:
-    v = _numbers(r, [c for c in r.keys() if c not in _STEP_TYPE])
-    if any(v.get(c) is not None and v[c] < 0 for c in STEP_COLUMNS if c.endswith("_ms")):
-        raise ValueError("a negative time")
-    return StepRow(
-        # A store written before a phase existed has no column for it: it took 0.
-        rank=_integer(r["rank"], 0, MAX_WORLD_SIZE - 1), step=_integer(r["step"], 0),
-        phase_ms={p.name: v.get(p.column) or 0.0 for p in phases.PHASES},
-        total_ms=_number(r["total_ms"], False, 0.0), wait_ms=_number(r["wait_ms"], False, 0.0),
-        peak_allocated_bytes=v["peak_allocated_bytes"],
-        peak_reserved_bytes=v["peak_reserved_bytes"], rss_bytes=v["rss_bytes"],
-        t=(v["t_begin"] + v["total_ms"] / 1e3) if v["t_begin"] is not None else None,
-        gpu_ms=_gpu_ms(v), collective_ms=v.get("collective_ms"),
-        samples=v.get("samples"), tokens=v.get("tokens"), flops=v.get("flops"),
-        flops_counted=bool(v.get("flops_counted")),
-        boundary=_boundary(r.get("boundary")),
-        eval_ms=v.get("eval_ms") or 0.0, num_eval=v.get("num_eval") or 0,
-        num_input=v.get(phases.PHASES[0].count_column) or 0,
-    )
+    return _step_converter(tuple(r.keys()))(tuple(r.values()))
 
 
-def _gpu_ms(r: Mapping[str, Any]) -> float | None:
-    """GPU time of the step's GPU-timed phases (None off CUDA)."""
-    parts: list[float | None] = [r.get(p.gpu_column) for p in phases.gpu_timed()]
-    times = [p for p in parts if p is not None]
-    return float(sum(times)) if len(times) == len(parts) else None
+_OPTIONAL_STEP_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes", "rss_bytes",
+                         "collective_ms", "samples", "tokens", "flops", "flops_counted",
+                         "boundary", "eval_ms", "num_eval", phases.PHASES[0].count_column)
+
+
+_READ_STEP_COLUMNS = ("rank", "restart", "step", "t_begin", "total_ms", "wait_ms",
+                      *(p.column for p in phases.PHASES), *(p.gpu_column for p in phases.gpu_timed()),
+                      *_OPTIONAL_STEP_FIELDS)
+"""What a StepRow is made of (and the attempt, which orders them): a bulk read selects
+these only, since every column costs in a read of millions of rows."""
+
+
+@functools.lru_cache(maxsize=8)
+def _step_converter(names: tuple[str, ...],
+                    check: bool = True) -> Callable[[tuple[Any, ...]], StepRow]:
+    """Stored step rows of these columns -> StepRow; ValueError or TypeError for a row
+    a collector does not write (``check``: every number in range; without, rows whose
+    numbers are known to be).  Built once per query: a summary converts millions."""
+    at = {n: i for i, n in enumerate(names)}
+    missing = len(names)  # a column the store lacks reads as None (the row gets one more)
+    # Several columns each (rank, step, ...; total_ms, wait_ms, ...): the getters give tuples.
+    numeric = operator.itemgetter(*(i for n, i in at.items() if n not in _STEP_TYPE))
+    times = operator.itemgetter(*(i for n, i in at.items() if n.endswith("_ms")))
+    # A store written before a phase existed has no column for it: it took 0.
+    phase_names = tuple(p.name for p in phases.PHASES)
+    phase_ms = operator.itemgetter(*(at.get(p.column, missing) for p in phases.PHASES))
+    gpu_ms = operator.itemgetter(*(at.get(p.gpu_column, missing) for p in phases.gpu_timed()),
+                                 missing, missing)  # a tuple, also without GPU-timed phases
+    fields = operator.itemgetter(at["rank"], at["step"], at["total_ms"], at["wait_ms"],
+                                 at["t_begin"],
+                                 *(at.get(f, missing) for f in _OPTIONAL_STEP_FIELDS))
+
+    def convert(stored: tuple[Any, ...]) -> StepRow:
+        if check:
+            values = tuple(filter(_not_none, numeric(stored)))
+            # A string or blob fails the sum (TypeError); Inf, or a number far out of
+            # range, takes it out of range (summing is cheaper than comparing each).
+            if not -_LIMIT <= sum(values) <= _LIMIT * len(values):
+                raise ValueError("a stored number out of range")
+            if min(filter(_not_none, times(stored)), default=0.0) < 0:
+                raise ValueError("a negative time")
+        row = (*stored, None)
+        (rank, step, total_ms, wait_ms, t_begin, peak_allocated, peak_reserved, rss, collective,
+         samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval,
+         num_input) = fields(row)
+        gpu = gpu_ms(row)[:-2]
+        times_ms = phase_ms(row)
+        if None in times_ms:
+            times_ms = tuple(v or 0.0 for v in times_ms)
+        # Positional, in StepRow's field order: a call with keywords costs more.
+        return StepRow(
+            _integer(rank, 0, MAX_WORLD_SIZE - 1), _integer(step, 0),
+            dict(zip(phase_names, times_ms)), _number(total_ms, False, 0.0),
+            _number(wait_ms, False, 0.0), peak_allocated, peak_reserved, rss,
+            float(sum(gpu)) if None not in gpu else None,
+            (t_begin + total_ms / 1e3) if t_begin is not None else None, collective,
+            samples, tokens, flops, bool(flops_counted), _boundary(boundary),
+            eval_ms or 0.0, num_eval or 0, num_input or 0)
+
+    return convert
 
 
 def _process_sample(r: Mapping[str, Any]) -> ProcessSample:
@@ -646,6 +857,53 @@ def _gpu_sample(values: Any) -> GpuSample:
     return GpuSample(_integer(index, 0), *(_number(x) for x in rest))
 
 
+# -- the bounded read's SQL and sums --------------------------------------------------------
+
+_TOTALED_COLUMNS = tuple(p.column for p in TOTALED)
+_NODE_SAMPLE = "node_rank >= 0"  # a c10d launcher samples before it learns its node rank
+_READABLE_RANK = f"typeof(rank) = 'integer' AND rank BETWEEN 0 AND {MAX_WORLD_SIZE - 1}"
+SAMPLES_PER_SOURCE = 200_000
+"""Process (or system) samples a bounded read takes, shared out over the ranks (nodes),
+of the sources with none taken while the window ran."""
+MIN_SAMPLES_PER_SOURCE = 60
+
+
+@dataclass(frozen=True)
+class _StepSpan:
+    """One attempt of a rank: its first and last stored step."""
+
+    rank: int
+    restart: int
+    first: int
+    last: int
+
+
+def _group_totals(rank: int, g: Mapping[str, Any]) -> RankTotals:
+    """One attempt's sums as SQL gave them; ValueError when one is not what a
+    collector's rows add up to."""
+    return RankTotals(
+        rank=rank, num_rows=_integer(g["num_rows"], 1), last_step=_integer(g["last_step"], 0),
+        sum_ms={p.name: float(_number(g[p.column] or 0.0, False, 0.0)) for p in TOTALED},
+        eval_ms=float(_number(g["eval_ms"] or 0.0, False, 0.0)),
+        num_eval=_integer(g["num_eval"] or 0, 0), device_measured=bool(g["num_cuda"]))
+
+
+def _merged(parts: Sequence[RankTotals]) -> RankTotals:
+    """One rank's totals from those of its attempts."""
+    return RankTotals(
+        rank=parts[0].rank, num_rows=sum(p.num_rows for p in parts),
+        last_step=max(p.last_step for p in parts),
+        sum_ms={p.name: sum(t.sum_ms.get(p.name, 0.0) for t in parts) for p in TOTALED},
+        eval_ms=sum(p.eval_ms for p in parts), num_eval=sum(p.num_eval for p in parts),
+        device_measured=any(p.device_measured for p in parts))
+
+
+def _crash_spans(incidents: Sequence[Incident]) -> list[tuple[float, float]]:
+    """Around each crash, the host samples its ending reads (a SIGKILL's memory)."""
+    return [(i.began_at - RAM_LOOKBACK_S, i.began_at + 1.0)
+            for i in incidents if i.what != "stall"]
+
+
 # -- the run, described from its records --------------------------------------------------
 
 _NO_START = RunStart(session_id="", command=(), started_at=0.0, traceml_version="",
@@ -653,20 +911,22 @@ _NO_START = RunStart(session_id="", command=(), started_at=0.0, traceml_version=
 
 
 def run_data(records: RunRecords, steps: tuple[StepRow, ...], process: tuple[ProcessSample, ...],
-             system: tuple[SystemSample, ...], incidents: tuple[Incident, ...] = ()) -> RunData:
-    """The run as the diagnosis reads it: these samples (all, or the recent ones a live
-    view keeps) and what ``records`` say about the run."""
-    return RunData(_run_meta(records, steps, process), steps, process, system,
-                   incidents=incidents)
+             system: tuple[SystemSample, ...], incidents: tuple[Incident, ...] = (),
+             totals: tuple[RankTotals, ...] | None = None) -> RunData:
+    """The run as the diagnosis reads it: these samples (all, the window's, or the
+    recent ones a live view keeps), what ``records`` say about the run and each rank's
+    whole-run ``totals`` (None: ``steps`` are all there is)."""
+    meta = _run_meta(records, totals_of(steps) if totals is None else totals, process)
+    return RunData(meta, steps, process, system, incidents=incidents, totals=totals)
 
 
-def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
+def _run_meta(records: RunRecords, totals: tuple[RankTotals, ...],
               process: tuple[ProcessSample, ...]) -> RunMeta:
     start = records.start or _NO_START
-    world_size, missing = _ranks(records, steps)
+    world_size, missing = _ranks(records, totals)
     exit_code = records.end.exit_code if records.end is not None else None
     complete = records.end.telemetry_complete if records.end is not None else True
-    cuda = any(s.peak_allocated_bytes is not None for s in steps) or any(
+    cuda = any(t.device_measured for t in totals) or any(
         p.device_total_bytes is not None for p in process)
     senders = records.senders
     return RunMeta(
@@ -688,13 +948,13 @@ def _run_meta(records: RunRecords, steps: tuple[StepRow, ...],
     )
 
 
-def _ranks(records: RunRecords, steps: tuple[StepRow, ...]) -> tuple[int, tuple[int, ...]]:
+def _ranks(records: RunRecords, totals: tuple[RankTotals, ...]) -> tuple[int, tuple[int, ...]]:
     """The world size and the ranks missing from it."""
     start = records.start or _NO_START
     ranked = [s for s in records.senders if s.sender.rank is not None]
     reported = [s.sender.world_size for s in records.senders if s.sender.world_size]
     world_size = max(reported + [start.expected_world_size, len({s.sender.rank for s in ranked}),
-                                 1 + max((s.rank for s in steps), default=-1)])
+                                 1 + max((t.rank for t in totals), default=-1)])
     # A rank that never said goodbye was lost (killed, or its node died): its data
     # stops early.  Watch mode has no agent to say goodbye.
     seen = {s.sender.rank for s in ranked if s.said_bye or start.mode != "run"}

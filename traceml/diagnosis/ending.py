@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from traceml import phases, stacks
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
-from traceml.diagnosis.samples import Incident, RunData
+from traceml.diagnosis.samples import Incident, RunData, rank_totals
 
 STOPPING_EXCEPTIONS = frozenset({"KeyboardInterrupt", "SystemExit"})
 STOPPING_SIGNALS = frozenset({"SIGINT", "SIGTERM", "SIGHUP"})
@@ -88,7 +88,7 @@ def diagnose_ending(run: RunData) -> Ending:
         state = "failed" if finding.kind == "FAILED" else "crashed"
         findings.append(finding)
         culprits = finding.ranks
-    elif not running and meta.mode == "run" and not run.steps:
+    elif not running and meta.mode == "run" and not rank_totals(run):
         state = "no_steps"
         findings.append(ended_before_first_step(meta.exit_code))
     elif not running and meta.exit_code is not None and meta.exit_code > 128:
@@ -149,7 +149,7 @@ def where_phase(i: Incident) -> str:
 def _at_step(i: Incident, run: RunData) -> str:
     if i.step is None:
         return ""
-    if not any(row.rank == i.rank for row in run.steps) and i.step == 0:
+    if i.step == 0 and i.rank not in rank_totals(run):
         return " before any step of it was recorded"
     return f" at step {i.step}"
 

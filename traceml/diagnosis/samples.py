@@ -25,7 +25,7 @@ RUNDATA_FORMAT = "traceml.rundata/1"
 _COMPUTE = phases.compute_names()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a wide job's summary holds a million of them
 class StepRow:
     """One training step of one rank."""
 
@@ -59,6 +59,19 @@ class StepRow:
         if name == "compute":
             return sum(self.phase_ms.get(n, 0.0) for n in _COMPUTE)
         return self.phase_ms.get(name, 0.0)
+
+
+def ms_column(rows: Sequence[StepRow], name: str) -> list[float]:
+    """``[row.ms(name) for row in rows]``, without a call per row (a wide job has
+    millions)."""
+    if name == "total":
+        return [r.total_ms for r in rows]
+    if name == "wait":
+        return [r.wait_ms for r in rows]
+    if name == "compute":
+        zeros = (0.0,) * len(_COMPUTE)
+        return [sum(map(r.phase_ms.get, _COMPUTE, zeros)) for r in rows]
+    return [r.phase_ms.get(name, 0.0) for r in rows]
 
 
 @dataclass(frozen=True)
@@ -173,8 +186,35 @@ class Incident:
 
 
 @dataclass(frozen=True)
+class RankTotals:
+    """One rank's stored steps over the whole run, every attempt's rows: what a
+    summary says of the run beyond its window (the store sums them in SQL)."""
+
+    rank: int
+    num_rows: int  # stored step rows (a step a restart ran again counts again)
+    last_step: int  # the highest step index
+    sum_ms: Mapping[str, float]  # the rows' time per phase name, "total" and "wait"
+    eval_ms: float = 0.0  # evaluation wall time kept out of the steps (rows with passes)
+    num_eval: int = 0  # ...in this many passes
+    device_measured: bool = False  # some step has a CUDA memory peak
+
+    def mean_ms(self, name: str) -> float:
+        """Mean time per stored row of a phase, ``total`` or ``wait``."""
+        return self.sum_ms.get(name, 0.0) / self.num_rows if self.num_rows else 0.0
+
+
+TOTALED = (*phases.PHASES, phases.TOTAL, phases.WAIT)
+"""What :attr:`RankTotals.sum_ms` holds, by name."""
+
+
+@dataclass(frozen=True)
 class RunData:
-    """Everything the diagnosis needs about one run."""
+    """Everything the diagnosis needs about one run.
+
+    ``steps`` holds the rows the reader loaded: every stored one, or (the final
+    summary's bounded read) each rank's steps around the summary window only.
+    ``totals`` says what the whole run's steps add up to per rank; None (a
+    hand-built run) means ``steps`` is the whole run: see :func:`rank_totals`."""
 
     meta: RunMeta
     steps: tuple[StepRow, ...]
@@ -182,6 +222,36 @@ class RunData:
     system: tuple[SystemSample, ...]
     flop_counts: tuple[FlopCount, ...] = ()
     incidents: tuple[Incident, ...] = ()
+    totals: tuple[RankTotals, ...] | None = None  # per rank, ascending
+
+
+def totals_of(steps: Sequence[StepRow]) -> tuple[RankTotals, ...]:
+    """Per rank, what these step rows add up to (ascending by rank)."""
+    sums: dict[int, dict[str, float]] = {}
+    counts: dict[int, list[int]] = {}  # rows, last step, passes, CUDA rows
+    evals: dict[int, float] = {}
+    for row in steps:
+        if row.rank not in sums:
+            sums[row.rank] = dict.fromkeys((p.name for p in TOTALED), 0.0)
+            counts[row.rank] = [0, row.step, 0, 0]
+            evals[row.rank] = 0.0
+        rank_sums, c = sums[row.rank], counts[row.rank]
+        for p in TOTALED:
+            rank_sums[p.name] += row.ms(p.name)
+        c[0] += 1
+        c[1] = max(c[1], row.step)
+        c[2] += row.num_eval
+        c[3] += row.peak_allocated_bytes is not None
+        if row.num_eval:
+            evals[row.rank] += row.eval_ms
+    return tuple(RankTotals(r, counts[r][0], counts[r][1], sums[r], evals[r], counts[r][2],
+                            counts[r][3] > 0) for r in sorted(sums))
+
+
+def rank_totals(run: RunData) -> dict[int, RankTotals]:
+    """Rank -> its whole run's totals (from ``steps`` when the run carries none)."""
+    totals = run.totals if run.totals is not None else totals_of(run.steps)
+    return {t.rank: t for t in totals}
 
 
 _Row = TypeVar("_Row", StepRow, ProcessSample, GpuSample, FlopCount)

@@ -1,7 +1,8 @@
 """How the training loop was read: the step boundary rule, where input time
 comes from, and evaluation passes kept out of the steps (offline analysis).
 
-Runs in the offline-analysis process.  Pure functions of stored step rows:
+Runs in the offline-analysis process.  Pure functions of stored step rows (and
+of each rank's whole-run totals, for evaluation):
 the collector marks each step with what ended it (`traceml.phases.STEP_BOUNDARIES`)
 and the evaluation that ran right before it began; a step with DataLoader
 fetches has ``num_input`` > 0.
@@ -13,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from traceml import phases
-from traceml.diagnosis.samples import StepRow
+from traceml.diagnosis.samples import RankTotals, StepRow
 
 BOUNDARY_TEXT: Mapping[str, str] = {
     "optimizer": "optimizer",
@@ -54,12 +55,7 @@ def input_source(by_rank: Mapping[int, Sequence[StepRow]]) -> str | None:
     return "before_forward" if boundary_rule(rows) == "optimizer" else "copies"
 
 
-def evaluation_by_rank(steps: Iterable[StepRow]) -> dict[int, tuple[float, int]]:
+def evaluation_by_rank(totals: Iterable[RankTotals]) -> dict[int, tuple[float, int]]:
     """Per rank, the evaluation kept out of its steps over the whole run: wall
     time (ms) and number of passes; ranks without any are left out."""
-    out: dict[int, tuple[float, int]] = {}
-    for row in steps:
-        if row.num_eval:
-            total_ms, num = out.get(row.rank, (0.0, 0))
-            out[row.rank] = (total_ms + row.eval_ms, num + row.num_eval)
-    return out
+    return {t.rank: (t.eval_ms, t.num_eval) for t in totals if t.num_eval}

@@ -30,6 +30,7 @@ from traceml.diagnosis.finding import (
     order_findings,
 )
 from traceml.diagnosis.outliers import RankOutliers, find_outliers, outlier_steps
+from traceml.diagnosis.samples import ms_column
 from traceml.diagnosis.stats import Distribution, distribution
 from traceml.diagnosis.window import StepWindow
 
@@ -96,7 +97,7 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
         outliers = find_outliers(rank, every)
         slow = set(outliers.steps)
         rows = [r for r in every if r.step not in slow]
-        dists = {p: distribution([r.ms(p) for r in rows]) for p in PHASES}
+        dists = {p: distribution(ms_column(rows, p)) for p in PHASES}
         # Timed once any step timed a collective; a step without one had none in flight.
         flights = [r.collective_ms for r in rows]
         collective = None if all(f is None for f in flights) else distribution(

@@ -12,6 +12,7 @@ else all its samples; so a rank with samples is never missing from them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -70,9 +71,8 @@ class StepWindow:
             num_counted_steps=self.num_counted_steps,
         )
 
-    def time_span(self) -> tuple[float, float] | None:
-        """Unix seconds from the first window step's start to the last one's end,
-        when steps carry end times; None otherwise."""
+    @functools.cached_property  # a frozen instance's __dict__ takes it all the same
+    def _time_span(self) -> tuple[float, float] | None:
         rows = [row for rank_rows in self.by_rank.values() for row in rank_rows]
         ends = [row.t for row in rows if row.t is not None]
         if not rows or len(ends) < len(rows):
@@ -80,10 +80,30 @@ class StepWindow:
         starts = [row.t - row.total_ms / 1000.0 for row in rows if row.t is not None]
         return min(starts), max(ends)
 
+    def time_span(self) -> tuple[float, float] | None:
+        """Unix seconds from the first window step's start to the last one's end,
+        when steps carry end times; None otherwise."""
+        return self._time_span
+
 
 def warmup_steps(num_aligned: int) -> int:
     """How many of the first aligned steps are warm-up: min(5, floor(10 %))."""
     return min(thresholds.WARMUP_MAX_STEPS, int(num_aligned * thresholds.WARMUP_FRACTION))
+
+
+def tail_decides(num_aligned: int, window_rows: int) -> bool:
+    """Whether the last ``num_aligned`` aligned steps give the window all of them would:
+    enough for the window after the longest warm-up, and already that warm-up's length."""
+    return (num_aligned >= window_rows + thresholds.WARMUP_MAX_STEPS
+            and warmup_steps(num_aligned) == thresholds.WARMUP_MAX_STEPS)
+
+
+def num_aligned(steps: Iterable[StepRow], ranks: Iterable[int] = ()) -> int:
+    """How many step indices every rank of ``steps`` (and of ``ranks``) holds."""
+    per_rank: dict[int, set[int]] = {rank: set() for rank in ranks}
+    for row in steps:
+        per_rank.setdefault(row.rank, set()).add(row.step)
+    return len(set.intersection(*per_rank.values())) if per_rank else 0
 
 
 def select_window(steps: Iterable[StepRow], window_rows: int, world_size: int) -> StepWindow:

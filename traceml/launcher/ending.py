@@ -1,7 +1,8 @@
 """What the launcher writes and prints when the run is over (launcher side).
 
 The final summary is written in every ending (normal exit, a failing or
-killed rank, Ctrl-C); the card is printed on stdout, the per-rank phase table,
+killed rank, Ctrl-C); the card is printed on stdout, the per-rank phase table
+(the whole run's means, summed in SQL; the slowest ranks of a wide job),
 the per-rank throughput (when measured) and the session folder on stderr.
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from traceml import phases
-from traceml.diagnosis.samples import StepRow
+from traceml.diagnosis.samples import RunData, rank_totals
 from traceml.diagnosis.throughput import RankThroughput
 from traceml.errors import UsageError
 from traceml.protocol import RunEnd
@@ -24,22 +25,29 @@ from traceml.store import STORE_FILENAME
 PARTS = (*phases.stacked(), phases.TOTAL)
 
 
-def phase_table(steps: tuple[StepRow, ...]) -> str:
-    """Per-rank mean phase times."""
-    by_rank: dict[int, list[StepRow]] = {}
-    for row in steps:
-        by_rank.setdefault(row.rank, []).append(row)
-    table = []
-    shown = phases.visible(PARTS, lambda p: any(r.ms(p.name) > 0 for r in steps))
-    for rank in sorted(by_rank):
-        rows = by_rank[rank]
-        means = [sum(r.ms(p.name) for r in rows) / len(rows) for p in shown]
-        table.append([f"r{rank}", len(rows), *(f"{m:.2f}" for m in means)])
+MAX_TABLE_RANKS = 16
+"""Ranks the phase table lists; a wider job shows its slowest ranks by mean step time."""
+
+
+def phase_table(run: RunData) -> str:
+    """Per-rank mean phase times over the whole run (at most :data:`MAX_TABLE_RANKS`
+    ranks: the slowest, in rank order)."""
+    totals = rank_totals(run)
+    shown = phases.visible(PARTS, lambda p: any(t.sum_ms.get(p.name, 0.0) > 0
+                                                for t in totals.values()))
+    ranks = sorted(totals)
+    title = "traceml: mean time per step"
+    if len(ranks) > MAX_TABLE_RANKS:
+        slowest = sorted(ranks, key=lambda r: (-totals[r].mean_ms("total"), r))
+        ranks = sorted(slowest[:MAX_TABLE_RANKS])
+        title += f" ({MAX_TABLE_RANKS} slowest of {len(totals)} ranks)"
+    table = [[f"r{rank}", totals[rank].num_rows,
+              *(f"{totals[rank].mean_ms(p.name):.2f}" for p in shown)] for rank in ranks]
     if not table:
         return "traceml: no training steps were captured."
     headers = ["rank", "steps", *(f"{p.name} ms" for p in shown)]
     rendered: str = tabulate(table, headers=headers, disable_numparse=True)
-    return "traceml: mean time per step\n" + rendered
+    return f"{title}\n{rendered}"
 
 
 def throughput_table(report: Report) -> str | None:
@@ -84,7 +92,7 @@ def finish(session_dir: Path, collector_alive: bool, html: bool = False,
         return
     sys.stdout.write(files.text)
     sys.stdout.flush()
-    print(phase_table(files.run.steps), file=sys.stderr)
+    print(phase_table(files.run), file=sys.stderr)
     rates = throughput_table(files.report)
     if rates is not None:
         print(rates, file=sys.stderr)

@@ -13,7 +13,7 @@ from typing import Protocol, TypeVar
 from traceml.diagnosis.ending import diagnose_ending
 from traceml.diagnosis.finding import severity_rank
 from traceml.diagnosis.process import diagnose_process, rank_process
-from traceml.diagnosis.samples import RunData
+from traceml.diagnosis.samples import RunData, rank_totals
 from traceml.diagnosis.stats import Located, MetricStat, Worst, metric_stat
 from traceml.diagnosis.step_loop import boundary_rule, evaluation_by_rank, input_source
 from traceml.diagnosis.step_memory import diagnose_step_memory, rank_memory
@@ -110,7 +110,7 @@ def _num_nodes(run: RunData) -> int:
 def _unmeasured_steps_why(run: RunData) -> str:
     if run.meta.mode == "watch":
         return "traceml watch records System and Process telemetry only, no steps."
-    if not run.steps:
+    if not run.steps and not run.totals:
         return "No training step was recorded."
     return "No step was completed by every rank after warm-up."
 
@@ -137,7 +137,7 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
 def _evaluation_stats(run: RunData, node_of: Mapping[int, int]) -> dict[str, MetricStat | None]:
     """Evaluation kept out of the steps over the whole run: wall time and passes
     per rank (median and worst); None when no rank evaluated."""
-    evals = evaluation_by_rank(run.steps)
+    evals = evaluation_by_rank(rank_totals(run).values())
     located = [(Located(ms, rank, node_of.get(rank)), Located(n, rank, node_of.get(rank)))
                for rank, (ms, n) in sorted(evals.items())]
     return {"eval_total_ms": metric_stat([ms for ms, _ in located]),

@@ -2,7 +2,8 @@
 
 Runs in the offline-analysis process (end of ``traceml run --html``,
 ``traceml report --html``). The file embeds the snapshot document whose
-``summary`` is exactly final_summary.json, plus the whole run's series, and
+``summary`` is exactly final_summary.json, plus the series of the steps the
+summary read (each rank's, around its window), and
 draws it with the same page, CSS and JS as the live dashboard: no network.
 """
 

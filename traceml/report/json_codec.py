@@ -154,17 +154,29 @@ def row_to_json(row: RankRow) -> dict[str, Json]:
 
 def _plain(value: object) -> Json:
     """Dataclasses, tuples and numbers as JSON data (non-finite floats as null)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    kind = type(value)
+    if kind is float:  # the common cases first: a wide job writes millions of them
+        return _number(value)  # type: ignore[arg-type]
+    if value is None or kind in (bool, int, str):
+        return value  # type: ignore[return-value]
+    names = _FIELD_NAMES.get(kind)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _FIELD_NAMES[kind] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
+        return {name: _plain(getattr(value, name)) for name in names}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, float):
         return _number(value)
-    if value is None or isinstance(value, (bool, int, str)):
+    if isinstance(value, (bool, int, str)):
         return value
     raise TypeError(f"cannot write {type(value).__name__} to the summary")
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+"""A dataclass's field names, by class (dataclasses.fields is slow to ask each time)."""
 
 
 def _number(value: float | None) -> float | None:

@@ -9,6 +9,7 @@ it after, so that it can print it even when the disk is full.
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
 import tempfile
@@ -80,16 +81,20 @@ def open_store(session_dir: Path) -> Iterator[StoreReader]:
         raise UsageError(f"traceml: cannot read {path}: {exc}") from None
 
 
-def load_run(session_dir: Path, end: RunEnd | None = None) -> tuple[RunData, int]:
-    """The stored run and the summary window it asked for.  ``end``: the
-    launcher's own record of the end, for a store that lacks it (its collector
-    died or hung: then the telemetry stopped early)."""
+def load_run(session_dir: Path, end: RunEnd | None = None, window_rows: int | None = None,
+             full: bool = False) -> tuple[RunData, int]:
+    """The stored run as a summary over ``window_rows`` (default: the run's own) reads
+    it, and that window.  ``end``: the launcher's own record of the end, for a store
+    that lacks it (its collector died or hung: then the telemetry stopped early).
+    ``full``: every stored row (a summary of the same findings, at the cost of the
+    whole run's rows in memory), not only the window's (`StoreReader.window_run`)."""
     with open_store(session_dir) as reader:
         records = reader.records()
         if end is not None and (records.end is None or not end.telemetry_complete):
             records = replace(records, end=end)
-        run = reader.run(records)
-    return run, summary_window(records.start)
+        window = window_rows or summary_window(records.start)
+        run = reader.run(records) if full else reader.window_run(records, window)
+    return run, window
 
 
 def summary_window(start: RunStart | None) -> int:
@@ -98,12 +103,28 @@ def summary_window(start: RunStart | None) -> int:
 
 
 def build_summary(session_dir: Path, window_rows: int | None = None,
-                  end: RunEnd | None = None) -> SummaryFiles:
-    """The report from the store (see :func:`load_run` for ``end``), not written yet."""
-    run, stored_window = load_run(session_dir, end)
-    report = build_report(run, window_rows or stored_window)
-    return SummaryFiles(report, report_to_json(report), render_text(report),
-                        session_dir / JSON_NAME, session_dir / TEXT_NAME, run)
+                  end: RunEnd | None = None, full: bool = False) -> SummaryFiles:
+    """The report from the store (see :func:`load_run` for ``end`` and ``full``), not
+    written yet."""
+    with _paused_gc():
+        run, window = load_run(session_dir, end, window_rows, full)
+        report = build_report(run, window)
+        return SummaryFiles(report, report_to_json(report), render_text(report),
+                            session_dir / JSON_NAME, session_dir / TEXT_NAME, run)
+
+
+@contextmanager
+def _paused_gc() -> Iterator[None]:
+    """Python's cycle collector off while a summary is built: a wide job's summary
+    makes a million step rows (none in a cycle), and every collection would walk
+    them all again (a third of its time at 8192 ranks)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def save_summary(files: SummaryFiles) -> None:
@@ -114,8 +135,9 @@ def save_summary(files: SummaryFiles) -> None:
     write_atomic(files.text_path, files.text.encode(), mode)
 
 
-def write_summary(session_dir: Path, window_rows: int | None = None) -> SummaryFiles:
+def write_summary(session_dir: Path, window_rows: int | None = None,
+                  full: bool = False) -> SummaryFiles:
     """Build the report from the store and write both summary files atomically."""
-    files = build_summary(session_dir, window_rows)
+    files = build_summary(session_dir, window_rows, full=full)
     save_summary(files)
     return files

@@ -88,7 +88,7 @@ def main() -> None:
     files = write_summary(slow)
     (out / "schema_problems.txt").write_text("\n".join(validate_summary(files.summary)))
     write_html(slow / "final_summary.html", files.report, files.run)
-    (out / "ending.txt").write_text(phase_table(files.run.steps))
+    (out / "ending.txt").write_text(phase_table(files.run))
     compare_main([str(fast), str(slow), "--output", str(out / "compare")])
     console = Console(width=120, record=True, file=io.StringIO(), color_system=None)
     console.print(render_view(live_snapshot(files.run, 10000, now=T0 + 1.0)))

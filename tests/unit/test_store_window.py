@@ -1,0 +1,168 @@
+"""The final summary's bounded read (`StoreReader.window_run`) gives the same report as
+reading every stored row, while loading only the window's rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.rows import run_start, step_record
+from traceml.diagnosis.samples import Incident
+from traceml.launcher.ending import phase_table
+from traceml.protocol import RunEnd, Sender
+from traceml.report.session import build_summary
+from traceml.store import STORE_FILENAME, SenderState, StepRecord, StoreWriter
+
+T0 = 1.7e9
+STEP_S = 0.05
+
+
+@dataclass
+class Attempt:
+    """Steps ``first``..``last - 1`` of one rank's attempt (restart)."""
+
+    rank: int
+    first: int
+    last: int
+    restart: int = 0
+    skip: frozenset[int] = frozenset()  # steps that never arrived
+    slower_ms: float = 0.0  # extra backward time: a straggler
+
+
+@dataclass
+class Shape:
+    attempts: list[Attempt]
+    window: int
+    sample_s: float = 1.0  # process and system sample interval
+    counted: tuple[int, ...] = (7,)  # steps the FLOP counter ran in (rank 0)
+    eval_every: int = 100
+    kill_at: float | None = None  # a SIGKILL of rank 0 at this unix time
+    nodes: int = 1
+    ranks: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ranks = sorted({a.rank for a in self.attempts})
+
+
+def _records(a: Attempt, shape: Shape) -> Iterable[StepRecord]:
+    for step in range(a.first, a.last):
+        if step in a.skip:
+            continue
+        k = (step * 7 + a.rank * 3 + a.restart) % 11
+        backward = 20.0 + k * 0.3 + a.slower_ms + (40.0 if step % 97 == 13 else 0.0)
+        phases = {"input_ms": 2.0 + 0.1 * k, "forward_ms": 10.0, "backward_ms": backward,
+                  "optimizer_ms": 3.0}
+        total = sum(phases.values()) + 1.0
+        record = step_record(step, t_begin=T0 + step * STEP_S, total_ms=total, wait_ms=1.0,
+                             num_input=1, rss_bytes=(1 << 30) + step * 4096 * (1 + a.rank),
+                             **phases)
+        evaluated = step % shape.eval_every == shape.eval_every - 1
+        yield dataclasses.replace(
+            record, flops_counted=a.rank == 0 and step in shape.counted, samples=8,
+            eval_ms=250.0 + a.rank if evaluated else 0.0, num_eval=1 if evaluated else 0)
+
+
+def _write(folder: Path, shape: Shape) -> Path:
+    writer = StoreWriter(str(folder / STORE_FILENAME))
+    writer.save_run(run_start("w", T0, shape.window, expected_world_size=len(shape.ranks)))
+    node_of = {r: r * shape.nodes // len(shape.ranks) for r in shape.ranks}
+    for a in shape.attempts:
+        who = Sender("rank", f"h{node_of[a.rank]}", 100 + a.rank, node_of[a.rank], rank=a.rank,
+                     local_rank=a.rank, world_size=len(shape.ranks), restart=a.restart)
+        writer.add_steps(who, _records(a, shape))
+        writer.save_sender(SenderState(who, T0, T0 + a.last * STEP_S, said_bye=True))
+        end_s = a.last * STEP_S
+        times = [T0 + i * shape.sample_s for i in range(int(end_s / shape.sample_s) + 1)]
+        writer.add_process(who, ("t", "cpu_pct", "rss_bytes", "host_ram_total_bytes",
+                                 "num_cpus"),
+                           [(t, 90.0 + (t - T0) % 7, 1 << 30, 64 << 30, 4) for t in times])
+    duration_s = max(a.last for a in shape.attempts) * STEP_S
+    for node in sorted(set(node_of.values())):
+        who = Sender("system", f"h{node}", 50 + node, node)
+        times = [T0 + i * shape.sample_s for i in range(int(duration_s / shape.sample_s) + 1)]
+        writer.add_system(who, ("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus"),
+                          [(t, 30.0 + (t - T0) % 5, 40.0 + (t - T0) % 50, 64 << 30, [])
+                           for t in times])
+        writer.save_sender(SenderState(who, T0, T0 + duration_s, said_bye=True))
+    if shape.kill_at is not None:
+        writer.add_incident(Incident("exit", 0, 0, "h0", 100, shape.kill_at, shape.kill_at,
+                                     detail={"signal": "SIGKILL"}))
+    writer.save_run(RunEnd(ended_at=T0 + duration_s, exit_code=137 if shape.kill_at else 0))
+    writer.close()
+    return folder
+
+
+SHAPES = {
+    "3 ranks x 400, window 50": Shape(
+        [Attempt(r, 0, 400, slower_ms=8.0 if r == 2 else 0.0) for r in range(3)], 50,
+        counted=(7, 380)),
+    "a rank stops early": Shape([Attempt(0, 0, 400), Attempt(1, 0, 250), Attempt(2, 0, 400)], 50),
+    "a restart re-runs steps": Shape(
+        [Attempt(0, 0, 300), Attempt(0, 200, 400, restart=1), Attempt(1, 0, 400)], 60),
+    "dropped steps near the end": Shape(
+        [Attempt(0, 0, 400), Attempt(1, 0, 400, skip=frozenset(range(330, 395)))], 40),
+    "one rank": Shape([Attempt(0, 0, 400)], 30),
+    "8 ranks, 2 nodes": Shape(
+        [Attempt(r, 0, 300, slower_ms=6.0 if r == 5 else 0.0) for r in range(8)], 50, nodes=2),
+    "a window between two samples": Shape([Attempt(0, 0, 400), Attempt(1, 0, 400)], 20,
+                                          sample_s=5.0),
+    "a SIGKILL after the window": Shape([Attempt(0, 0, 200), Attempt(1, 0, 400)], 50,
+                                        kill_at=T0 + 10.9),
+    "the window is the whole run": Shape([Attempt(0, 0, 40), Attempt(1, 0, 40)], 100),
+    "warm-up decided by a short run": Shape([Attempt(0, 0, 45), Attempt(1, 0, 45)], 30),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_bounded_summary_is_the_full_reads(tmp_path: Path, name: str) -> None:
+    shape = SHAPES[name]
+    folder = _write(tmp_path, shape)
+    full = build_summary(folder, full=True)
+    bounded = build_summary(folder)
+    assert bounded.summary == full.summary
+    assert bounded.text == full.text
+    assert phase_table(bounded.run) == phase_table(full.run)
+    stored = len(full.run.steps)
+    if shape.window * 3 < max(a.last for a in shape.attempts):
+        assert len(bounded.run.steps) < stored / 2, "the bounded read loaded most of the run"
+    assert len(bounded.run.process) <= len(full.run.process)
+
+
+def test_the_window_reads_each_rank_around_its_end_only(tmp_path: Path) -> None:
+    folder = _write(tmp_path, SHAPES["3 ranks x 400, window 50"])
+    files = build_summary(folder, window_rows=50)
+    steps = {(r.rank, r.step) for r in files.run.steps}
+    # 50 steps and a warm-up's margin before them, no further back
+    assert min(s for _, s in steps) >= 400 - 50 - 60
+    assert files.summary["step_time"]["scope"]["num_steps"] == 49  # step 380 was counted
+    totals = {t.rank: t for t in files.run.totals or ()}
+    assert [t.num_rows for t in totals.values()] == [400, 400, 400]  # the whole run's
+    assert totals[0].num_eval == 4 and totals[0].last_step == 399
+
+
+def test_a_store_without_the_sample_indexes_reads_the_same(tmp_path: Path) -> None:
+    folder = _write(tmp_path, SHAPES["8 ranks, 2 nodes"])
+    with_indexes = build_summary(folder)
+    db = sqlite3.connect(folder / STORE_FILENAME)
+    db.execute("DROP INDEX process_t")
+    db.execute("DROP INDEX system_t")
+    db.commit()
+    db.close()
+    (folder / STORE_FILENAME).chmod(0o444)  # as a read-only copy would be
+    assert build_summary(folder).summary == with_indexes.summary
+
+
+def test_the_phase_table_of_a_wide_job_lists_its_slowest_ranks(tmp_path: Path) -> None:
+    shape = Shape([Attempt(r, 0, 30, slower_ms=9.0 if r in (3, 17) else 0.0)
+                   for r in range(40)], 10)
+    files = build_summary(_write(tmp_path, shape))
+    table = phase_table(files.run).splitlines()
+    assert table[0] == "traceml: mean time per step (16 slowest of 40 ranks)"
+    listed = [line.split()[0] for line in table[3:]]
+    assert len(listed) == 16 and "r3" in listed and "r17" in listed
+    assert listed == sorted(listed, key=lambda r: int(r[1:]))
