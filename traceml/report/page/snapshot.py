@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from traceml import phases
-from traceml.diagnosis.samples import Json, RunData
+from traceml.diagnosis.samples import Json, RunData, rank_totals
 from traceml.diagnosis.throughput import RankThroughput
 from traceml.diagnosis.window import select_window
 from traceml.report.build import build_report, rank_nodes
@@ -136,9 +136,8 @@ def wide_view(run: RunData, report: Report, phases: tuple[RankPhases, ...]) -> W
 def phase_rows(run: RunData, report: Report) -> tuple[RankPhases, ...]:
     """Per rank: median and worst of each phase over the report's step window."""
     window = select_window(run.steps, report.step_time.scope.window_rows, run.meta.world_size)
-    last: dict[int, int] = {}
-    for row in run.steps:
-        last[row.rank] = max(last.get(row.rank, row.step), row.step)
+    # The newest step of each rank: a summary's read holds only its window's rows.
+    last = {rank: t.last_step for rank, t in rank_totals(run).items()}
     node_of = rank_nodes(run)
     out = []
     for rank in sorted(set(last) | set(window.by_rank)):
