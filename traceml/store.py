@@ -50,7 +50,7 @@ from traceml.diagnosis.samples import (
     totals_of,
 )
 from traceml.diagnosis.thresholds import WARMUP_FRACTION, WARMUP_MAX_STEPS
-from traceml.diagnosis.window import num_aligned, select_window, tail_decides
+from traceml.diagnosis.window import num_aligned, select_window, tail_decides, window_steps
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     MAX_WORLD_SIZE,
@@ -471,7 +471,7 @@ class StoreReader:
         stored rows the reader loads are checked one by one (see the module
         docstring)."""
         totals, spans = self._step_totals()
-        steps = self._window_steps(spans, window_rows)
+        steps = self._window_steps(spans, window_steps(window_rows, len(totals)))
         span = select_window(steps, window_rows, 0).time_span()
         num_ranks = max(len(totals), len({s.sender.rank for s in records.senders}))
         process = tuple(self._read(self._samples_near(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.rows import run_start, step_record
+from traceml.diagnosis import window
 from traceml.diagnosis.samples import Incident
 from traceml.launcher.ending import phase_table
 from traceml.protocol import RunEnd, Sender
@@ -166,3 +167,24 @@ def test_the_phase_table_of_a_wide_job_lists_its_slowest_ranks(tmp_path: Path) -
     listed = [line.split()[0] for line in table[3:]]
     assert len(listed) == 16 and "r3" in listed and "r17" in listed
     assert listed == sorted(listed, key=lambda r: int(r[1:]))
+
+
+def test_a_wide_jobs_window_is_capped_in_rows_and_read_the_same(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At many ranks the window keeps at most WINDOW_MAX_ROWS rows over all ranks
+    (here lowered so that 8 ranks are "many"): the bounded read then loads about
+    that, not the configured window of every rank, and still gives the full read's
+    summary."""
+    monkeypatch.setattr(window, "WINDOW_MAX_ROWS", 8 * 60)
+    shape = dataclasses.replace(SHAPES["8 ranks, 2 nodes"], window=250)
+    folder = _write(tmp_path, shape)
+    full = build_summary(folder, full=True)
+    bounded = build_summary(folder)
+    assert bounded.summary == full.summary
+    scope = bounded.summary["step_time"]["scope"]
+    assert scope["num_steps"] == 60 and scope["last_step"] == 299
+    assert scope["window_rows"] == 250  # the configured window, as the run asked
+    assert bounded.summary["step_time"]["findings"][0]["ranks"] == [5]  # the slow rank
+    assert len(bounded.run.steps) <= 8 * (60 + 60)
+    assert window.window_steps(250, 8) == 60
+    assert window.window_steps(250, 2) == 240 and window.window_steps(250, 100) == 50

@@ -4,7 +4,9 @@ Runs in the offline-analysis process. The step window is the last
 ``summary_window_rows`` steps that every rank present completed (aligned on
 the step index), after leaving out warm-up. Ranks that sent no steps at all
 (crashed before their first step, or their node never reported) are not
-waited for: they are listed as missing. A step in which the FLOP counter ran
+waited for: they are listed as missing. A wide job's window is shorter: at most
+``WINDOW_MAX_ROWS`` rows over all its ranks, never under ``WINDOW_MIN_STEPS``
+steps a rank (10 000 steps of 8192 ranks would be 82 M rows to read). A step in which the FLOP counter ran
 (on any rank) is left out too: the counter slowed it. Sample sections use each rank's (each
 node's) samples taken while the step window ran when steps carry end times,
 else all its samples; so a rank with samples is never missing from them.
@@ -86,6 +88,20 @@ class StepWindow:
         return self._time_span
 
 
+WINDOW_MAX_ROWS = 400_000
+"""The most rows a summary window holds over all ranks (8192 ranks: 50 steps each)."""
+WINDOW_MIN_STEPS = 50
+"""...but never fewer steps a rank than this."""
+
+
+def window_steps(window_rows: int, num_ranks: int) -> int:
+    """The steps per rank a window of ``window_rows`` keeps with ``num_ranks`` ranks:
+    the configured rows, shortened for a wide job (see the module docstring)."""
+    if window_rows <= 0 or num_ranks <= 0:
+        return window_rows
+    return min(window_rows, max(WINDOW_MIN_STEPS, WINDOW_MAX_ROWS // num_ranks))
+
+
 def warmup_steps(num_aligned: int) -> int:
     """How many of the first aligned steps are warm-up: min(5, floor(10 %))."""
     return min(thresholds.WARMUP_MAX_STEPS, int(num_aligned * thresholds.WARMUP_FRACTION))
@@ -115,7 +131,7 @@ def select_window(steps: Iterable[StepRow], window_rows: int, world_size: int) -
     warm = warmup_steps(len(common))
     counted = {s for rows in per_rank.values() for s, row in rows.items() if row.flops_counted}
     kept = common[warm:]
-    kept = kept[-window_rows:] if window_rows > 0 else []
+    kept = kept[-window_steps(window_rows, len(per_rank)):] if window_rows > 0 else []
     num_counted = sum(s in counted for s in kept)
     kept = [s for s in kept if s not in counted]
     by_rank = {rank: tuple(rows[s] for s in kept) for rank, rows in per_rank.items()}
