@@ -598,24 +598,36 @@ class StoreReader:
                       span: tuple[float, float] | None, num_sources: int,
                       extra: Sequence[tuple[float, float]] = ()) -> list[dict[str, Any]]:
         """The samples of ``table`` taken within ``span``; of a ``source`` with none in
-        it (a window shorter than the sample interval, or no window), its samples
-        nearest the span, at most :data:`SAMPLES_PER_SOURCE` shared out (so all of
-        them in a short run, as `traceml.diagnosis.window.in_span` takes); and those
-        within the ``extra`` spans.  Oldest first."""
-        start, end = span if span is not None else (math.inf, -math.inf)
-        near = (start + end) / 2 if span is not None else _LIMIT
+        it (a window shorter than the sample interval), its samples nearest the span,
+        and with no span (no step window: ``traceml watch``) its latest ones, at most
+        :data:`SAMPLES_PER_SOURCE` shared out (so all of them in a short run, as
+        `traceml.diagnosis.window.in_span` takes); and those within the ``extra``
+        spans (merged where they overlap, asked in chunks).  Oldest first."""
         cap = max(MIN_SAMPLES_PER_SOURCE, SAMPLES_PER_SOURCE // max(1, num_sources))
-        inside = f"{where} AND t >= ? AND t <= ?"
-        select = f"SELECT rowid AS row_id, *, 0 AS nearness FROM {table} WHERE {inside}"
-        params: list[Any] = [near, start, end, cap, start, end]
-        for low, high in extra:
-            params += [low, high]
-        rows = self._rows(
-            f"SELECT * FROM (SELECT rowid AS row_id, *, ROW_NUMBER() OVER ("
-            f"PARTITION BY {source} ORDER BY ABS(t - ?)) AS nearness FROM {table} "
-            f"WHERE {where} AND {source} NOT IN (SELECT {source} FROM {table} WHERE {inside})) "
-            f"WHERE nearness <= ? UNION ALL {select}"
-            + f" UNION ALL {select}" * len(extra) + " ORDER BY t, row_id", params)
+        columns = f"rowid AS row_id, *, {source} AS _source"
+        if span is None:
+            rows = self._rows(
+                f"SELECT * FROM (SELECT {columns}, ROW_NUMBER() OVER (PARTITION BY {source} "
+                f"ORDER BY t DESC) AS nearness FROM {table} WHERE {where}) WHERE nearness <= ?",
+                (cap,))
+        else:
+            start, end = span
+            inside = f"{where} AND t >= ? AND t <= ?"
+            rows = self._rows(
+                f"SELECT * FROM (SELECT {columns}, ROW_NUMBER() OVER (PARTITION BY {source} "
+                f"ORDER BY ABS(t - ?)) AS nearness FROM {table} WHERE {where} AND {source} "
+                f"NOT IN (SELECT {source} FROM {table} WHERE {inside})) WHERE nearness <= ? "
+                f"UNION ALL SELECT {columns}, 0 AS nearness FROM {table} WHERE {inside}",
+                ((start + end) / 2, start, end, cap, start, end))
+        spans = _merged_spans(extra)
+        for i in range(0, len(spans), _SPANS_PER_QUERY):
+            chunk = spans[i:i + _SPANS_PER_QUERY]
+            rows += self._rows(
+                f"SELECT {columns}, 0 AS nearness FROM {table} WHERE {where} AND ("
+                + " OR ".join(["(t >= ? AND t <= ?)"] * len(chunk)) + ")",
+                [bound for low_high in chunk for bound in low_high])
+        rows.sort(key=lambda r: (r["t"] if isinstance(r["t"], (int, float)) else math.inf,
+                                 r["row_id"]))
         return list({r["row_id"]: r for r in rows}.values())  # a sample in two spans once
 
     def incidents(self) -> tuple[Incident, ...]:
@@ -896,6 +908,20 @@ def _merged(parts: Sequence[RankTotals]) -> RankTotals:
         sum_ms={p.name: sum(t.sum_ms.get(p.name, 0.0) for t in parts) for p in TOTALED},
         eval_ms=sum(p.eval_ms for p in parts), num_eval=sum(p.num_eval for p in parts),
         device_measured=any(p.device_measured for p in parts))
+
+
+_SPANS_PER_QUERY = 100  # OR terms of one query (SQLite caps a compound SELECT at 500 terms)
+
+
+def _merged_spans(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` sorted, those that overlap made one (crashes of a job come together)."""
+    out: list[tuple[float, float]] = []
+    for low, high in sorted(spans):
+        if out and low <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], high))
+        else:
+            out.append((low, high))
+    return out
 
 
 def _crash_spans(incidents: Sequence[Incident]) -> list[tuple[float, float]]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.rows import run_start, step_record
+from traceml import store
 from traceml.diagnosis import window
 from traceml.diagnosis.samples import Incident
 from traceml.launcher.ending import phase_table
@@ -188,3 +189,55 @@ def test_a_wide_jobs_window_is_capped_in_rows_and_read_the_same(
     assert len(bounded.run.steps) <= 8 * (60 + 60)
     assert window.window_steps(250, 8) == 60
     assert window.window_steps(250, 2) == 240 and window.window_steps(250, 100) == 50
+
+
+def test_hundreds_of_crashed_ranks_still_get_their_summary(tmp_path: Path) -> None:
+    """Every rank of a wide job aborted (the NCCL watchdog's SIGABRT): one crash
+    incident per rank, whose host samples the ending reads; far more spans than
+    one SQLite query may hold, and the summary is the full read's."""
+    num_ranks = 600
+    writer = StoreWriter(str(tmp_path / STORE_FILENAME))
+    writer.save_run(run_start("w", T0, 50, num_ranks))
+    for r in range(num_ranks):
+        who = Sender("rank", "h0", 100 + r, 0, rank=r, local_rank=r, world_size=num_ranks)
+        writer.add_steps(who, [step_record(s, t_begin=T0 + s * 0.1, total_ms=100.0, wait_ms=1.0,
+                                           forward_ms=50.0) for s in range(60)])
+        writer.save_sender(SenderState(who, T0, T0 + 6))
+        at = T0 + 6.0 + r * 0.05  # spread over 30 s: spans that overlap and some that do not
+        writer.add_incident(Incident("exit", r, 0, "h0", 100 + r, at, at + 0.1,
+                                     detail={"exit_code": -6, "signal": "SIGABRT"}))
+    system = Sender("system", "h0", 50, 0)
+    writer.add_system(system, ("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus"),
+                      [(T0 + i, 10.0, 40.0 + i, 64 << 30, []) for i in range(60)])
+    writer.save_sender(SenderState(system, T0, T0 + 60, said_bye=True))
+    writer.save_run(RunEnd(ended_at=T0 + 60, exit_code=1))
+    writer.close()
+    bounded, full = build_summary(tmp_path), build_summary(tmp_path, full=True)
+    assert bounded.summary == full.summary
+    assert bounded.summary["primary"]["label"] == "CRASHED"
+
+
+def test_a_watch_summary_reads_the_latest_samples_of_each_source(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No step window (traceml watch): at most SAMPLES_PER_SOURCE shared out, the
+    latest of each rank and node (lowered here to stand for a week of samples)."""
+    monkeypatch.setattr(store, "SAMPLES_PER_SOURCE", 2 * 70)
+    writer = StoreWriter(str(tmp_path / STORE_FILENAME))
+    writer.save_run(dataclasses.replace(run_start("w", T0, 100, 1), mode="watch"))
+    who = Sender("rank", "h0", 100, 0, rank=0, local_rank=0, world_size=1)
+    writer.add_process(who, ("t", "cpu_pct", "rss_bytes", "host_ram_total_bytes", "num_cpus"),
+                       [(T0 + i, 50.0 if i < 200 else 5.0, 1 << 30, 64 << 30, 4)
+                        for i in range(400)])
+    writer.save_sender(SenderState(who, T0, T0 + 400, said_bye=True))
+    system = Sender("system", "h0", 50, 0)
+    writer.add_system(system, ("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus"),
+                      [(T0 + i, 90.0 if i < 200 else 10.0, 40.0, 64 << 30, [])
+                       for i in range(400)])
+    writer.save_sender(SenderState(system, T0, T0 + 400, said_bye=True))
+    writer.save_run(RunEnd(ended_at=T0 + 400, exit_code=0))
+    writer.close()
+    run = build_summary(tmp_path).run
+    for samples in (run.process, run.system):
+        kept = len(samples)
+        assert 60 <= kept <= 140  # its share of the cap, at least MIN_SAMPLES_PER_SOURCE
+        assert [s.t - T0 for s in samples] == [float(i) for i in range(400 - kept, 400)]
