@@ -283,3 +283,21 @@ def test_a_c10d_relay_takes_its_node_rank_from_its_ranks(tmp_path: Path) -> None
         assert relays == [(-1, True, 0), (3, False, 0)]
     finally:
         nodes.close()
+
+
+def test_a_relay_cannot_report_a_crash_of_another_nodes_rank(nodes: Nodes) -> None:
+    """Node 1's launcher (through its relay) says rank 0 was SIGKILLed, but rank 0
+    speaks to node 0 directly: refused and counted, and rank 0's ending untouched."""
+    direct = nodes.agent(Sender("rank", HOST, 4242, 0, rank=0, local_rank=0, world_size=16),
+                         port=nodes.listener0.port)
+    direct.send(protocol.KIND_HELLO, {"t": time.time()})
+    nodes.pump_until(lambda: any(s.sender.rank == 0 for s in nodes.collector0.senders.values()))
+    sampler = nodes.agent(Sender("system", HOST, 31337, 1))
+    sampler.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
+        protocol.EXIT, 1.7e9, 1.7e9 + 1, rank=0, pid=4242,
+        detail={"exit_code": -9, "signal": "SIGKILL"})))
+    own = nodes.agent(rank(8))  # and one about its own rank still arrives
+    own.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
+        protocol.STALL, 1.7e9, 1.7e9 + 5)))
+    nodes.pump_until(lambda: nodes.collector0.rejected.get("incident about a rank of another node"))
+    nodes.pump_until(lambda: nodes.rows("SELECT what, rank FROM incidents") == [("stall", 8)])

@@ -26,7 +26,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import orjson
 import zmq
@@ -295,6 +295,12 @@ class Collector:
                 if senders[i] is not None:
                     add(senders[i], fields, rows)
         for row_id, node_rank, cleared_at, step, phase, open_phases, r in batch.incidents:
+            speaker = self._relayed_rank(relay, r.rank, r.pid)
+            if speaker is False:
+                self.reject("incident about a rank of another node")
+                continue
+            if speaker is not None:
+                node_rank = speaker.node_rank
             row = self.store.add_incident(Incident(
                 what=r.what, rank=r.rank, node_rank=node_rank, host=relay.host, pid=r.pid,
                 began_at=r.began_at, detected_at=r.at, cleared_at=cleared_at, step=step,
@@ -306,6 +312,17 @@ class Collector:
             if (relay.sender_id, row_id) in self.relayed_rows:
                 self.store.clear_stall(self.relayed_rows.pop((relay.sender_id, row_id)), at)
         self.relayed_rejected[relay.sender_id] = batch.rejected
+
+    def _relayed_rank(self, relay: Sender, rank: int | None,
+                      pid: int | None) -> Sender | None | Literal[False]:
+        """The sender of the rank a relayed incident is about: False when that rank
+        speaks here directly or through another relay (a relay speaks for its own
+        node's ranks only); None when the rank never spoke (it crashed first)."""
+        known = [s.sender for s in self.senders.values()
+                 if s.sender.role == "rank" and s.sender.rank == rank]
+        if any(self.relayed_by.get(s.sender_id) != relay.sender_id for s in known):
+            return False
+        return next((s for s in known if s.pid == pid), None)
 
     def _relayed_sender(self, relay: Sender, who: Sender, values: list[Any],
                         now: float) -> Sender | None:
