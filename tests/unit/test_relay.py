@@ -19,9 +19,10 @@ from traceml import protocol
 from traceml.collector.relay import Outbox, open_outbox
 from traceml.collector.server import Collector, CollectorConfig, Listener
 from traceml.collector.steps import RankSteps
+from traceml.diagnosis.samples import Incident
 from traceml.protocol import Envelope, IncidentReport, Sender
 from traceml.security import derive_keys, relay_keys, secure_client
-from traceml.store import StoreWriter
+from traceml.store import SenderState, StoreWriter
 
 SESSION, SECRET = "relay-test", "a secret"
 HOST = socket.gethostname()
@@ -301,3 +302,31 @@ def test_a_relay_cannot_report_a_crash_of_another_nodes_rank(nodes: Nodes) -> No
         protocol.STALL, 1.7e9, 1.7e9 + 5)))
     nodes.pump_until(lambda: nodes.collector0.rejected.get("incident about a rank of another node"))
     nodes.pump_until(lambda: nodes.rows("SELECT what, rank FROM incidents") == [("stall", 8)])
+
+
+def test_a_batch_node_0_did_not_take_gives_its_states_to_the_next(tmp_path: Path) -> None:
+    """Node 0 unreachable: the batch times out and is dropped (counted), but the
+    rank's goodbye and its crash go out with the next batch."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = CollectorConfig(SESSION, "127.0.0.1", 0, "", 0, secret=SECRET,
+                             upstream=f"tcp://127.0.0.1:{port}", node_rank=1)
+    outbox = open_outbox(config)
+    try:
+        who = rank(8)
+        outbox.save_sender(SenderState(who, 1.7e9, 1.7e9 + 1, said_bye=True))
+        outbox.add_incident(Incident("exit", 8, 1, HOST, who.pid, 1.7e9, 1.7e9 + 1,
+                                     detail={"signal": "SIGKILL"}))
+        while outbox.upstream.send(protocol.KIND_HELLO, {"t": time.time()}):
+            pass  # queued for the connection until the high-water mark: then it waits, drops
+        dropped = outbox.upstream.num_dropped
+        outbox.commit()
+        assert outbox.upstream.num_dropped == dropped + 1
+        batch = outbox.take()
+        assert batch is not None
+        assert [(s.sender_id, values[-1]) for s, values in batch.senders] == [(who.sender_id, True)]
+        assert len(batch.incidents) == 1
+    finally:
+        outbox.upstream.sock.close(0)
+        outbox.upstream.context.term()

@@ -155,10 +155,17 @@ class Outbox:
         """Only node 0's collector answers join checks."""
 
     def commit(self) -> None:
-        """Send what arrived since the last batch, as one message."""
+        """Send what arrived since the last batch, as one message.  A batch node 0
+        did not take (it was slow or gone) gives back its sender states, incidents
+        and cleared stalls to the next one: a rank's goodbye or a stall's end is
+        never lost with it (its steps and samples are, counted as one drop)."""
+        held = self._states, self._incidents, self._clears, self._rejected_sent
         batch = self.take()
-        if batch is not None:
-            self.upstream.send(protocol.KIND_RELAY, protocol.relay_payload(batch))
+        if batch is not None and not self.upstream.send(
+                protocol.KIND_RELAY, protocol.relay_payload(batch)):
+            states, incidents, clears, self._rejected_sent = held
+            self._states = {**states, **self._states}
+            self._incidents, self._clears = incidents + self._incidents, clears + self._clears
 
     def close(self) -> None:
         self.commit()
