@@ -142,7 +142,9 @@ class Collector:
         self.num_steps = 0
         self.relayed_by: dict[str, str] = {}  # sender id -> the relay that speaks for it
         self.relayed_rows: dict[tuple[str, int], int] = {}  # (relay, its stall id) -> row
-        self.relayed_rejected: dict[str, dict[str, int]] = {}  # relay -> what it rejected
+        # relay process (host, pid: its id changes when a c10d relay learns its node) ->
+        # the running totals of what it rejected
+        self.relayed_rejected: dict[tuple[str, int], dict[str, int]] = {}
         self._prefix = intake.session_prefix(config.session_id)
 
     def handle(self, data: bytes, from_launcher: bool = False, from_relay: bool = False) -> None:
@@ -311,7 +313,7 @@ class Collector:
         for row_id, at in batch.clears:
             if (relay.sender_id, row_id) in self.relayed_rows:
                 self.store.clear_stall(self.relayed_rows.pop((relay.sender_id, row_id)), at)
-        self.relayed_rejected[relay.sender_id] = batch.rejected
+        self.relayed_rejected[(relay.host, relay.pid)] = batch.rejected
 
     def _relayed_rank(self, relay: Sender, rank: int | None,
                       pid: int | None) -> Sender | None | Literal[False]:
