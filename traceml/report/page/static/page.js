@@ -276,6 +276,7 @@
 
   function renderPhaseCharts(doc) {
     if (doc.wide) { renderBandCharts(doc); return; }
+    $("phases-title").textContent = "Step time per phase over steps, per rank";
     const ranks = doc.series.ranks;
     if (!ranks.length) { fill("phases", el("p", { class: "empty" }, "No steps yet.")); return; }
     const [lo, hi] = stepRange(ranks);
