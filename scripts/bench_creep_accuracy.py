@@ -16,14 +16,13 @@ runs) and exits 1 when any case misses.  About 6 s per run on 2 idle cores.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from accuracy_runs import run_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "creep_cases.py"
@@ -33,15 +32,8 @@ MB = 1e6
 
 def run_case(case: str, steps: int, logs: Path, n: int) -> dict[str, Any]:
     """One traceml run of one case; its final_summary.json."""
-    session = f"{case}-{n}"
-    cmd = [sys.executable, "-m", "traceml", "run", "--logs-dir", str(logs), "--session-id",
-           session, str(SCRIPT), "--case", case, "--steps", str(steps)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode != 0:
-        raise SystemExit(f"{case} run {n} failed:\n{done.stderr[-2000:]}")
-    summary: dict[str, Any] = json.loads((logs / session / "final_summary.json").read_text())
-    return summary
+    return run_summary(logs, f"{case}-{n}", [str(SCRIPT), "--case", case, "--steps", str(steps)],
+                       600, f"{case} run {n}")
 
 
 def creep(summary: dict[str, Any]) -> dict[str, Any] | None:

@@ -23,16 +23,15 @@ misses.  About 8 s per run on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from accuracy_runs import run_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "ddp_cases.py"
@@ -51,16 +50,9 @@ class Tally:
 
 def run_case(case: str, delay_ms: float, steps: int, logs: Path, n: int) -> dict[str, Any]:
     """One traceml run of one case; its final_summary.json."""
-    session = f"{case}-{n}"
-    cmd = [sys.executable, "-m", "traceml", "run", "--logs-dir", str(logs), "--session-id",
-           session, "--nproc-per-node", "2", str(SCRIPT), "--case", case, "--delay-ms",
-           str(delay_ms), "--steps", str(steps)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    if done.returncode != 0:
-        raise SystemExit(f"{case} run {n} failed:\n{done.stderr[-2000:]}")
-    summary: dict[str, Any] = json.loads((logs / session / "final_summary.json").read_text())
-    return summary
+    return run_summary(logs, f"{case}-{n}", ["--nproc-per-node", "2", str(SCRIPT), "--case", case,
+                                             "--delay-ms", str(delay_ms), "--steps", str(steps)],
+                       300, f"{case} run {n}")
 
 
 def stragglers(summary: dict[str, Any]) -> list[dict[str, Any]]:
