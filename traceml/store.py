@@ -433,8 +433,8 @@ class StoreReader:
                 self._skip(f"stored {what} row with bad values")
         return out
 
-    def _skip(self, reason: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+    def _skip(self, reason: str, n: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + n
 
     def _run_record(self, cls: type[_Run], meta: Mapping[str, Any], key: str) -> _Run | None:
         """The run record kept in ``meta``, if its ``key`` is there and it is whole."""
@@ -514,8 +514,7 @@ class StoreReader:
             try:
                 rank = _integer(g["rank"], 0, MAX_WORLD_SIZE - 1)
             except ValueError:  # none of its rows can be read
-                for _ in range(int(g["num_rows"])):
-                    self._skip("stored step row with bad values")
+                self._skip("stored step row with bad values", int(g["num_rows"]))
                 continue
             try:
                 first, part = _integer(g["first_step"], 0), _group_totals(rank, g)

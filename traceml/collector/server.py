@@ -166,7 +166,8 @@ class Collector:
         return all(state.said_bye for state in self.senders.values())
 
     def reject(self, reason: str, n: int = 1) -> None:
-        self.rejected[reason] = self.rejected.get(reason, 0) + n
+        if n > 0:
+            self.rejected[reason] = self.rejected.get(reason, 0) + n
 
     def _state(self, env: Envelope) -> SenderState:
         """The sender's state; Rejected for a replay, or a sender speaking for
@@ -274,11 +275,9 @@ class Collector:
             self.store.add_flop_counts(sender, steps.flop_counts)
             steps.flop_counts = []
         plausible = [r for r in records if _plausible(r)]
-        for _ in range(len(records) - len(plausible)):
-            self.reject("implausible step times")
+        self.reject("implausible step times", len(records) - len(plausible))
         stored = self.store.add_steps(sender, plausible)
-        for _ in range(len(plausible) - stored):
-            self.reject("duplicate step")
+        self.reject("duplicate step", len(plausible) - stored)
         self.num_steps += stored
 
     def _relayed(self, relay: Sender, batch: RelayBatch) -> None:
@@ -360,11 +359,9 @@ class Collector:
                     for s in senders]
         rows = [p + v for p, v in zip(map(prefixes.__getitem__, index), zip(*values))
                 if p is not None]
-        if len(rows) < len(index):
-            self.reject("relayed step of a refused sender", len(index) - len(rows))
+        self.reject("relayed step of a refused sender", len(index) - len(rows))
         stored = self.store.add_step_rows(rows)
-        if stored < len(rows):
-            self.reject("duplicate step", len(rows) - stored)
+        self.reject("duplicate step", len(rows) - stored)
         self.num_steps += stored
 
     def all_rejected(self) -> dict[str, int]:

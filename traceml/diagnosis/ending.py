@@ -160,7 +160,7 @@ def _where(i: Incident) -> str:
     return stacks.where(i.stack)
 
 
-def _rank(i: Incident, run: RunData) -> str:
+def _rank(i: Incident) -> str:
     """``r1 (n0)``: the rank and its node."""
     return f"r{i.rank} (n{i.node_rank})"
 
@@ -182,15 +182,15 @@ def stalled_finding(stalled: Sequence[Incident], run: RunData, end: float,
     named = culprits or [min(stalled, key=lambda s: s.began_at)]
     lead = named[0]
     why = ", ".join(
-        f"{_rank(s, run)} made no progress for {_seconds(max(0.0, end - s.began_at))}"
+        f"{_rank(s)} made no progress for {_seconds(max(0.0, end - s.began_at))}"
         f"{_at_step(s, run)} {where_phase(s)} ({_where(s)})" for s in named)
     if culprits and waiters:
-        why += "; " + ", ".join(f"{_rank(s, run)} waited for it {where_phase(s)} ({_where(s)})"
+        why += "; " + ", ".join(f"{_rank(s)} waited for it {where_phase(s)} ({_where(s)})"
                                 for s in waiters)
     elif not culprits:
         why = (f"Every stalled rank is inside a collective, so no stack names one culprit: "
                f"{why}, the first to stop; "
-               + ", ".join(f"{_rank(s, run)} {where_phase(s)} ({_where(s)})"
+               + ", ".join(f"{_rank(s)} {where_phase(s)} ({_where(s)})"
                            for s in waiters if s is not lead))
     stalled_ranks = {s.rank for s in stalled}
     others = [r for r in range(run.meta.world_size) if r not in stalled_ranks]
@@ -203,13 +203,13 @@ def stalled_finding(stalled: Sequence[Incident], run: RunData, end: float,
         next_step = ("Make every rank call the same collectives in the same order: look for a "
                      "collective under a rank-only branch (if rank == 0), ranks with a "
                      f"different number of batches, or a rank that left the loop early; "
-                     f"{_rank(lead, run)} stopped first at {_where(lead)}.")
+                     f"{_rank(lead)} stopped first at {_where(lead)}.")
     elif lead.phase == "input":
-        next_step = (f"{_rank(lead, run)} is stuck fetching its batch: a DataLoader worker "
+        next_step = (f"{_rank(lead)} is stuck fetching its batch: a DataLoader worker "
                      "hangs or died, or its storage stopped answering; DataLoader(timeout=...) "
                      "turns such a hang into an error that names it.")
     else:
-        next_step = (f"Look at what {_rank(lead, run)} runs at {_where(lead)}: a rank-only "
+        next_step = (f"Look at what {_rank(lead)} runs at {_where(lead)}: a rank-only "
                      "code path, a lock, blocking I/O or an endless loop; every other rank "
                      "waits for it in its next collective.")
     return Finding("STALLED", "STALLED", "crit", why, next_step,
@@ -228,15 +228,15 @@ def cleared_finding(cleared: Sequence[Incident], stalls: Sequence[Incident],
         longest.cleared_at or longest.began_at) and (s.cleared_at or float("inf")) > longest.began_at]
     culprits, waiters = stall_roles([longest, *alongside])
     lead = culprits[0] if culprits else longest
-    why = (f"{_rank(lead, run)} made no progress for {_seconds(duration)}{_at_step(lead, run)} "
+    why = (f"{_rank(lead)} made no progress for {_seconds(duration)}{_at_step(lead, run)} "
            f"{where_phase(lead)} ({_where(lead)}); then its steps resumed")
     if waiters and lead not in waiters:
-        why += "; " + ", ".join(f"{_rank(s, run)} waited {where_phase(s)}" for s in waiters)
+        why += "; " + ", ".join(f"{_rank(s)} waited {where_phase(s)}" for s in waiters)
     more = len([s for s in cleared if s is not longest and s not in alongside])
     if more:
         why += f"; {more} more stall{'s' if more > 1 else ''} cleared"
     return Finding("STALL_CLEARED", "STALL CLEARED", "warn", why + ".",
-                   f"Look at what {_rank(lead, run)} runs at {_where(lead)}: that pause cost "
+                   f"Look at what {_rank(lead)} runs at {_where(lead)}: that pause cost "
                    "every rank its duration.", (lead.rank,), {"stalled_s": duration})
 
 
@@ -285,7 +285,7 @@ def _crash_clause(c: Incident, run: RunData) -> str:
     kind = c.detail.get("type") or c.detail.get("signal") or f"exit {c.detail.get('exit_code')}"
     message = str(c.detail.get("message") or "")
     said = f"{kind}: {_short(message)}" if message else str(kind)
-    return f"{_rank(c, run)} failed{_at_step(c, run)} {where_phase(c)} ({said})"
+    return f"{_rank(c)} failed{_at_step(c, run)} {where_phase(c)} ({said})"
 
 
 def _short(text: str, limit: int = 160) -> str:
@@ -298,7 +298,7 @@ def crash_finding(crashes: Sequence[Incident], run: RunData,
     """CRASHED (or FAILED): the first rank to die, how, where; who followed, and who
     was left waiting for it."""
     first = crashes[0]
-    rank, at = _rank(first, run), f"{_at_step(first, run)} {where_phase(first)}"
+    rank, at = _rank(first), f"{_at_step(first, run)} {where_phase(first)}"
     detail = first.detail
     kind = "CRASHED"
     if detail.get("capacity_bytes") is not None or "requested_bytes" in detail:
@@ -338,7 +338,7 @@ def crash_finding(crashes: Sequence[Incident], run: RunData,
         why += "; then " + "; ".join(_crash_clause(c, run) for c in followers)
     waiting_ranks = [s for s in left_waiting if s.rank != first.rank and waiting(s)]
     if waiting_ranks:
-        why += "; " + ", ".join(f"{_rank(s, run)} was left waiting for it {where_phase(s)}"
+        why += "; " + ", ".join(f"{_rank(s)} was left waiting for it {where_phase(s)}"
                                 for s in waiting_ranks)
     return Finding(kind, kind, "crit", why + ".", next_step, (first.rank,),
                    {"step": float(first.step) if first.step is not None else None},

@@ -104,7 +104,8 @@ def attribute(every: Mapping[tuple[int, str], Excess], limit_ms: float,
     if not comm_measured:
         by_wait = _explainer([e for e in every.values() if e.part in (INPUT_PART, UNTRACED_PART)])
         explained = [e for e in found if e.part in COMPUTE_PARTS and by_wait(e)]
-    standing = [e for e in found if (e.rank, e.part) not in _keys(explained)]
+    waiting = _keys(explained)
+    standing = [e for e in found if (e.rank, e.part) not in waiting]
     by_other = _explainer([e for e in standing if e.part != UNTRACED_PART])
     explained += [e for e in standing if e.part == UNTRACED_PART and by_other(e)]
     dropped = _keys(explained)

@@ -214,15 +214,14 @@ class StallAlert:
                 cleared.append(f"r{s.rank} after {s.cleared_at - s.began_at:.1f} s")
         if cleared:
             _say(f"the stall cleared: steps resumed ({', '.join(cleared)})")
-        active = [s for s in stalls if s.cleared_at is None
-                  and (s.rank, s.pid, s.began_at) not in self._printed]
+        open_stalls = [s for s in stalls if s.cleared_at is None]
+        active = [s for s in open_stalls if (s.rank, s.pid, s.began_at) not in self._printed]
         if not active:
             return
-        known = {s.rank for s in stalls if s.cleared_at is None}
+        known = {s.rank for s in open_stalls}
         first = min(s.detected_at for s in active)
         if len(known) < run.meta.world_size and time.time() - first < ALERT_GRACE_S:
             return
-        open_stalls = [s for s in stalls if s.cleared_at is None]
         finding = stalled_finding(open_stalls, run, time.time())
         for s in active:
             self._printed[(s.rank, s.pid, s.began_at)] = False

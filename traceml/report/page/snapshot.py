@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from traceml import phases
-from traceml.diagnosis.samples import Json, RunData, rank_totals
+from traceml.diagnosis.samples import Json, RunData, ms_column, rank_totals
 from traceml.diagnosis.throughput import RankThroughput
 from traceml.diagnosis.window import select_window
 from traceml.report.build import build_report, rank_nodes
@@ -142,7 +142,7 @@ def phase_rows(run: RunData, report: Report) -> tuple[RankPhases, ...]:
     out = []
     for rank in sorted(set(last) | set(window.by_rank)):
         rows = window.by_rank.get(rank, ())
-        values = {p: [r.ms(p.removesuffix("_ms")) for r in rows] for p in TABLE_PHASES}
+        values = {p: ms_column(rows, p.removesuffix("_ms")) for p in TABLE_PHASES}
         out.append(RankPhases(
             rank, node_of.get(rank), last.get(rank), len(rows),
             {p: statistics.median(v) for p, v in values.items() if v},
