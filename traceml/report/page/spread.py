@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import base64
 import math
-import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from traceml.diagnosis.samples import Json, StepRow
+from traceml.diagnosis.samples import Json, StepRow, ms_column
 from traceml.diagnosis.stats import Worst, quantile
 from traceml.report.page.series import SERIES_MEMORY, SERIES_PHASES
 
@@ -135,13 +134,11 @@ def build_grid(steps: Sequence[StepRow], max_rows: int = HEAT_MAX_ROWS,
     row_ranks = tuple((ranks[i], ranks[min(i + per_row, len(ranks)) - 1])
                       for i in range(0, len(ranks), per_row))
     memory = memory_metric(steps)
-    metrics: dict[str, Callable[[StepRow], float | None]] = {
-        name: _phase_value(name) for name in SERIES_PHASES}
-    if memory is not None:
-        metrics[memory] = _field_value(memory)
+    metrics = list(SERIES_PHASES) + ([memory] if memory is not None else [])
     heat, bands = {}, {}
-    for name, value in metrics.items():
-        means = [_bucket_means(by_rank[rank], value, first, size, num_columns) for rank in ranks]
+    for name in metrics:
+        means = [_bucket_means(by_rank[rank], _values(by_rank[rank], name), first, size,
+                               num_columns) for rank in ranks]
         if name in SERIES_PHASES:  # memory has its band chart only
             heat[name] = _heat(means, per_row, num_columns)
         bands[name] = _bands(means, num_columns)
@@ -149,26 +146,18 @@ def build_grid(steps: Sequence[StepRow], max_rows: int = HEAT_MAX_ROWS,
     return Grid(row_ranks, steps_x, size, heat, bands)
 
 
-def _phase_value(column: str) -> Callable[[StepRow], float | None]:
-    """``StepRow.ms`` of the column, without its dispatch (this runs for every row)."""
-    if column in ("total_ms", "wait_ms"):
-        return operator.attrgetter(column)
-    if column == "compute_ms":
-        return lambda row: row.ms("compute")
-    name = column.removesuffix("_ms")
-    return lambda row: row.phase_ms.get(name, 0.0)
+def _values(rows: Sequence[StepRow], name: str) -> Sequence[float | None]:
+    """The rows' values of a phase column (``*_ms``) or of a memory field."""
+    if name in SERIES_PHASES:
+        return ms_column(rows, name.removesuffix("_ms"))
+    return [getattr(row, name) for row in rows]
 
 
-def _field_value(name: str) -> Callable[[StepRow], float | None]:
-    return lambda row: getattr(row, name)
-
-
-def _bucket_means(rows: Sequence[StepRow], value: Callable[[StepRow], float | None], first: int,
+def _bucket_means(rows: Sequence[StepRow], values: Sequence[float | None], first: int,
                   size: int, num_columns: int) -> list[float | None]:
-    """One rank's mean per step bucket (None: no measured step in it)."""
+    """One rank's mean per step bucket of its ``values`` (None: no measured step in it)."""
     sums, counts = [0.0] * num_columns, [0] * num_columns
-    for row in rows:
-        v = value(row)
+    for row, v in zip(rows, values):
         if v is not None:
             i = (row.step - first) // size
             sums[i] += v
