@@ -137,6 +137,12 @@ class SenderState:
     num_dropped: int = 0
     said_bye: bool = False
 
+    def counters(self) -> list[Any]:
+        """Every field after ``sender``, in order: how a relay forwards a state
+        (``SenderState(sender, *counters)`` takes it back), how it is stored."""
+        return [self.first_seen, self.last_seen, self.num_messages, self.num_gaps,
+                self.last_seq, self.num_sent, self.num_dropped, self.said_bye]
+
 
 @dataclass(frozen=True, order=True)
 class JoinError:
@@ -321,8 +327,7 @@ class StoreWriter:
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
         prefix = (sender.rank, sender.restart, sender.node_rank)
         self._executemany(_FLOP_COUNT_SQL, [
-            (*prefix, c.t, c.flops, c.dtype, c.dtype_share, c.device_name, c.sm_count, c.reason,
-             int(c.ran)) for c in counts])
+            (*prefix, *c.values()) for c in counts])
 
     def add_process(self, sender: Sender, fields: Sequence[str],
                     rows: Iterable[Sequence[Any]]) -> None:
@@ -362,8 +367,7 @@ class StoreWriter:
         self._executemany(_SENDER_SQL, [(
             s.sender.sender_id, s.sender.role, s.sender.host, s.sender.pid, s.sender.node_rank,
             s.sender.rank, s.sender.local_rank, s.sender.world_size, s.sender.restart,
-            s.first_seen, s.last_seen, s.num_messages, s.num_gaps, s.last_seq, s.num_sent,
-            s.num_dropped, int(s.said_bye)) for s in states])
+            *s.counters()) for s in states])
 
     def save_rejected(self, counts: Mapping[str, int]) -> None:
         self._executemany(_REJECTED_SQL, list(counts.items()))

@@ -114,9 +114,7 @@ class Outbox:
         raise AssertionError("a relay's listener admits no relay")
 
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
-        self._flops += [(sender.sender_id, [c.t, c.flops, c.dtype, c.dtype_share,
-                                            c.device_name, c.sm_count, c.reason, c.ran])
-                        for c in counts]
+        self._flops += [(sender.sender_id, c.values()) for c in counts]
 
     def add_process(self, sender: Sender, fields: Sequence[str],
                     rows: Iterable[Sequence[Any]]) -> None:
@@ -184,9 +182,7 @@ class Outbox:
         index = {key: i for i, key in enumerate(self._states)}
         steps = [(index[key], *values) for key, values in self._steps]
         batch = RelayBatch(
-            senders=[(s.sender, [s.first_seen, s.last_seen, s.num_messages, s.num_gaps,
-                                 s.last_seq, s.num_sent, s.num_dropped, s.said_bye])
-                     for s in self._states.values()],
+            senders=[(s.sender, s.counters()) for s in self._states.values()],
             step_columns=[list(column) for column in zip(*steps)],
             flop_counts=[[index[key], *values] for key, values in self._flops],
             process=[[index[key], p] for key, p in self._process],

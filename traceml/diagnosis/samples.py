@@ -89,6 +89,11 @@ class FlopCount:
     ran: bool = True  # the counter ran in a step (that step is out of the window)
     rank: int = 0
 
+    def values(self) -> list[Any]:
+        """Every field but ``rank``, in order: how a relay forwards it, how it is stored."""
+        return [self.t, self.flops, self.dtype, self.dtype_share, self.device_name,
+                self.sm_count, self.reason, self.ran]
+
 
 @dataclass(frozen=True)
 class ProcessSample:
