@@ -27,8 +27,6 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-
 
 @dataclass(frozen=True)
 class CurveKeys:
@@ -36,11 +34,6 @@ class CurveKeys:
     server_secret: bytes
     client_public: bytes
     client_secret: bytes
-
-
-def needs_auth(bind_host: str) -> bool:
-    """Listening anywhere but 127.0.0.1 means strangers could reach the port."""
-    return bind_host not in LOOPBACK_HOSTS
 
 
 def derive_keys(secret: str, session_id: str) -> CurveKeys:

@@ -13,7 +13,6 @@ import socket
 from dataclasses import dataclass
 
 from traceml.config import DEFAULT_AGGREGATOR_PORT, RunConfig
-from traceml.security import needs_auth
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,6 @@ class Topology:
     bind_host: str
     port: int  # 0: any free port (one node)
     static: bool
-    secure: bool
 
     @property
     def join_port(self) -> int:
@@ -72,12 +70,12 @@ def resolve(cfg: RunConfig) -> Topology:
     if not cfg.multi_node:
         bind = cfg.aggregator_bind_host or "127.0.0.1"
         return Topology(True, False, "127.0.0.1" if bind == "0.0.0.0" else bind, bind,
-                        cfg.aggregator_port or 0, static, needs_auth(bind))
+                        cfg.aggregator_port or 0, static)
     bind = cfg.aggregator_bind_host or "0.0.0.0"
     port = cfg.aggregator_port or DEFAULT_AGGREGATOR_PORT
     if static:
         here = cfg.node_rank == 0
-        return Topology(here, False, host, bind, port, True, needs_auth(bind))
+        return Topology(here, False, host, bind, port, True)
     # c10d: the first launcher on the endpoint's host to take the port runs it.
     may_host = is_local_address(_endpoint_host(cfg)) and port_is_free(bind, port)
-    return Topology(False, may_host, host, bind, port, False, needs_auth(bind))
+    return Topology(False, may_host, host, bind, port, False)
