@@ -238,6 +238,7 @@ def test_every_one_of_the_first_steps_is_timed() -> None:
     timed = timed_steps(sampler, 1000, step_s=1.4e-3, cost_s=60e-6)
     assert timed[:25] == list(range(25))
     assert 26 not in timed or 27 not in timed  # then a sample
+    assert sampler.every == 5 and len(timed) - 25 == (1000 - 25) // 5  # one step in five
 
 
 @pytest.mark.parametrize(("step_s", "cost_s", "every"), [
@@ -285,7 +286,7 @@ def test_one_slow_timed_step_does_not_move_every() -> None:
     one sample of the last 9: the median ignores it."""
     sampler = StepSampler(SamplingRule(), random.Random(5))
     timed_steps(sampler, 100, step_s=1.4e-3, cost_s=60e-6)
-    sampler.left = 1
+    sampler.left = sampler.gap = 1  # the next step end is timed, one step after the last
     timed_steps(sampler, 1, step_s=1.4e-3, cost_s=10e-3)
     assert sampler.every == 5
 

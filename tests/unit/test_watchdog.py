@@ -82,9 +82,16 @@ def test_a_stack_inside_torch_compile_is_busy_not_stalled() -> None:
     compiling = SimpleNamespace(f_code=SimpleNamespace(
         co_filename="/venv/site-packages/torch/_inductor/compile_fx.py", co_name="compile"),
         f_lineno=1, f_back=None)
-    w = watch(3.0, {7: compiling})
+    frames: dict[int, Any] = {7: compiling}
+    w = watch(3.0, frames)
     w.observe(events(forward=[10.0]), 10.1)
     assert w.observe(events(), 14.0) == []
+    # Looked at again half a threshold later: still compiling, still busy...
+    assert w.observe(events(), 15.6) == []
+    frames[7] = sys._getframe()  # ...then the compiler is done and nothing moves: a stall
+    assert w.observe(events(), 16.0) == []  # not before its next look
+    (report,) = w.observe(events(), 17.2)
+    assert (report.what, report.began_at) == (STALL, WALL + 10.0)
 
 
 def test_the_automatic_threshold_follows_the_median_step() -> None:
