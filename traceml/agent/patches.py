@@ -307,9 +307,10 @@ def _optimizer_ends(probe: Probe, skipped: bool) -> None:
     """The outermost optimizer step of an iteration ended (training thread)."""
     if probe.cuda_timer is not None:
         probe.guarded(probe.cuda_timer.stop)
-    probe.log(OPTIMIZER_SKIPPED if skipped else OPTIMIZER_END)
+    t = probe.clock()  # one clock read: the device mark belongs to this end
+    probe.appenders[OPTIMIZER_SKIPPED if skipped else OPTIMIZER_END](t)
     if probe.on_optimizer_end is not None:
-        probe.guarded(probe.on_optimizer_end)
+        probe.guarded(probe.on_optimizer_end, t)
 
 
 def _wrap_scaler_step(probe: Probe) -> Callable[[Any], Any]:

@@ -65,7 +65,7 @@ class Probe:
         self.on_backward: Callable[[Any], None] | None = None
         # Called on the training thread when an iteration's optimizer steps end
         # (CUDA peaks and spans); None on CPU.
-        self.on_optimizer_end: Callable[[], None] | None = None
+        self.on_optimizer_end: Callable[[float], None] | None = None  # given the end's time
 
     def log(self, code: int, t: float | None = None) -> None:
         """Record one event now (or at ``t``), off the hot paths."""
