@@ -167,10 +167,11 @@ def test_node_lost_mid_run(tmp_path: Path) -> None:
     kill_tree(node1.pid)  # the whole node goes away: launcher, workers, sampler
     # Rank 0 now hangs in gloo until torch's 30-minute timeout; node 0 must not.
     summary_path = nodes.session_dir / "final_summary.json"
-    wait_until(summary_path.exists, 60, 0.2)
+    found = wait_until(summary_path.exists, 60, 0.2)
     nodes.kill_all()
     _, err = node0.communicate(timeout=60)
     node1.wait()
+    assert found, err[-3000:]
     summary = read_summary(nodes.session_dir)
     assert summary is not None and summary["meta"]["partial"] is True
     assert summary["meta"]["missing_ranks"] == [1]

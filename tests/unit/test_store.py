@@ -126,6 +126,27 @@ def test_a_bad_stored_step_is_skipped_and_counted(tmp_path: Path, sql: str) -> N
     assert "Rejected: 3 (foreign session 2, stored step row with bad values 1)" in files.text
 
 
+def test_once_the_summary_json_is_there_its_text_is_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tools (and tests) wait for final_summary.json: it is written last, so whoever
+    sees it finds the text of the same summary beside it."""
+    from traceml.report import session
+
+    _store(tmp_path / "telemetry.sqlite")
+    files = session.build_summary(tmp_path)
+    written = session.write_atomic
+    seen: list[str] = []
+
+    def watched(path: Path, data: bytes, mode: int | None = None) -> None:
+        if path == files.json_path:
+            seen.append(files.text_path.read_text() if files.text_path.exists() else "")
+        written(path, data, mode)
+
+    monkeypatch.setattr(session, "write_atomic", watched)
+    session.save_summary(files)
+    assert seen == [files.text]
+
+
 def test_bad_stored_records_leave_a_summary(tmp_path: Path) -> None:
     from traceml.report.session import write_summary
 

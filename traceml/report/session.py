@@ -129,10 +129,11 @@ def _paused_gc() -> Iterator[None]:
 
 def save_summary(files: SummaryFiles) -> None:
     """Write both summary files atomically, with the store's file mode; OSError
-    when they cannot be written (a full disk)."""
+    when they cannot be written (a full disk).  final_summary.json comes last: once
+    it is there (what tools wait for), the text beside it is this summary's too."""
     mode = stat.S_IMODE(os.stat(files.json_path.parent / STORE_FILENAME).st_mode)
-    write_atomic(files.json_path, orjson.dumps(files.summary, option=orjson.OPT_INDENT_2), mode)
     write_atomic(files.text_path, files.text.encode(), mode)
+    write_atomic(files.json_path, orjson.dumps(files.summary, option=orjson.OPT_INDENT_2), mode)
 
 
 def write_summary(session_dir: Path, window_rows: int | None = None,

@@ -2,7 +2,7 @@
 
 ``--case`` (on ``--bad-rank``, at step ``--at``):
   python   blocks forever in Python inside its model's forward
-  gil      blocks in a C call that holds the GIL, after its optimizer step
+  gil      blocks in a C call that holds the GIL, a second after its optimizer step
   loader   its DataLoader worker hangs fetching that step's batch
   pause    pauses ``--pause-s`` inside forward, then trains on to ``--steps``
   raise    raises ValueError inside forward
@@ -86,6 +86,7 @@ def main() -> None:
         with open(os.path.join(evidence, f"pid-{rank}"), "w") as f:
             f.write(str(os.getpid()))
     libc = ctypes.PyDLL(None)  # its calls hold the GIL
+    libc.read.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
     for step, (x, y) in enumerate(loader):
         if bad and step == args.at and args.case in ("python", "pause", "raise", "segv"):
             net.trouble, net.pause_s = args.case, args.pause_s
@@ -94,8 +95,15 @@ def main() -> None:
         loss.backward()
         opt.step()
         if bad and step == args.at and args.case == "gil":
-            while True:
-                libc.sleep(600)  # BLOCK-GIL
+            # A second with the GIL free first: its sender thread ships the steps
+            # so far (every 0.5 s), which the test waits for before timing the alert.
+            time.sleep(1.0)
+            # read() of a pipe nobody writes: restarted after the launcher's stack
+            # signal (faulthandler's handler is SA_RESTART), so Python never runs
+            # again on this rank, as in a C extension blocked in a system call.
+            never, _ = os.pipe()
+            while True:  # Ctrl-C's EINTR ends read() with -1: Python raises KeyboardInterrupt
+                libc.read(never, ctypes.create_string_buffer(1), 1)  # BLOCK-GIL
     dist.destroy_process_group()
 
 
