@@ -16,8 +16,9 @@ import pytest
 import zmq
 
 from traceml import protocol
+from traceml.collector.dispatch import Collector
 from traceml.collector.relay import Outbox, open_outbox
-from traceml.collector.server import Collector, CollectorConfig, Listener
+from traceml.collector.server import CollectorConfig, Listener
 from traceml.collector.steps import RankSteps
 from traceml.diagnosis.samples import Incident
 from traceml.protocol import Envelope, IncidentReport, Sender

@@ -3,7 +3,7 @@ collector's on a multi-node job).
 
 It listens on 127.0.0.1 for its own node's senders (the ranks' agents, the
 node's system sampler) and runs the collector's own intake on what they send
-(`traceml.collector.server.Collector`: the same validators, CURVE keys, replay
+(`traceml.collector.dispatch.Collector`: the same validators, CURVE keys, replay
 and claim checks, rejected counts, and the step tracker with its incident
 placement), but over an `Outbox` instead of the store: what node 0 would store
 is collected into one `protocol.RelayBatch` and sent to node 0's collector every
@@ -87,7 +87,7 @@ class Upstream:
 
 
 class Outbox:
-    """The relay's `server.Store`: what the collector accepted, held until the next
+    """The relay's `dispatch.Store`: what the collector accepted, held until the next
     batch to node 0 (`commit`)."""
 
     def __init__(self, upstream: Upstream) -> None:
