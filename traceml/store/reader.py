@@ -36,19 +36,19 @@ from traceml.store.records import JoinError, NewRows, RunRecords, SenderState, S
 from traceml.store.rows import (
     LIMIT,
     READ_STEP_COLUMNS,
+    checked_integer,
+    checked_number,
     checked_record,
+    checked_text,
     group_totals,
-    incident,
-    integer,
-    merged,
-    number,
+    incident_from_row,
+    merged_totals,
     process_sample,
     run_data,
     sender_state,
     step_converter,
     step_row,
     system_sample,
-    text,
 )
 from traceml.store.schema import (
     FLOP_COUNT_COLUMNS,
@@ -194,12 +194,12 @@ class StoreReader:
         spans = []
         for g in groups:
             try:
-                rank = integer(g["rank"], 0, MAX_WORLD_SIZE - 1)
+                rank = checked_integer(g["rank"], 0, MAX_WORLD_SIZE - 1)
             except ValueError:  # none of its rows can be read
                 self._skip("stored step row with bad values", int(g["num_rows"]))
                 continue
             try:
-                first, part = integer(g["first_step"], 0), group_totals(rank, g)
+                first, part = checked_integer(g["first_step"], 0), group_totals(rank, g)
             except (TypeError, ValueError):
                 rows = self._steps_where("rank = ? AND restart = ?", (g["rank"], g["restart"]),
                                          count=False)  # counted where the window reads them
@@ -208,7 +208,7 @@ class StoreReader:
                 first, part = min(r.step for r in rows), totals_of(rows)[0]
             parts.setdefault(rank, []).append(part)
             spans.append(_StepSpan(rank, g["restart"], first, part.last_step))
-        return tuple(merged(parts[r]) for r in sorted(parts)), spans
+        return tuple(merged_totals(parts[r]) for r in sorted(parts)), spans
 
     def _window_steps(self, spans: Sequence[_StepSpan], window_rows: int) -> tuple[StepRow, ...]:
         """Each rank's steps up to the last one every rank reached, from far enough
@@ -269,8 +269,8 @@ class StoreReader:
         for c in numeric:
             low = 0.0 if c.endswith("_ms") else -LIMIT
             try:
-                number(bounds[f"lo_{c}"], True, low)
-                number(bounds[f"hi_{c}"], True, low)
+                checked_number(bounds[f"lo_{c}"], True, low)
+                checked_number(bounds[f"hi_{c}"], True, low)
             except ValueError:
                 return False
         return True
@@ -317,7 +317,7 @@ class StoreReader:
         if not self._has_table("incidents"):
             return ()
         return tuple(self._read(self._rows("SELECT * FROM incidents ORDER BY rowid"),
-                                incident, "incident"))
+                                incident_from_row, "incident"))
 
     def flop_counts(self) -> tuple[FlopCount, ...]:
         """Every rank's FLOP counts, oldest first per rank (none in a store written
@@ -358,7 +358,7 @@ class StoreReader:
 
     def _meta(self) -> dict[str, Any]:
         pairs = self._read(self._rows("SELECT * FROM meta"),
-                           lambda r: (text(r["key"]), orjson.loads(r["value"])), "meta")
+                           lambda r: (checked_text(r["key"]), orjson.loads(r["value"])), "meta")
         return dict(pairs)
 
     def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ _Run = TypeVar("_Run", RunStart, RunEnd)
 LIMIT = float(2**62)  # beyond any count, byte size, time or duration a run stores
 
 
-def number(value: Any, nullable: bool = True, low: float = -LIMIT) -> Any:
+def checked_number(value: Any, nullable: bool = True, low: float = -LIMIT) -> Any:
     """A stored number as a collector writes it; ValueError otherwise."""
     if value is None and nullable:
         return None
@@ -46,13 +46,13 @@ def number(value: Any, nullable: bool = True, low: float = -LIMIT) -> Any:
     return value
 
 
-def integer(value: Any, low: int = -1, high: float = LIMIT) -> int:
+def checked_integer(value: Any, low: int = -1, high: float = LIMIT) -> int:
     if type(value) is not int or not low <= value <= high:
         raise ValueError(f"{value!r} is not a stored integer")
     return value
 
 
-def text(value: Any) -> str:
+def checked_text(value: Any) -> str:
     if type(value) is not str:
         raise ValueError(f"{value!r} is not text")
     return value
@@ -60,7 +60,7 @@ def text(value: Any) -> str:
 
 def _numbers(r: Mapping[str, Any], columns: Iterable[str]) -> dict[str, Any]:
     """The row's ``columns``, each None or a number a collector writes."""
-    return {c: number(r.get(c)) for c in columns}
+    return {c: checked_number(r.get(c)) for c in columns}
 
 
 def checked_record(record: _Run) -> _Run:
@@ -77,17 +77,17 @@ def checked_record(record: _Run) -> _Run:
 def sender_state(r: Mapping[str, Any]) -> SenderState:
     rank = r["rank"]
     world_size = r["world_size"]
-    sender = Sender(role=text(r["role"]), host=text(r["host"]), pid=integer(r["pid"]),
-                    node_rank=integer(r["node_rank"]),
-                    rank=None if rank is None else integer(rank, 0, MAX_WORLD_SIZE - 1),
+    sender = Sender(role=checked_text(r["role"]), host=checked_text(r["host"]), pid=checked_integer(r["pid"]),
+                    node_rank=checked_integer(r["node_rank"]),
+                    rank=None if rank is None else checked_integer(rank, 0, MAX_WORLD_SIZE - 1),
                     local_rank=r["local_rank"],
                     world_size=(None if world_size is None
-                                else integer(world_size, 1, MAX_WORLD_SIZE)),
-                    restart=integer(r["restart"], 0))
-    return SenderState(sender, number(r["first_seen"], False), number(r["last_seen"], False),
-                       integer(r["num_messages"], 0), integer(r["num_gaps"], 0),
-                       integer(r["last_seq"]), integer(r["num_sent"], 0),
-                       integer(r["num_dropped"], 0), bool(r["said_bye"]))
+                                else checked_integer(world_size, 1, MAX_WORLD_SIZE)),
+                    restart=checked_integer(r["restart"], 0))
+    return SenderState(sender, checked_number(r["first_seen"], False), checked_number(r["last_seen"], False),
+                       checked_integer(r["num_messages"], 0), checked_integer(r["num_gaps"], 0),
+                       checked_integer(r["last_seq"]), checked_integer(r["num_sent"], 0),
+                       checked_integer(r["num_dropped"], 0), bool(r["said_bye"]))
 
 
 def _boundary(value: Any) -> str:
@@ -157,9 +157,9 @@ def step_converter(names: tuple[str, ...],
             times_ms = tuple(v or 0.0 for v in times_ms)
         # Positional, in StepRow's field order: a call with keywords costs more.
         return StepRow(
-            integer(rank, 0, MAX_WORLD_SIZE - 1), integer(step, 0),
-            dict(zip(phase_names, times_ms)), number(total_ms, False, 0.0),
-            number(wait_ms, False, 0.0), peak_allocated, peak_reserved, rss,
+            checked_integer(rank, 0, MAX_WORLD_SIZE - 1), checked_integer(step, 0),
+            dict(zip(phase_names, times_ms)), checked_number(total_ms, False, 0.0),
+            checked_number(wait_ms, False, 0.0), peak_allocated, peak_reserved, rss,
             float(sum(gpu)) if None not in gpu else None,
             (t_begin + total_ms / 1e3) if t_begin is not None else None, collective,
             samples, tokens, flops, bool(flops_counted), _boundary(boundary),
@@ -171,8 +171,8 @@ def step_converter(names: tuple[str, ...],
 def process_sample(r: Mapping[str, Any]) -> ProcessSample:
     v = _numbers(r, r.keys())
     return ProcessSample(
-        rank=integer(r["rank"], 0, MAX_WORLD_SIZE - 1), node_rank=integer(r["node_rank"]),
-        t=number(r["t"], False), cpu_pct=v["cpu_pct"] or 0.0,
+        rank=checked_integer(r["rank"], 0, MAX_WORLD_SIZE - 1), node_rank=checked_integer(r["node_rank"]),
+        t=checked_number(r["t"], False), cpu_pct=v["cpu_pct"] or 0.0,
         rss_bytes=v["rss_bytes"] or 0, host_ram_total_bytes=v["host_ram_total_bytes"] or 0,
         num_cpus=v["num_cpus"] or 1, device_allocated_bytes=v["device_allocated_bytes"],
         device_reserved_bytes=v["device_reserved_bytes"],
@@ -180,22 +180,23 @@ def process_sample(r: Mapping[str, Any]) -> ProcessSample:
     )
 
 
-def incident(r: Mapping[str, Any]) -> Incident:
-    detail = orjson.loads(text(r["detail"]))
+def incident_from_row(r: Mapping[str, Any]) -> Incident:
+    detail = orjson.loads(checked_text(r["detail"]))
     if not isinstance(detail, dict) or not all(
             isinstance(v, (str, int, float)) or v is None for v in detail.values()):
         raise TypeError("incident detail is not an object of scalars")
     phase, source = r["phase"], r["stack_source"]
     return Incident(
-        what=text(r["what"]), rank=integer(r["rank"], 0, MAX_WORLD_SIZE - 1),
-        node_rank=integer(r["node_rank"]), host=text(r["host"]), pid=integer(r["pid"], 0),
-        began_at=number(r["began_at"], False), detected_at=number(r["detected_at"], False),
-        cleared_at=number(r["cleared_at"]),
-        step=None if r["step"] is None else integer(r["step"], 0),
-        phase=None if phase is None else text(phase),
-        open_phases=tuple(text(p) for p in orjson.loads(text(r["open_phases"]))),
-        stack=stacks.from_json(orjson.loads(text(r["stack"]))),
-        stack_source=None if source is None else text(source), detail=detail)
+        what=checked_text(r["what"]), rank=checked_integer(r["rank"], 0, MAX_WORLD_SIZE - 1),
+        node_rank=checked_integer(r["node_rank"]), host=checked_text(r["host"]),
+        pid=checked_integer(r["pid"], 0),
+        began_at=checked_number(r["began_at"], False), detected_at=checked_number(r["detected_at"], False),
+        cleared_at=checked_number(r["cleared_at"]),
+        step=None if r["step"] is None else checked_integer(r["step"], 0),
+        phase=None if phase is None else checked_text(phase),
+        open_phases=tuple(checked_text(p) for p in orjson.loads(checked_text(r["open_phases"]))),
+        stack=stacks.from_json(orjson.loads(checked_text(r["stack"]))),
+        stack_source=None if source is None else checked_text(source), detail=detail)
 
 
 def system_sample(r: Mapping[str, Any]) -> SystemSample:
@@ -203,8 +204,8 @@ def system_sample(r: Mapping[str, Any]) -> SystemSample:
     gpus = orjson.loads(r["gpus"] or "[]")
     if type(gpus) is not list:
         raise ValueError("gpus is not a list")
-    return SystemSample(node_rank=integer(r["node_rank"]), host=text(r["host"]),
-                        t=number(r["t"], False), cpu_pct=v["cpu_pct"] or 0.0,
+    return SystemSample(node_rank=checked_integer(r["node_rank"]), host=checked_text(r["host"]),
+                        t=checked_number(r["t"], False), cpu_pct=v["cpu_pct"] or 0.0,
                         ram_pct=v["ram_pct"] or 0.0, ram_total_bytes=v["ram_total_bytes"] or 0,
                         gpus=tuple(_gpu_sample(g) for g in gpus))
 
@@ -213,20 +214,20 @@ def _gpu_sample(values: Any) -> GpuSample:
     if type(values) is not list:
         raise ValueError("a GPU sample is not a list")
     index, *rest = values
-    return GpuSample(integer(index, 0), *(number(x) for x in rest))
+    return GpuSample(checked_integer(index, 0), *(checked_number(x) for x in rest))
 
 
 def group_totals(rank: int, g: Mapping[str, Any]) -> RankTotals:
     """One attempt's sums as SQL gave them; ValueError when one is not what a
     collector's rows add up to."""
     return RankTotals(
-        rank=rank, num_rows=integer(g["num_rows"], 1), last_step=integer(g["last_step"], 0),
-        sum_ms={p.name: float(number(g[p.column] or 0.0, False, 0.0)) for p in TOTALED},
-        eval_ms=float(number(g["eval_ms"] or 0.0, False, 0.0)),
-        num_eval=integer(g["num_eval"] or 0, 0), device_measured=bool(g["num_cuda"]))
+        rank=rank, num_rows=checked_integer(g["num_rows"], 1), last_step=checked_integer(g["last_step"], 0),
+        sum_ms={p.name: float(checked_number(g[p.column] or 0.0, False, 0.0)) for p in TOTALED},
+        eval_ms=float(checked_number(g["eval_ms"] or 0.0, False, 0.0)),
+        num_eval=checked_integer(g["num_eval"] or 0, 0), device_measured=bool(g["num_cuda"]))
 
 
-def merged(parts: Sequence[RankTotals]) -> RankTotals:
+def merged_totals(parts: Sequence[RankTotals]) -> RankTotals:
     """One rank's totals from those of its attempts."""
     return RankTotals(
         rank=parts[0].rank, num_rows=sum(p.num_rows for p in parts),
