@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 
 from tests.rows import run_start, step_record
-from traceml import store
 from traceml.diagnosis import window
 from traceml.diagnosis.samples import Incident
 from traceml.launcher.ending import phase_table
 from traceml.protocol import RunEnd, Sender
 from traceml.report.session import build_summary
-from traceml.store import STORE_FILENAME, SenderState, StepRecord, StoreWriter
+from traceml.store import STORE_FILENAME, SenderState, StepRecord, StoreWriter, reader
 
 T0 = 1.7e9
 STEP_S = 0.05
@@ -221,7 +220,8 @@ def test_a_watch_summary_reads_the_latest_samples_of_each_source(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No step window (traceml watch): at most SAMPLES_PER_SOURCE shared out, the
     latest of each rank and node (lowered here to stand for a week of samples)."""
-    monkeypatch.setattr(store, "SAMPLES_PER_SOURCE", 2 * 70)
+    # The reader reads the cap where it is defined (the package only re-exports it).
+    monkeypatch.setattr(reader, "SAMPLES_PER_SOURCE", 2 * 70)
     writer = StoreWriter(str(tmp_path / STORE_FILENAME))
     writer.save_run(dataclasses.replace(run_start("w", T0, 100, 1), mode="watch"))
     who = Sender("rank", "h0", 100, 0, rank=0, local_rank=0, world_size=1)

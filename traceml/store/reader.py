@@ -1,0 +1,407 @@
+"""`StoreReader`: the store read back, read-only, as `RunData` and the store's records:
+every row, the bounded read a summary over its window takes (`StoreReader.window_run`:
+the window's steps, the samples taken while it ran, per-rank sums in SQL), or the rows
+added since a rowid (shared: the launcher, offline analysis and the live views read)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sqlite3
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import orjson
+
+from traceml.diagnosis.ending import RAM_LOOKBACK_S
+from traceml.diagnosis.samples import (
+    TOTALED,
+    FlopCount,
+    Incident,
+    ProcessSample,
+    RankTotals,
+    RunData,
+    StepRow,
+    SystemSample,
+    totals_of,
+)
+from traceml.diagnosis.thresholds import WARMUP_FRACTION, WARMUP_MAX_STEPS
+from traceml.diagnosis.window import num_aligned, select_window, tail_decides, window_steps
+from traceml.errors import ProtocolError
+from traceml.protocol import MAX_WORLD_SIZE, RunEnd, RunStart, record_from_json
+from traceml.store.records import JoinError, NewRows, RunRecords, SenderState, StoredStep
+from traceml.store.rows import (
+    LIMIT,
+    READ_STEP_COLUMNS,
+    checked_integer,
+    checked_number,
+    checked_record,
+    checked_text,
+    group_totals,
+    incident_from_row,
+    merged_totals,
+    process_sample,
+    run_data,
+    sender_state,
+    step_converter,
+    step_row,
+    system_sample,
+)
+from traceml.store.schema import (
+    FLOP_COUNT_COLUMNS,
+    JOIN_ERROR_PREFIX,
+    STEP_TYPE,
+    StoreError,
+    sqlite_errors,
+)
+
+_T = TypeVar("_T")
+_Run = TypeVar("_Run", RunStart, RunEnd)
+
+
+class StoreReader:
+    """Read-only access to a store (no torch needed), as a ``with`` block or closed by
+    the caller; StoreError from any method when the store cannot be read."""
+
+    def __init__(self, path: str | Path, timeout_s: float = 5.0) -> None:
+        self.skipped: dict[str, int] = {}  # stored rows not read back, by reason
+        self._step_columns: str | None = None  # those of READ_STEP_COLUMNS the store has
+        with sqlite_errors():
+            self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
+        self._db.row_factory = sqlite3.Row
+        try:
+            self._rows("SELECT key FROM meta LIMIT 1")  # not a store: say so now
+        except StoreError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def records(self) -> RunRecords:
+        """The run's records; the rejections include the stored rows skipped so far."""
+        meta = self._meta()
+        start = self._run_record(RunStart, meta, "session_id")
+        end = self._run_record(RunEnd, meta, "ended_at")
+        senders = self.senders()
+        rejected = {r["reason"]: r["count"] for r in self._rows("SELECT * FROM rejected")
+                    if type(r["reason"]) is str and type(r["count"]) is int}
+        return RunRecords(start, end, senders, {**rejected, **self.skipped})
+
+    def senders(self, role: str | None = None) -> tuple[SenderState, ...]:
+        """Every sender that spoke (of one role: ``"system"`` is each node's launcher)."""
+        where, params = ("WHERE role = ?", (role,)) if role is not None else ("", ())
+        rows = self._rows(f"SELECT * FROM senders {where} ORDER BY node_rank, rank", params)
+        return tuple(self._read(rows, sender_state, "sender"))
+
+    def _read(self, rows: list[dict[str, Any]], convert: Callable[[dict[str, Any]], _T],
+              what: str) -> list[_T]:
+        """``rows`` converted; a row that will not convert is skipped and counted."""
+        out = []
+        for r in rows:
+            try:
+                out.append(convert(r))
+            except (TypeError, ValueError, KeyError, orjson.JSONDecodeError):
+                self._skip(f"stored {what} row with bad values")
+        return out
+
+    def _skip(self, reason: str, n: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + n
+
+    def _run_record(self, cls: type[_Run], meta: Mapping[str, Any], key: str) -> _Run | None:
+        """The run record kept in ``meta``, if its ``key`` is there and it is whole."""
+        if key not in meta:
+            return None
+        try:
+            return checked_record(record_from_json(cls, meta))
+        except ProtocolError:
+            self._skip(f"stored {cls.__name__} with bad values")
+            return None
+
+    def join_errors(self) -> tuple[JoinError, ...]:
+        return tuple(sorted(
+            JoinError(float(key[len(JOIN_ERROR_PREFIX):]), str(value))
+            for key, value in self._meta().items() if key.startswith(JOIN_ERROR_PREFIX)))
+
+    def run(self, records: RunRecords) -> RunData:
+        """The whole run, every stored row, described by its ``records`` (see
+        :meth:`records`)."""
+        steps = self._steps_where("1", ())
+        process = tuple(self._read(self._rows(
+            "SELECT * FROM process ORDER BY t, rowid"), process_sample, "process"))
+        # A c10d launcher samples before it learns its node rank (-1): not a node yet.
+        system = tuple(self._read(self._rows(
+            f"SELECT * FROM system WHERE {_NODE_SAMPLE} ORDER BY t, rowid"), system_sample,
+            "system"))
+        return self._run_data(records, steps, process, system, totals_of(steps))
+
+    def window_run(self, records: RunRecords, window_rows: int) -> RunData:
+        """What a summary over the last ``window_rows`` aligned steps per rank reads:
+        each rank's steps from a little before that window to its end (enough to
+        place it and its warm-up exactly), the process and system samples taken
+        while it ran, and each rank's whole-run totals summed in SQL.  Only the
+        stored rows the reader loads are checked one by one (see the module
+        docstring)."""
+        totals, spans = self._step_totals()
+        steps = self._window_steps(spans, window_steps(window_rows, len(totals)))
+        span = select_window(steps, window_rows, 0).time_span()
+        num_ranks = max(len(totals), len({s.sender.rank for s in records.senders}))
+        process = tuple(self._read(self._samples_near(
+            "process", "rank", "1", span, num_ranks), process_sample, "process"))
+        incidents = self.incidents()
+        num_nodes = len({s.sender.node_rank for s in records.senders})
+        system = tuple(self._read(self._samples_near(
+            "system", "node_rank", _NODE_SAMPLE, span, num_nodes, _crash_spans(incidents)),
+            system_sample, "system"))
+        return self._run_data(records, steps, process, system, totals, incidents)
+
+    def _run_data(self, records: RunRecords, steps: tuple[StepRow, ...],
+                  process: tuple[ProcessSample, ...], system: tuple[SystemSample, ...],
+                  totals: tuple[RankTotals, ...],
+                  incidents: tuple[Incident, ...] | None = None) -> RunData:
+        rejected = {**records.rejected, **self.skipped}
+        return dataclasses.replace(
+            run_data(RunRecords(records.start, records.end, records.senders, rejected),
+                     steps, process, system,
+                     self.incidents() if incidents is None else incidents, totals),
+            flop_counts=self.flop_counts())
+
+    def _step_totals(self) -> tuple[tuple[RankTotals, ...], list[_StepSpan]]:
+        """Per rank, its stored steps summed in SQL (one pass over the table), and per
+        attempt of a rank its first and last step.  A rank whose sums are not what a
+        collector writes (the file was edited) is summed row by row instead."""
+        have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
+        sums = ", ".join(f"SUM({c}) AS {c}" if c in have else f"0.0 AS {c}"
+                         for c in _TOTALED_COLUMNS)
+        evals = ("SUM(CASE WHEN num_eval != 0 THEN eval_ms ELSE 0 END) AS eval_ms, "
+                 "SUM(num_eval) AS num_eval" if "num_eval" in have
+                 else "0.0 AS eval_ms, 0 AS num_eval")
+        groups = self._rows(
+            "SELECT rank, restart, COUNT(*) AS num_rows, MIN(step) AS first_step, "
+            f"MAX(step) AS last_step, {sums}, {evals}, "
+            "COUNT(peak_allocated_bytes) AS num_cuda FROM steps GROUP BY rank, restart")
+        parts: dict[int, list[RankTotals]] = {}
+        spans = []
+        for g in groups:
+            try:
+                rank = checked_integer(g["rank"], 0, MAX_WORLD_SIZE - 1)
+            except ValueError:  # none of its rows can be read
+                self._skip("stored step row with bad values", int(g["num_rows"]))
+                continue
+            try:
+                first, part = checked_integer(g["first_step"], 0), group_totals(rank, g)
+            except (TypeError, ValueError):
+                rows = self._steps_where("rank = ? AND restart = ?", (g["rank"], g["restart"]),
+                                         count=False)  # counted where the window reads them
+                if not rows:
+                    continue
+                first, part = min(r.step for r in rows), totals_of(rows)[0]
+            parts.setdefault(rank, []).append(part)
+            spans.append(_StepSpan(rank, g["restart"], first, part.last_step))
+        return tuple(merged_totals(parts[r]) for r in sorted(parts)), spans
+
+    def _window_steps(self, spans: Sequence[_StepSpan], window_rows: int) -> tuple[StepRow, ...]:
+        """Each rank's steps up to the last one every rank reached, from far enough
+        back that the window and its warm-up are what all of them would give."""
+        if not spans:
+            return ()
+        last: dict[int, int] = {}
+        for s in spans:
+            last[s.rank] = max(last.get(s.rank, s.last), s.last)
+        upper = min(last.values())
+        first = min(s.first for s in spans)
+        depth = max(window_rows + WARMUP_MAX_STEPS, math.ceil(WARMUP_MAX_STEPS / WARMUP_FRACTION))
+        ranks = sorted(last)
+        while True:
+            low = upper - depth
+            if low < first:  # every step up to there: read in one pass
+                return self._steps_where(f"step <= ? AND {_READABLE_RANK}", (upper,))
+            steps = tuple(row for s in spans if s.last > low and s.first <= upper
+                          for row in self._steps_where(
+                              "rank = ? AND restart = ? AND step > ? AND step <= ?",
+                              (s.rank, s.restart, low, upper)))
+            if tail_decides(num_aligned(steps, ranks), window_rows):
+                return steps
+            depth *= 4  # steps missing in some rank (dropped): look further back
+
+    def _steps_where(self, where: str, params: Sequence[Any],
+                     count: bool = True) -> tuple[StepRow, ...]:
+        """The stored steps ``where`` says, by rank, attempt and step; a row that will
+        not convert is skipped (and counted, with ``count``)."""
+        if self._step_columns is None:
+            have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
+            self._step_columns = ", ".join(c for c in READ_STEP_COLUMNS if c in have)
+        checked = self._in_range(where, params)
+        with sqlite_errors():
+            cursor = self._db.cursor()
+            cursor.row_factory = None  # tuples: a dict per row costs more than the row
+            rows = cursor.execute(f"SELECT {self._step_columns} FROM steps WHERE {where} "
+                                  "ORDER BY rank, restart, step", params)
+            convert = step_converter(tuple(d[0] for d in cursor.description), not checked)
+            out = []
+            for row in rows:
+                try:
+                    out.append(convert(row))
+                except (TypeError, ValueError):
+                    if count:
+                        self._skip("stored step row with bad values")
+        return tuple(out)
+
+    def _in_range(self, where: str, params: Sequence[Any]) -> bool:
+        """Whether every number of the steps ``where`` says is one a collector writes:
+        SQL's MIN and MAX of each column tell (a text sorts above every number), so
+        the rows need not be checked one by one."""
+        assert self._step_columns is not None
+        numeric = [c for c in self._step_columns.split(", ") if c not in STEP_TYPE]
+        bounds = self._rows("SELECT " + ", ".join(f"MIN({c}) AS lo_{c}, MAX({c}) AS hi_{c}"
+                                                  for c in numeric)
+                            + f" FROM steps WHERE {where}", params)[0]
+        for c in numeric:
+            low = 0.0 if c.endswith("_ms") else -LIMIT
+            try:
+                checked_number(bounds[f"lo_{c}"], True, low)
+                checked_number(bounds[f"hi_{c}"], True, low)
+            except ValueError:
+                return False
+        return True
+
+    def _samples_near(self, table: str, source: str, where: str,
+                      span: tuple[float, float] | None, num_sources: int,
+                      extra: Sequence[tuple[float, float]] = ()) -> list[dict[str, Any]]:
+        """The samples of ``table`` taken within ``span``; of a ``source`` with none in
+        it (a window shorter than the sample interval), its samples nearest the span,
+        and with no span (no step window: ``traceml watch``) its latest ones, at most
+        :data:`SAMPLES_PER_SOURCE` shared out (so all of them in a short run, as
+        `traceml.diagnosis.window.in_span` takes); and those within the ``extra``
+        spans (merged where they overlap, asked in chunks).  Oldest first."""
+        cap = max(MIN_SAMPLES_PER_SOURCE, SAMPLES_PER_SOURCE // max(1, num_sources))
+        columns = f"rowid AS row_id, *, {source} AS _source"
+        if span is None:
+            rows = self._rows(
+                f"SELECT * FROM (SELECT {columns}, ROW_NUMBER() OVER (PARTITION BY {source} "
+                f"ORDER BY t DESC) AS nearness FROM {table} WHERE {where}) WHERE nearness <= ?",
+                (cap,))
+        else:
+            start, end = span
+            inside = f"{where} AND t >= ? AND t <= ?"
+            rows = self._rows(
+                f"SELECT * FROM (SELECT {columns}, ROW_NUMBER() OVER (PARTITION BY {source} "
+                f"ORDER BY ABS(t - ?)) AS nearness FROM {table} WHERE {where} AND {source} "
+                f"NOT IN (SELECT {source} FROM {table} WHERE {inside})) WHERE nearness <= ? "
+                f"UNION ALL SELECT {columns}, 0 AS nearness FROM {table} WHERE {inside}",
+                ((start + end) / 2, start, end, cap, start, end))
+        spans = _merged_spans(extra)
+        for i in range(0, len(spans), _SPANS_PER_QUERY):
+            chunk = spans[i:i + _SPANS_PER_QUERY]
+            rows += self._rows(
+                f"SELECT {columns}, 0 AS nearness FROM {table} WHERE {where} AND ("
+                + " OR ".join(["(t >= ? AND t <= ?)"] * len(chunk)) + ")",
+                [bound for low_high in chunk for bound in low_high])
+        rows.sort(key=lambda r: (r["t"] if isinstance(r["t"], (int, float)) else math.inf,
+                                 r["row_id"]))
+        return list({r["row_id"]: r for r in rows}.values())  # a sample in two spans once
+
+    def incidents(self) -> tuple[Incident, ...]:
+        """Every stall and crash, in the order they were reported (none in a store
+        written before they were kept)."""
+        if not self._has_table("incidents"):
+            return ()
+        return tuple(self._read(self._rows("SELECT * FROM incidents ORDER BY rowid"),
+                                incident_from_row, "incident"))
+
+    def flop_counts(self) -> tuple[FlopCount, ...]:
+        """Every rank's FLOP counts, oldest first per rank (none in a store written
+        before FLOPs were counted)."""
+        if not self._has_table("flop_counts"):
+            return ()
+        return tuple(
+            FlopCount(**{k: r[k] for k in FLOP_COUNT_COLUMNS[:-1]}, ran=bool(r["ran"]),
+                      rank=r["rank"])
+            for r in self._rows("SELECT * FROM flop_counts ORDER BY rank, t"))
+
+    def _has_table(self, name: str) -> bool:
+        return bool(self._rows("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?",
+                               (name,)))
+
+    def num_steps(self) -> int:
+        return int(self._rows("SELECT COUNT(*) AS n FROM steps")[0]["n"])
+
+    def steps_after(self, row_id: int, limit: int) -> NewRows[StoredStep]:
+        """The newest ``limit`` steps stored after ``row_id``."""
+        rows, last = self._after("steps", row_id, limit)
+        return NewRows(tuple(self._read(
+            rows, lambda r: StoredStep(r["restart"], step_row(r)), "step")), last)
+
+    def process_after(self, row_id: int, limit: int) -> NewRows[ProcessSample]:
+        rows, last = self._after("process", row_id, limit)
+        return NewRows(tuple(self._read(rows, process_sample, "process")), last)
+
+    def system_after(self, row_id: int, limit: int) -> NewRows[SystemSample]:
+        rows, last = self._after("system", row_id, limit)
+        return NewRows(tuple(self._read(rows, system_sample, "system")), last)
+
+    def _after(self, table: str, row_id: int, limit: int) -> tuple[list[dict[str, Any]], int]:
+        rows = self._rows(
+            f"SELECT * FROM (SELECT rowid AS row_id, * FROM {table} WHERE rowid > ? "
+            "ORDER BY rowid DESC LIMIT ?) ORDER BY row_id", (row_id, limit))
+        return rows, (int(rows[-1]["row_id"]) if rows else row_id)
+
+    def _meta(self) -> dict[str, Any]:
+        pairs = self._read(self._rows("SELECT * FROM meta"),
+                           lambda r: (checked_text(r["key"]), orjson.loads(r["value"])), "meta")
+        return dict(pairs)
+
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        with sqlite_errors():
+            return [dict(r) for r in self._db.execute(sql, params)]
+
+
+# -- the bounded read's SQL and sums --------------------------------------------------------
+
+_TOTALED_COLUMNS = tuple(p.column for p in TOTALED)
+_NODE_SAMPLE = "node_rank >= 0"  # a c10d launcher samples before it learns its node rank
+_READABLE_RANK = f"typeof(rank) = 'integer' AND rank BETWEEN 0 AND {MAX_WORLD_SIZE - 1}"
+SAMPLES_PER_SOURCE = 200_000
+"""Process (or system) samples a bounded read takes, shared out over the ranks (nodes),
+of the sources with none taken while the window ran."""
+MIN_SAMPLES_PER_SOURCE = 60
+
+
+@dataclass(frozen=True)
+class _StepSpan:
+    """One attempt of a rank: its first and last stored step."""
+
+    rank: int
+    restart: int
+    first: int
+    last: int
+
+
+_SPANS_PER_QUERY = 100  # OR terms of one query (SQLite caps a compound SELECT at 500 terms)
+
+
+def _merged_spans(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` sorted, those that overlap made one (crashes of a job come together)."""
+    out: list[tuple[float, float]] = []
+    for low, high in sorted(spans):
+        if out and low <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], high))
+        else:
+            out.append((low, high))
+    return out
+
+
+def _crash_spans(incidents: Sequence[Incident]) -> list[tuple[float, float]]:
+    """Around each crash, the host samples its ending reads (a SIGKILL's memory)."""
+    return [(i.began_at - RAM_LOOKBACK_S, i.began_at + 1.0)
+            for i in incidents if i.what != "stall"]

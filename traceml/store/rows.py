@@ -1,0 +1,308 @@
+"""Stored rows checked and converted into the diagnosis' typed samples (a row whose
+values no collector writes raises ValueError or TypeError, and the reader skips it),
+and the run's `RunData` and `RunMeta` assembled from them and the store's records
+(shared: the launcher, offline analysis and the live views read through it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import orjson
+
+from traceml import phases, stacks
+from traceml.diagnosis.samples import (
+    TOTALED,
+    GpuSample,
+    Incident,
+    NodeInfo,
+    ProcessSample,
+    RankTotals,
+    RunData,
+    RunMeta,
+    StepRow,
+    SystemSample,
+    totals_of,
+)
+from traceml.errors import ProtocolError
+from traceml.protocol import MAX_WORLD_SIZE, RunEnd, RunStart, Sender
+from traceml.store.records import RunRecords, SenderState
+from traceml.store.schema import STEP_TYPE
+
+_Run = TypeVar("_Run", RunStart, RunEnd)
+
+LIMIT = float(2**62)  # beyond any count, byte size, time or duration a run stores
+
+
+def checked_number(value: Any, nullable: bool = True, low: float = -LIMIT) -> Any:
+    """A stored number as a collector writes it; ValueError otherwise."""
+    if value is None and nullable:
+        return None
+    if type(value) not in (int, float) or not low <= value <= LIMIT:  # NaN fails too
+        raise ValueError(f"{value!r} is not a stored number")
+    return value
+
+
+def checked_integer(value: Any, low: int = -1, high: float = LIMIT) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{value!r} is not a stored integer")
+    return value
+
+
+def checked_text(value: Any) -> str:
+    if type(value) is not str:
+        raise ValueError(f"{value!r} is not text")
+    return value
+
+
+def _numbers(r: Mapping[str, Any], columns: Iterable[str]) -> dict[str, Any]:
+    """The row's ``columns``, each None or a number a collector writes."""
+    return {c: checked_number(r.get(c)) for c in columns}
+
+
+def checked_record(record: _Run) -> _Run:
+    """A run record whose numbers are finite (a stored one may not be)."""
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if type(value) in (int, float) and not -LIMIT <= value <= LIMIT:
+            raise ProtocolError(f"{f.name} out of range")
+    if isinstance(record, RunStart) and not 0 <= record.expected_world_size <= MAX_WORLD_SIZE:
+        raise ProtocolError("expected_world_size out of range")
+    return record
+
+
+def sender_state(r: Mapping[str, Any]) -> SenderState:
+    rank = r["rank"]
+    world_size = r["world_size"]
+    sender = Sender(role=checked_text(r["role"]), host=checked_text(r["host"]), pid=checked_integer(r["pid"]),
+                    node_rank=checked_integer(r["node_rank"]),
+                    rank=None if rank is None else checked_integer(rank, 0, MAX_WORLD_SIZE - 1),
+                    local_rank=r["local_rank"],
+                    world_size=(None if world_size is None
+                                else checked_integer(world_size, 1, MAX_WORLD_SIZE)),
+                    restart=checked_integer(r["restart"], 0))
+    return SenderState(sender, checked_number(r["first_seen"], False), checked_number(r["last_seen"], False),
+                       checked_integer(r["num_messages"], 0), checked_integer(r["num_gaps"], 0),
+                       checked_integer(r["last_seq"]), checked_integer(r["num_sent"], 0),
+                       checked_integer(r["num_dropped"], 0), bool(r["said_bye"]))
+
+
+def _boundary(value: Any) -> str:
+    """A step's boundary rule; a store written before steps kept one: optimizer."""
+    if value is None:
+        return phases.STEP_BOUNDARIES[0]
+    if value not in phases.STEP_BOUNDARIES:
+        raise ValueError(f"{value!r} is not a step boundary")
+    return str(value)
+
+
+_not_none = functools.partial(operator.is_not, None)
+
+
+def step_row(r: Mapping[str, Any]) -> StepRow:
+    return step_converter(tuple(r.keys()))(tuple(r.values()))
+
+
+_OPTIONAL_STEP_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes", "rss_bytes",
+                         "collective_ms", "samples", "tokens", "flops", "flops_counted",
+                         "boundary", "eval_ms", "num_eval", phases.PHASES[0].count_column)
+
+
+READ_STEP_COLUMNS = ("rank", "restart", "step", "t_begin", "total_ms", "wait_ms",
+                     *(p.column for p in phases.PHASES), *(p.gpu_column for p in phases.gpu_timed()),
+                     *_OPTIONAL_STEP_FIELDS)
+"""What a StepRow is made of (and the attempt, which orders them): a bulk read selects
+these only, since every column costs in a read of millions of rows."""
+
+
+@functools.lru_cache(maxsize=8)
+def step_converter(names: tuple[str, ...],
+                   check: bool = True) -> Callable[[tuple[Any, ...]], StepRow]:
+    """Stored step rows of these columns -> StepRow; ValueError or TypeError for a row
+    a collector does not write (``check``: every number in range; without, rows whose
+    numbers are known to be).  Built once per query: a summary converts millions."""
+    at = {n: i for i, n in enumerate(names)}
+    missing = len(names)  # a column the store lacks reads as None (the row gets one more)
+    # Several columns each (rank, step, ...; total_ms, wait_ms, ...): the getters give tuples.
+    numeric = operator.itemgetter(*(i for n, i in at.items() if n not in STEP_TYPE))
+    times = operator.itemgetter(*(i for n, i in at.items() if n.endswith("_ms")))
+    # A store written before a phase existed has no column for it: it took 0.
+    phase_names = tuple(p.name for p in phases.PHASES)
+    phase_ms = operator.itemgetter(*(at.get(p.column, missing) for p in phases.PHASES))
+    gpu_ms = operator.itemgetter(*(at.get(p.gpu_column, missing) for p in phases.gpu_timed()),
+                                 missing, missing)  # a tuple, also without GPU-timed phases
+    fields = operator.itemgetter(at["rank"], at["step"], at["total_ms"], at["wait_ms"],
+                                 at["t_begin"],
+                                 *(at.get(f, missing) for f in _OPTIONAL_STEP_FIELDS))
+
+    def convert(stored: tuple[Any, ...]) -> StepRow:
+        if check:
+            values = tuple(filter(_not_none, numeric(stored)))
+            # A string or blob fails the sum (TypeError); Inf, or a number far out of
+            # range, takes it out of range (summing is cheaper than comparing each).
+            if not -LIMIT <= sum(values) <= LIMIT * len(values):
+                raise ValueError("a stored number out of range")
+            if min(filter(_not_none, times(stored)), default=0.0) < 0:
+                raise ValueError("a negative time")
+        row = (*stored, None)
+        (rank, step, total_ms, wait_ms, t_begin, peak_allocated, peak_reserved, rss, collective,
+         samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval,
+         num_input) = fields(row)
+        gpu = gpu_ms(row)[:-2]
+        times_ms = phase_ms(row)
+        if None in times_ms:
+            times_ms = tuple(v or 0.0 for v in times_ms)
+        # Positional, in StepRow's field order: a call with keywords costs more.
+        return StepRow(
+            checked_integer(rank, 0, MAX_WORLD_SIZE - 1), checked_integer(step, 0),
+            dict(zip(phase_names, times_ms)), checked_number(total_ms, False, 0.0),
+            checked_number(wait_ms, False, 0.0), peak_allocated, peak_reserved, rss,
+            float(sum(gpu)) if None not in gpu else None,
+            (t_begin + total_ms / 1e3) if t_begin is not None else None, collective,
+            samples, tokens, flops, bool(flops_counted), _boundary(boundary),
+            eval_ms or 0.0, num_eval or 0, num_input or 0)
+
+    return convert
+
+
+def process_sample(r: Mapping[str, Any]) -> ProcessSample:
+    v = _numbers(r, r.keys())
+    return ProcessSample(
+        rank=checked_integer(r["rank"], 0, MAX_WORLD_SIZE - 1), node_rank=checked_integer(r["node_rank"]),
+        t=checked_number(r["t"], False), cpu_pct=v["cpu_pct"] or 0.0,
+        rss_bytes=v["rss_bytes"] or 0, host_ram_total_bytes=v["host_ram_total_bytes"] or 0,
+        num_cpus=v["num_cpus"] or 1, device_allocated_bytes=v["device_allocated_bytes"],
+        device_reserved_bytes=v["device_reserved_bytes"],
+        device_total_bytes=v["device_total_bytes"],
+    )
+
+
+def incident_from_row(r: Mapping[str, Any]) -> Incident:
+    detail = orjson.loads(checked_text(r["detail"]))
+    if not isinstance(detail, dict) or not all(
+            isinstance(v, (str, int, float)) or v is None for v in detail.values()):
+        raise TypeError("incident detail is not an object of scalars")
+    phase, source = r["phase"], r["stack_source"]
+    return Incident(
+        what=checked_text(r["what"]), rank=checked_integer(r["rank"], 0, MAX_WORLD_SIZE - 1),
+        node_rank=checked_integer(r["node_rank"]), host=checked_text(r["host"]),
+        pid=checked_integer(r["pid"], 0),
+        began_at=checked_number(r["began_at"], False), detected_at=checked_number(r["detected_at"], False),
+        cleared_at=checked_number(r["cleared_at"]),
+        step=None if r["step"] is None else checked_integer(r["step"], 0),
+        phase=None if phase is None else checked_text(phase),
+        open_phases=tuple(checked_text(p) for p in orjson.loads(checked_text(r["open_phases"]))),
+        stack=stacks.from_json(orjson.loads(checked_text(r["stack"]))),
+        stack_source=None if source is None else checked_text(source), detail=detail)
+
+
+def system_sample(r: Mapping[str, Any]) -> SystemSample:
+    v = _numbers(r, ("cpu_pct", "ram_pct", "ram_total_bytes"))
+    gpus = orjson.loads(r["gpus"] or "[]")
+    if type(gpus) is not list:
+        raise ValueError("gpus is not a list")
+    return SystemSample(node_rank=checked_integer(r["node_rank"]), host=checked_text(r["host"]),
+                        t=checked_number(r["t"], False), cpu_pct=v["cpu_pct"] or 0.0,
+                        ram_pct=v["ram_pct"] or 0.0, ram_total_bytes=v["ram_total_bytes"] or 0,
+                        gpus=tuple(_gpu_sample(g) for g in gpus))
+
+
+def _gpu_sample(values: Any) -> GpuSample:
+    if type(values) is not list:
+        raise ValueError("a GPU sample is not a list")
+    index, *rest = values
+    return GpuSample(checked_integer(index, 0), *(checked_number(x) for x in rest))
+
+
+def group_totals(rank: int, g: Mapping[str, Any]) -> RankTotals:
+    """One attempt's sums as SQL gave them; ValueError when one is not what a
+    collector's rows add up to."""
+    return RankTotals(
+        rank=rank, num_rows=checked_integer(g["num_rows"], 1), last_step=checked_integer(g["last_step"], 0),
+        sum_ms={p.name: float(checked_number(g[p.column] or 0.0, False, 0.0)) for p in TOTALED},
+        eval_ms=float(checked_number(g["eval_ms"] or 0.0, False, 0.0)),
+        num_eval=checked_integer(g["num_eval"] or 0, 0), device_measured=bool(g["num_cuda"]))
+
+
+def merged_totals(parts: Sequence[RankTotals]) -> RankTotals:
+    """One rank's totals from those of its attempts."""
+    return RankTotals(
+        rank=parts[0].rank, num_rows=sum(p.num_rows for p in parts),
+        last_step=max(p.last_step for p in parts),
+        sum_ms={p.name: sum(t.sum_ms.get(p.name, 0.0) for t in parts) for p in TOTALED},
+        eval_ms=sum(p.eval_ms for p in parts), num_eval=sum(p.num_eval for p in parts),
+        device_measured=any(p.device_measured for p in parts))
+
+
+# -- the run, described from its records --------------------------------------------------
+
+_NO_START = RunStart(session_id="", command=(), started_at=0.0, traceml_version="",
+                     torch_version="", python_version="", summary_window_rows=0, mode="run")
+
+
+def run_data(records: RunRecords, steps: tuple[StepRow, ...], process: tuple[ProcessSample, ...],
+             system: tuple[SystemSample, ...], incidents: tuple[Incident, ...] = (),
+             totals: tuple[RankTotals, ...] | None = None) -> RunData:
+    """The run as the diagnosis reads it: these samples (all, the window's, or the
+    recent ones a live view keeps), what ``records`` say about the run and each rank's
+    whole-run ``totals`` (None: ``steps`` are all there is)."""
+    meta = _run_meta(records, totals_of(steps) if totals is None else totals, process)
+    return RunData(meta, steps, process, system, incidents=incidents, totals=totals)
+
+
+def _run_meta(records: RunRecords, totals: tuple[RankTotals, ...],
+              process: tuple[ProcessSample, ...]) -> RunMeta:
+    start = records.start or _NO_START
+    world_size, missing = _ranks(records, totals)
+    exit_code = records.end.exit_code if records.end is not None else None
+    complete = records.end.telemetry_complete if records.end is not None else True
+    cuda = any(t.device_measured for t in totals) or any(
+        p.device_total_bytes is not None for p in process)
+    senders = records.senders
+    return RunMeta(
+        count_flops=bool(start.count_flops),
+        peak_tflops=start.peak_tflops or None,
+        session_id=start.session_id, command=list(start.command),
+        started_at=start.started_at,
+        ended_at=records.end.ended_at if records.end is not None else start.started_at,
+        exit_code=exit_code, partial=bool(missing) or exit_code != 0 or not complete,
+        world_size=world_size, missing_ranks=missing, nodes=_nodes(senders),
+        device="cuda" if cuda else "cpu",
+        versions={"traceml": start.traceml_version, "torch": start.torch_version,
+                  "python": start.python_version},
+        transport={"sent": sum(s.num_sent for s in senders),
+                   "dropped": sum(s.num_dropped for s in senders),
+                   "gaps": sum(s.num_gaps for s in senders),
+                   "rejected": sum(records.rejected.values())},
+        mode=start.mode, rejected=dict(records.rejected), telemetry_complete=complete,
+    )
+
+
+def _ranks(records: RunRecords, totals: tuple[RankTotals, ...]) -> tuple[int, tuple[int, ...]]:
+    """The world size and the ranks missing from it."""
+    start = records.start or _NO_START
+    ranked = [s for s in records.senders if s.sender.rank is not None]
+    reported = [s.sender.world_size for s in records.senders if s.sender.world_size]
+    world_size = max(reported + [start.expected_world_size, len({s.sender.rank for s in ranked}),
+                                 1 + max((t.rank for t in totals), default=-1)])
+    # A rank that never said goodbye was lost (killed, or its node died): its data
+    # stops early.  Watch mode has no agent to say goodbye.
+    seen = {s.sender.rank for s in ranked if s.said_bye or start.mode != "run"}
+    return world_size, tuple(r for r in range(world_size) if r not in seen)
+
+
+def _nodes(senders: Sequence[SenderState]) -> tuple[NodeInfo, ...]:
+    hosts: dict[int, str] = {}
+    ranks: dict[int, set[int]] = {}
+    for s in senders:
+        node = s.sender.node_rank
+        if node < 0:
+            continue  # a c10d launcher before it learnt its node rank
+        hosts.setdefault(node, s.sender.host)
+        ranks.setdefault(node, set())
+        if s.sender.rank is not None:
+            ranks[node].add(s.sender.rank)
+    return tuple(NodeInfo(n, hosts[n], tuple(sorted(ranks[n]))) for n in sorted(hosts))

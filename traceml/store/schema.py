@@ -1,0 +1,113 @@
+"""The store's file name, schema version and schema: the tables (DDL), their column
+lists and INSERT statements, and `StoreError`, what SQLite's exceptions become
+(shared: the collector's writer and every reader use them)."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Iterator, Sequence
+
+from traceml import phases
+from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS
+
+STORE_FILENAME = "telemetry.sqlite"
+SCHEMA_VERSION = 4  # 2: a column per phase (communication), collective_ms
+# 3: samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval per step; the
+# flop_counts and incidents tables
+# 4: indexes on process(t) and system(t), for the summary's bounded read (a store
+# without them reads the same, scanning those tables)
+JOIN_ERROR_PREFIX = "join_error/"
+
+
+class StoreError(Exception):
+    """The store cannot be read or written (missing, not a store, busy, malformed)."""
+
+
+STEP_COLUMNS: tuple[str, ...] = (
+    "step", "t_begin", "total_ms", "wait_ms",
+    *(p.column for p in phases.PHASES), *(p.count_column for p in phases.PHASES),
+    "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+    *(p.gpu_column for p in phases.gpu_timed()), "collective_ms",
+    "samples", "tokens", "flops", "flops_counted", "boundary", "eval_ms", "num_eval",
+)
+"""The steps table's columns after (rank, restart, node_rank), from the phase table."""
+
+
+_STEP_INT = {"step", "num_skipped", "num_eval", "rss_bytes", "peak_allocated_bytes",
+             "peak_reserved_bytes", *(p.count_column for p in phases.PHASES), "samples", "tokens",
+             "flops_counted"}
+FLOP_COUNT_COLUMNS = ("t", "flops", "dtype", "dtype_share", "device_name", "sm_count",
+                      "reason", "ran")
+
+STEP_TYPE = {"boundary": "TEXT"}
+
+_SENDER_COLUMNS = ("sender_id", "role", "host", "pid", "node_rank", "rank", "local_rank",
+                   "world_size", "restart", "first_seen", "last_seen", "num_messages",
+                   "num_gaps", "last_seq", "num_sent", "num_dropped", "said_bye")
+
+DDL = [
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS senders (
+        sender_id TEXT PRIMARY KEY, role TEXT NOT NULL, host TEXT NOT NULL,
+        pid INTEGER NOT NULL, node_rank INTEGER NOT NULL, rank INTEGER,
+        local_rank INTEGER, world_size INTEGER, restart INTEGER NOT NULL,
+        first_seen REAL NOT NULL, last_seen REAL NOT NULL,
+        num_messages INTEGER NOT NULL DEFAULT 0, num_gaps INTEGER NOT NULL DEFAULT 0,
+        last_seq INTEGER NOT NULL DEFAULT -1, num_sent INTEGER NOT NULL DEFAULT 0,
+        num_dropped INTEGER NOT NULL DEFAULT 0, said_bye INTEGER NOT NULL DEFAULT 0)""",
+    "CREATE TABLE IF NOT EXISTS steps (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
+    "node_rank INTEGER NOT NULL, "
+    + ", ".join(f"{c} {STEP_TYPE.get(c, 'INTEGER' if c in _STEP_INT else 'REAL')}"
+                for c in STEP_COLUMNS)
+    + ", PRIMARY KEY (rank, restart, step))",
+    "CREATE TABLE IF NOT EXISTS flop_counts (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
+    "node_rank INTEGER NOT NULL, t REAL NOT NULL, flops REAL, dtype TEXT, dtype_share REAL, "
+    "device_name TEXT, sm_count INTEGER, reason TEXT, ran INTEGER NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS rejected (reason TEXT PRIMARY KEY, count INTEGER NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS process (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
+    "node_rank INTEGER NOT NULL, t REAL NOT NULL, cpu_pct REAL, rss_bytes INTEGER, "
+    "host_ram_total_bytes INTEGER, num_cpus INTEGER, device_allocated_bytes INTEGER, "
+    "device_reserved_bytes INTEGER, device_total_bytes INTEGER)",
+    "CREATE TABLE IF NOT EXISTS system (node_rank INTEGER NOT NULL, host TEXT NOT NULL, "
+    "t REAL NOT NULL, cpu_pct REAL, ram_pct REAL, ram_total_bytes INTEGER, gpus TEXT)",
+    # The summary reads the samples taken while its window ran (the steps table's
+    # primary key already orders each rank's steps).
+    "CREATE INDEX IF NOT EXISTS process_t ON process (t)",
+    "CREATE INDEX IF NOT EXISTS system_t ON system (t)",
+    "CREATE TABLE IF NOT EXISTS incidents (what TEXT NOT NULL, rank INTEGER NOT NULL, "
+    "node_rank INTEGER NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL, "
+    "began_at REAL NOT NULL, detected_at REAL NOT NULL, cleared_at REAL, step INTEGER, "
+    "phase TEXT, open_phases TEXT NOT NULL, stack TEXT NOT NULL, stack_source TEXT, "
+    "detail TEXT NOT NULL)",
+]
+
+_INCIDENT_COLUMNS = ("what", "rank", "node_rank", "host", "pid", "began_at", "detected_at",
+                     "cleared_at", "step", "phase", "open_phases", "stack", "stack_source",
+                     "detail")
+
+
+def _insert(table: str, columns: Sequence[str], verb: str = "INSERT") -> str:
+    return (f"{verb} INTO {table} ({', '.join(columns)}) "
+            f"VALUES ({', '.join('?' * len(columns))})")
+
+
+# A stored step is never replaced: a second row for it is a duplicate.
+STEPS_SQL = _insert("steps", ("rank", "restart", "node_rank", *STEP_COLUMNS), "INSERT OR IGNORE")
+PROCESS_SQL = _insert("process", ("rank", "restart", "node_rank", *PROCESS_FIELDS))
+FLOP_COUNT_SQL = _insert("flop_counts", ("rank", "restart", "node_rank", *FLOP_COUNT_COLUMNS))
+SYSTEM_SQL = _insert("system", ("node_rank", "host", *SYSTEM_FIELDS))
+SENDER_SQL = _insert("senders", _SENDER_COLUMNS, "INSERT OR REPLACE")
+REJECTED_SQL = _insert("rejected", ("reason", "count"), "INSERT OR REPLACE")
+INCIDENT_SQL = _insert("incidents", _INCIDENT_COLUMNS)
+META_SQL = ("INSERT INTO meta (key, value) VALUES (?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET value = excluded.value")
+
+
+@contextlib.contextmanager
+def sqlite_errors() -> Iterator[None]:
+    """SQLite's exceptions as StoreError."""
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise StoreError(str(exc)) from exc

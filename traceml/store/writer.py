@@ -1,0 +1,155 @@
+"""`StoreWriter`: typed records appended to the store in batched transactions
+(the collector process, its one connection; a node's relay forwards step rows to it)."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from traceml import stacks
+from traceml.diagnosis.samples import FlopCount, Incident
+from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, RunEnd, RunStart, Sender, record_to_json
+from traceml.store.records import JoinError, SenderState, StepRecord
+from traceml.store.schema import (
+    DDL,
+    FLOP_COUNT_SQL,
+    INCIDENT_SQL,
+    JOIN_ERROR_PREFIX,
+    META_SQL,
+    PROCESS_SQL,
+    REJECTED_SQL,
+    SCHEMA_VERSION,
+    SENDER_SQL,
+    STEPS_SQL,
+    SYSTEM_SQL,
+    StoreError,
+    sqlite_errors,
+)
+
+
+def _pick(fields: Sequence[str], wanted: Sequence[str],
+          rows: Iterable[Sequence[Any]]) -> list[list[Any]]:
+    """Columnar rows reordered to ``wanted``; a field the sender did not send is None."""
+    index = [fields.index(f) if f in fields else None for f in wanted]
+    return [[row[i] if i is not None else None for i in index] for row in rows]
+
+
+class StoreWriter:
+    """Appends to the store (the collector's one connection); the caller decides when
+    to commit."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with sqlite_errors():
+            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            for ddl in DDL:
+                self.db.execute(ddl)
+        self._set_meta({"store_schema_version": SCHEMA_VERSION})
+        self._execute("BEGIN")
+
+    def commit(self) -> None:
+        """Commit the batch and begin the next; StoreError when the batch could not
+        be written (a full disk: it is lost, and the next batch begins anyway)."""
+        try:
+            self._execute("COMMIT")
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                self.db.execute("BEGIN")
+
+    def close(self) -> None:
+        """Commit and fold the write-ahead log into the file: the closed store is one
+        self-contained file (no ``-wal`` beside it), synced to disk."""
+        try:
+            self._execute("COMMIT")
+            with contextlib.suppress(StoreError):  # a reader still open keeps the log
+                self._execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._execute("PRAGMA journal_mode=DELETE")
+        finally:
+            self.db.close()
+
+    def save_run(self, record: RunStart | RunEnd) -> None:
+        """The launcher's record of the run's start or end."""
+        self._set_meta(record_to_json(record))
+
+    def add_join_error(self, error: JoinError) -> None:
+        self._set_meta({f"{JOIN_ERROR_PREFIX}{error.at:.6f}": error.problem})
+
+    def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int:
+        """Store the steps; returns how many were new (a step already stored is kept)."""
+        prefix = (sender.rank, sender.restart, sender.node_rank)
+        return self.add_step_rows([prefix + record.values() for record in records])
+
+    def add_step_rows(self, rows: Sequence[Sequence[Any]]) -> int:
+        """Steps as rows of (rank, restart, node_rank, *STEP_COLUMNS values), as a
+        node's relay forwards them; returns how many were new."""
+        if not rows:
+            return 0
+        with sqlite_errors():
+            return int(self.db.executemany(STEPS_SQL, rows).rowcount)
+
+    def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
+        prefix = (sender.rank, sender.restart, sender.node_rank)
+        self._executemany(FLOP_COUNT_SQL, [
+            (*prefix, *c.values()) for c in counts])
+
+    def add_process(self, sender: Sender, fields: Sequence[str],
+                    rows: Iterable[Sequence[Any]]) -> None:
+        """Process samples as columnar rows of ``fields`` (of `protocol.PROCESS_FIELDS`)."""
+        prefix = (sender.rank, sender.restart, sender.node_rank)
+        self._executemany(PROCESS_SQL, [(*prefix, *values)
+                                         for values in _pick(fields, PROCESS_FIELDS, rows)])
+
+    def add_system(self, sender: Sender, fields: Sequence[str],
+                   rows: Iterable[Sequence[Any]]) -> None:
+        """System samples as columnar rows of ``fields`` (of `protocol.SYSTEM_FIELDS`)."""
+        gpus = SYSTEM_FIELDS.index("gpus")
+        batch = []
+        for values in _pick(fields, SYSTEM_FIELDS, rows):
+            values[gpus] = orjson.dumps(values[gpus] or []).decode()
+            batch.append((sender.node_rank, sender.host, *values))
+        self._executemany(SYSTEM_SQL, batch)
+
+    def add_incident(self, i: Incident) -> int:
+        """A stall or crash; returns its row id (a stall's end is set later)."""
+        with sqlite_errors():
+            cursor = self.db.execute(INCIDENT_SQL, (
+                i.what, i.rank, i.node_rank, i.host, i.pid, i.began_at, i.detected_at,
+                i.cleared_at, i.step, i.phase, orjson.dumps(list(i.open_phases)).decode(),
+                orjson.dumps(stacks.to_json(i.stack)).decode(), i.stack_source,
+                orjson.dumps(dict(i.detail)).decode()))
+        return int(cursor.lastrowid or 0)
+
+    def clear_stall(self, row_id: int, cleared_at: float) -> None:
+        """The stall stored as ``row_id`` ended: the rank's steps resumed."""
+        self._execute("UPDATE incidents SET cleared_at = ? WHERE rowid = ?", (cleared_at, row_id))
+
+    def save_sender(self, s: SenderState) -> None:
+        self.save_senders((s,))
+
+    def save_senders(self, states: Iterable[SenderState]) -> None:
+        self._executemany(SENDER_SQL, [(
+            s.sender.sender_id, s.sender.role, s.sender.host, s.sender.pid, s.sender.node_rank,
+            s.sender.rank, s.sender.local_rank, s.sender.world_size, s.sender.restart,
+            *s.counters()) for s in states])
+
+    def save_rejected(self, counts: Mapping[str, int]) -> None:
+        self._executemany(REJECTED_SQL, list(counts.items()))
+
+    def _set_meta(self, values: Mapping[str, Any]) -> None:
+        self._executemany(META_SQL, [(k, orjson.dumps(v).decode()) for k, v in values.items()])
+
+    def _execute(self, sql: str, params: Sequence[Any] = ()) -> None:
+        with sqlite_errors():
+            self.db.execute(sql, params)
+
+    def _executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        with sqlite_errors():
+            self.db.executemany(sql, rows)
