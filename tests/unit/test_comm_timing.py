@@ -19,7 +19,8 @@ from traceml import phases
 from traceml.agent.comm import CommTiming
 from traceml.agent.patches import Instrumentation
 from traceml.agent.probe import Probe
-from traceml.collector.steps import StepTiming, StepTracker, merge_events
+from traceml.collector.rank_steps import merge_events
+from traceml.collector.steps import StepTiming, StepTracker
 from traceml.protocol import END
 
 COMM = phases.code("communication")

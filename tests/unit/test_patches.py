@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from traceml.agent.patches import Instrumentation
 from traceml.agent.probe import Probe
-from traceml.collector.steps import StepTiming, StepTracker, merge_events
+from traceml.collector.rank_steps import merge_events
+from traceml.collector.steps import StepTiming, StepTracker
 
 
 class Steps:

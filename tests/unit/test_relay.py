@@ -17,9 +17,9 @@ import zmq
 
 from traceml import protocol
 from traceml.collector.dispatch import Collector
+from traceml.collector.rank_steps import RankSteps
 from traceml.collector.relay import Outbox, open_outbox
 from traceml.collector.server import CollectorConfig, Listener
-from traceml.collector.steps import RankSteps
 from traceml.diagnosis.samples import Incident
 from traceml.protocol import Envelope, IncidentReport, Sender
 from traceml.security import derive_keys, relay_keys, secure_client

@@ -20,7 +20,7 @@ from traceml.agent.cuda_timing import SamplingRule
 from traceml.agent.patches import Instrumentation
 from traceml.agent.probe import Probe
 from traceml.agent.runtime import AgentRuntime
-from traceml.collector.steps import RankSteps
+from traceml.collector.rank_steps import RankSteps
 from traceml.environment import AgentEnv
 from traceml.protocol import CLOSE, END, INPUT, Sender
 

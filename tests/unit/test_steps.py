@@ -9,13 +9,8 @@ from typing import Any
 import pytest
 
 from traceml import protocol
-from traceml.collector.steps import (
-    HOLD_BACKWARD_STEPS,
-    RankSteps,
-    StepTiming,
-    StepTracker,
-    merge_device_marks,
-)
+from traceml.collector.rank_steps import RankSteps, merge_device_marks
+from traceml.collector.steps import HOLD_BACKWARD_STEPS, StepTiming, StepTracker
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     BACKWARD,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from traceml import phases, protocol, stacks
 from traceml.collector import intake
 from traceml.collector.intake import Accepted, Rejected
-from traceml.collector.steps import RankSteps
+from traceml.collector.rank_steps import RankSteps
 from traceml.diagnosis.samples import FlopCount, Incident
 from traceml.errors import ProtocolError
 from traceml.protocol import Envelope, IncidentReport, RelayBatch, RunEnd, RunStart, Sender

@@ -22,7 +22,7 @@ phases.PHASES = (*phases.PHASES, phases.Phase("h2d", "Host to device", "#17becf"
 from rich.console import Console  # noqa: E402
 
 from traceml import protocol  # noqa: E402
-from traceml.collector.steps import RankSteps  # noqa: E402
+from traceml.collector.rank_steps import RankSteps  # noqa: E402
 from traceml.compare.cli import main as compare_main  # noqa: E402
 from traceml.launcher.ending import phase_table  # noqa: E402
 from traceml.live.terminal import render_view  # noqa: E402

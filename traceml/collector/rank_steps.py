@@ -1,0 +1,133 @@
+"""One rank's event batches in, its step records out (collector side).
+
+`RankSteps` holds a rank's `traceml.collector.steps.StepTracker`: it merges each
+events batch (per-code times, device marks, RSS readings, collective spans,
+batch records, FLOP counts) back into one timeline (`merge_events`), replays it,
+and turns each `StepTiming` into the store's `StepRecord` on the wall clock.  A
+lost batch resyncs the tracker; a batch that cannot be replayed is dropped whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from traceml import phases, protocol
+from traceml.collector.steps import StepTiming, StepTracker
+from traceml.diagnosis.samples import FlopCount
+from traceml.errors import ProtocolError
+from traceml.protocol import (
+    BATCH,
+    CLOSE,
+    COPY,
+    END,
+    END_EXHAUSTED,
+    END_UNCOUNTED,
+    EVAL_FORWARD,
+    FLOP_COUNT,
+    MANUAL_ENTER,
+    MANUAL_EXIT,
+    MARK,
+    NOGRAD_FORWARD,
+    OPTIMIZER_END,
+    OPTIMIZER_SKIPPED,
+    RSS,
+    SPAN,
+)
+from traceml.store import StepRecord
+
+# Events stamped alike.  The rank stamps some so on purpose: an RSS reading as
+# the first event it goes with, a step's device mark with the manual end it
+# belongs before.  Otherwise order needs a clock finer than the gap between two
+# events (perf_counter is nanoseconds on Linux and macOS): of a phase's end and
+# the next one's begin, the end goes first.
+_TIE_ORDER = {code: i for i, code in enumerate((
+    RSS, SPAN, BATCH, END, END_UNCOUNTED, END_EXHAUSTED, OPTIMIZER_END, OPTIMIZER_SKIPPED, MARK,
+    FLOP_COUNT, MANUAL_EXIT, CLOSE, MANUAL_ENTER, *range(len(phases.PHASES)), COPY,
+    NOGRAD_FORWARD, EVAL_FORWARD))}
+
+
+def merge_events(times: list[list[float]], marks: list[list[Any]],
+                 rss: list[list[Any]], spans: Sequence[Sequence[float]] = (),
+                 batches: Sequence[Sequence[Any]] = (),
+                 flop_counts: Sequence[Sequence[Any]] = ()) -> list[tuple[int, Any]]:
+    """One rank's per-code event times, device marks, RSS readings, collective
+    spans (at their completion), batch records and FLOP counts as one timeline
+    of ``(code, time or value)``."""
+    timeline: list[tuple[float, int, int, Any]] = [
+        (t, _TIE_ORDER[code], code, t) for code, ts in enumerate(times) for t in ts]
+    timeline += [(t, _TIE_ORDER[MARK], MARK, payload) for t, payload in marks]
+    timeline += [(t, _TIE_ORDER[RSS], RSS, value) for t, value in rss]
+    timeline += [(done, _TIE_ORDER[SPAN], SPAN, (launch, done)) for launch, done in spans]
+    timeline += [(r[0], _TIE_ORDER[BATCH], BATCH, tuple(r[1:])) for r in batches]
+    timeline += [(r[0], _TIE_ORDER[FLOP_COUNT], FLOP_COUNT, tuple(r[1:])) for r in flop_counts]
+    timeline.sort(key=lambda e: (e[0], e[1]))
+    return [(code, value) for _, _, code, value in timeline]
+
+
+class RankSteps:
+    """One rank's steps in the collector: its event batches in, step records out."""
+
+    def __init__(self) -> None:
+        self._records: list[StepRecord] = []
+        self.tracker = StepTracker(self._emit)
+        self._last_batch = -1
+        self._wall_offset_s = 0.0
+        self.flop_counts: list[FlopCount] = []  # this rank's counts, for the store to take
+
+    def feed(self, payload: dict[str, Any]) -> list[StepRecord]:
+        """The steps finished by one events payload; ProtocolError when it is
+        malformed (nothing of it is replayed then)."""
+        return self.feed_batch(protocol.check_events(payload))
+
+    def feed_batch(self, batch: protocol.EventBatch) -> list[StepRecord]:
+        """The steps finished by one checked events payload."""
+        if batch.batch != self._last_batch + 1:
+            # A batch was lost (dropped at a full queue): what follows starts
+            # mid-step.
+            self.tracker.resync()
+        self._last_batch = batch.batch
+        self._wall_offset_s = batch.wall_offset_s
+        try:
+            self.tracker.replay(merge_events(batch.times, batch.marks, batch.rss, batch.spans,
+                                             batch.batches, batch.flop_counts))
+        except (TypeError, ValueError, ArithmeticError, IndexError) as exc:
+            # Well-formed but impossible (no rank logs this): nothing of the
+            # batch is kept, and the next one starts afresh.
+            self._records.clear()
+            self.tracker.resync()
+            raise ProtocolError(f"events that cannot be replayed: {exc!r}") from None
+        self.flop_counts += [FlopCount(self._wall_offset_s + r[0], *r[1:]) for r in batch.flop_counts]
+        records, self._records = self._records, []
+        return records
+
+    def _emit(self, t: StepTiming) -> None:
+        alloc, reserved, *gpu = merge_device_marks(t.marks)
+        self._records.append(StepRecord(
+            step=t.step, t_begin=self._wall_offset_s + t.t_begin, total_ms=t.total_s * 1e3,
+            wait_ms=t.wait_s * 1e3, phase_ms=tuple(s * 1e3 for s in t.phase_s),
+            counts=t.counts, num_skipped=t.num_skipped, rss_bytes=t.rss_bytes,
+            peak_allocated_bytes=alloc, peak_reserved_bytes=reserved, gpu_ms=tuple(gpu),
+            collective_ms=None if t.collective_s is None else t.collective_s * 1e3,
+            samples=t.samples, tokens=t.tokens, flops=t.flops, flops_counted=t.flops_counted,
+            boundary=t.boundary, eval_ms=t.eval_s * 1e3, num_eval=t.num_eval))
+
+
+def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A step's device marks (`protocol.DEVICE_MARK_FIELDS` each) as one: the
+    highest memory peaks, and the GPU times summed over its marks when every
+    mark has them (a step whose optimizer steps were only partly timed, as the
+    agent times a sample of them, has none rather than too little)."""
+    if not marks:
+        return (None,) * len(protocol.DEVICE_MARK_FIELDS)
+
+    def highest(i: int) -> int | None:
+        values = [m[i] for m in marks if m[i] is not None]
+        return max(values) if values else None
+
+    def total(i: int) -> float | None:
+        values = [m[i] for m in marks]
+        return None if None in values else float(sum(values))
+
+    return (highest(0), highest(1),
+            *(total(i) for i in range(2, len(protocol.DEVICE_MARK_FIELDS))))
