@@ -8,6 +8,7 @@ import errno
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ from traceml.security import new_secret, session_keys
 from traceml.store import STORE_FILENAME
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
+PEER_COLLECTOR_S = 10.0
+"""c10d: how long a launcher that lost the session folder to a peer on its host
+waits for that peer's collector to take the port (it starts in about a second)."""
 
 
 def exit_status_of(exc: BaseException) -> int:
@@ -94,16 +98,21 @@ def check_script(cfg: RunConfig) -> None:
                          f"{cfg.training_script!r} (give a path to a .py file, or -m MODULE)")
 
 
-def session_dir_for(cfg: RunConfig, hosting: bool) -> Path:
-    """The session folder; when this launcher hosts the collector, it claims the
-    folder by creating the store file (exclusively: of two runs started at once
-    with one session id, one stops here)."""
+def session_dir_for(cfg: RunConfig, topo: Topology) -> tuple[Path, bool]:
+    """The session folder, and whether this launcher runs the collector: it claims
+    the folder by creating the store file (exclusively: of two runs started at once
+    with one session id, one stops here).  On c10d, two launchers on the endpoint's
+    host both see the port free at first: the one that claims the folder runs the
+    collector, the other connects once that collector has taken the port."""
     path = Path(cfg.logs_dir) / cfg.session_id
+    hosting = topo.collector_here or topo.may_host
     try:
         path.mkdir(parents=True, exist_ok=True)
         if hosting:
             os.close(os.open(path / STORE_FILENAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:
+        if path.is_dir() and topo.may_host and _peer_takes_port(topo):
+            return path, False
         if path.is_dir():
             raise UsageError(f"traceml {cfg.command}: session folder {path} already holds a "
                              "run; pass another --session-id or remove that folder") from None
@@ -113,7 +122,19 @@ def session_dir_for(cfg: RunConfig, hosting: bool) -> Path:
             raise StoreUnwritable(f"traceml: warning: cannot create {path}: "
                                   f"{exc.strerror}") from None
         raise _unwritable(cfg, path, exc.strerror or str(exc)) from None
-    return path
+    return path, hosting
+
+
+def _peer_takes_port(topo: Topology) -> bool:
+    """Whether another launcher's collector takes the collector port within
+    `PEER_COLLECTOR_S` (it claimed the session folder first, then starts it)."""
+    deadline = time.monotonic() + PEER_COLLECTOR_S
+    while True:
+        if not topology.port_is_free(topo.bind_host, topo.port):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def _unwritable(cfg: RunConfig, path: Path, reason: str) -> UsageError:
@@ -197,10 +218,8 @@ def run(cfg: RunConfig) -> int:
     topo = topology.resolve(cfg)
     secret = session_secret(cfg, topo)
     try:
-        session_dir = session_dir_for(cfg, topo.collector_here or topo.may_host)
-        collector = None
-        if topo.collector_here or topo.may_host:
-            collector = start_collector(cfg, topo, session_dir, secret)
+        session_dir, hosting = session_dir_for(cfg, topo)
+        collector = start_collector(cfg, topo, session_dir, secret) if hosting else None
     except StoreUnwritable as exc:  # a full disk: the training still runs, untraced
         print(f"{exc}; the training runs without traceml", file=sys.stderr)
         return run_torch(torch_namespace(cfg, redirect_output=False))

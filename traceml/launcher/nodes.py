@@ -28,6 +28,7 @@ import zmq
 
 from traceml.config import RunConfig
 from traceml.environment import SECRET_HINT
+from traceml.errors import UsageError
 from traceml.security import CurveKeys, secure_client
 from traceml.store import STORE_FILENAME, JoinError, SenderState, StoreError, StoreReader
 
@@ -228,9 +229,15 @@ class SilenceWatch(threading.Thread):
                 continue
             self.reported.update(n.node_rank for n in silent)
             names = ", ".join(f"node {n.node_rank} ({n.host})" for n in silent)
-            files = write_summary(self.session_dir)
-            _say(f"{names} stopped reporting {self.silent_after_s:.0f} s ago; partial summary "
-                 f"written to {files.json_path}")
+            # Said before the summary is written: whoever sees the summary has seen why.
+            _say(f"{names} stopped reporting {self.silent_after_s:.0f} s ago; writing a "
+                 "partial summary")
+            try:
+                files = write_summary(self.session_dir)
+            except (OSError, UsageError) as exc:
+                _say(f"cannot write the partial summary: {str(exc).removeprefix('traceml: ')}")
+                continue
+            _say(f"partial summary written to {files.json_path}")
 
     def stop(self) -> None:
         self.done.set()
