@@ -72,7 +72,7 @@ def test_collector_killed_mid_run(tmp_path: Path) -> None:
     env = dict(os.environ, EVIDENCE_DIR=str(evidence), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "traceml", "run", "--logs-dir", str(tmp_path / "logs"),
-         "--session-id", "k", script("loop.py"), "--steps", "150", "--input-sleep-ms", "2"],
+         "--session-id", "k", script("loop.py"), "--steps", "400", "--input-sleep-ms", "2"],
         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     store = tmp_path / "logs" / "k" / "telemetry.sqlite"
     assert wait_until(lambda: store.exists() and read_store(store)[0], 60), \

@@ -54,7 +54,11 @@ def test_evaluation_without_a_dataloader_is_kept_out_of_the_steps(tmp_path: Path
     evals = step_time["stats"]["eval_total_ms"]
     assert evals["median"] >= 3 * 3 * 5  # 3 passes of 3 forwards sleeping 5 ms
     typical = step_time["stats"]["total_ms"]["median"]
-    assert all(s["total_ms"] < typical + 3 * 5 for s in res.steps[5:]), "an evaluation leaked"
+    # A leaked evaluation (>= 15 ms) would be in the step before or after it; the
+    # FLOP-counted step is slower by design.
+    near = {i for n, s in enumerate(res.steps) if s["num_eval"] for i in (n - 1, n)}
+    assert all(res.steps[i]["total_ms"] < typical + 3 * 5 for i in near
+               if not res.steps[i]["flops_counted"]), "an evaluation leaked"
     assert step_time["diagnosis"]["label"] == "COMPUTE-BOUND", step_time["findings"]
 
 
@@ -66,7 +70,8 @@ def test_predictions_between_lbfgs_steps_are_evaluation(tmp_path: Path) -> None:
     assert all(s["num_optimizer"] == 1 and s["num_forward"] == 1 for s in res.steps)
     # The prediction after the last step has no next step to end it.
     assert sum(s["num_eval"] for s in res.steps) == counts["predictions"] - 1
-    assert all(s["total_ms"] < 30 + 5 for s in res.steps[1:]), "plotting leaked into a step"
+    assert all(s["total_ms"] < 30 + 5 for s in res.steps[1:] if not s["flops_counted"]), (
+        "plotting leaked into a step")
     assert step_time["diagnosis"]["label"] == "COMPUTE-BOUND", step_time["findings"]
 
 

@@ -18,10 +18,29 @@ import pytest
 from tests.conftest import read_store, read_summary, script, wait_until
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports() -> tuple[int, int]:
+    """A rendezvous port and a collector port, distinct and free on every address,
+    with the collector's next port free too (node 0's join check takes it)."""
+    held: list[socket.socket] = []
+
+    def bind(port: int) -> int:
+        sock = socket.socket()
+        held.append(sock)
+        sock.bind(("", port))
+        return int(sock.getsockname()[1])
+
+    try:
+        for _ in range(50):
+            rendezvous, collector = bind(0), bind(0)
+            try:
+                bind(collector + 1)
+            except OSError:
+                continue
+            return rendezvous, collector
+    finally:
+        for sock in held:
+            sock.close()
+    raise AssertionError("no free ports")
 
 
 class Nodes:
@@ -115,8 +134,9 @@ def _assert_relayed(nodes: Nodes, world: int) -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_two_nodes_static(tmp_path: Path, nproc: int) -> None:
+    master, port = free_ports()
     common = ["--nnodes=2", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-              f"--master-port={free_port()}", f"--aggregator-port={free_port()}",
+              f"--master-port={master}", f"--aggregator-port={port}",
               "--aggregator-bind-host=127.0.0.1"]
     nodes = Nodes(tmp_path, "st", common)
     nodes.start("--node-rank=0", script("allreduce.py"))
@@ -130,9 +150,9 @@ def test_two_nodes_static(tmp_path: Path, nproc: int) -> None:
 
 def test_two_nodes_c10d_with_curve(tmp_path: Path) -> None:
     # Bound beyond 127.0.0.1, every sender must speak CURVE with the session secret.
-    port = free_port()
+    rendezvous, port = free_ports()
     common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
-              f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--aggregator-port={port}",
+              f"--rdzv-endpoint=127.0.0.1:{rendezvous}", f"--aggregator-port={port}",
               "--aggregator-bind-host=127.0.0.2", "--aggregator-host=127.0.0.2"]
     nodes = Nodes(tmp_path, "c1", common, env={"TRACEML_SECRET": "correct horse"})
     nodes.start(script("allreduce.py"))
@@ -147,8 +167,9 @@ def test_two_nodes_c10d_with_curve(tmp_path: Path) -> None:
 
 def _two_nodes_training(tmp_path: Path, session: str, steps: str) -> Nodes:
     """Two one-rank nodes (static), started and polled until both stored steps."""
+    master, port = free_ports()
     common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-              f"--master-port={free_port()}", f"--aggregator-port={free_port()}",
+              f"--master-port={master}", f"--aggregator-port={port}",
               "--aggregator-bind-host=127.0.0.1"]
     nodes = Nodes(tmp_path, session, common)
     for node in (0, 1):
@@ -201,8 +222,9 @@ def test_relay_killed_mid_run_is_a_lost_node(tmp_path: Path) -> None:
 
 
 def test_mismatching_node_is_reported_not_hung(tmp_path: Path) -> None:
-    common = ["--nnodes=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-              f"--aggregator-port={free_port()}", "--aggregator-bind-host=127.0.0.1"]
+    master, port = free_ports()
+    common = ["--nnodes=2", "--master-addr=127.0.0.1", f"--master-port={master}",
+              f"--aggregator-port={port}", "--aggregator-bind-host=127.0.0.1"]
     nodes = Nodes(tmp_path, "mm", common)
     node0 = nodes.start("--node-rank=0", "--nproc-per-node=1", script("allreduce.py"))
     node1 = nodes.start("--node-rank=1", "--nproc-per-node=2", script("allreduce.py"))
@@ -220,8 +242,9 @@ def test_node_of_another_session_is_refused_without_learning_node_0s_id(
         tmp_path: Path) -> None:
     # Its key derives from its own session id: node 0's join port refuses the
     # handshake, and the node says so in one line instead of hanging.
+    master, port = free_ports()
     common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-              f"--master-port={free_port()}", f"--aggregator-port={free_port()}",
+              f"--master-port={master}", f"--aggregator-port={port}",
               "--aggregator-bind-host=127.0.0.1"]
     node0 = Nodes(tmp_path, "secret-id-of-node-0", common)
     stranger = Nodes(tmp_path, "other", common)
@@ -258,9 +281,10 @@ def test_watch_reports_system_and_process_only(tmp_path: Path) -> None:
 
 
 def test_node_that_never_comes_is_named_within_the_join_timeout(tmp_path: Path) -> None:
+    rendezvous, port = free_ports()
     common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-              f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=join_timeout=5",
-              f"--aggregator-port={free_port()}", "--aggregator-bind-host=127.0.0.1"]
+              f"--rdzv-endpoint=127.0.0.1:{rendezvous}", "--rdzv-conf=join_timeout=5",
+              f"--aggregator-port={port}", "--aggregator-bind-host=127.0.0.1"]
     nodes = Nodes(tmp_path, "alone", common)
     start = time.monotonic()
     nodes.start(script("allreduce.py"))
