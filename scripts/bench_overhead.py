@@ -347,8 +347,7 @@ def main() -> None:
         # The batch watch runs as in a real rank; the one FLOP-counting step is a
         # one-time cost of its own (README), so counting is off here.
         env = AgentEnv(session_id="bench", endpoint=f"tcp://127.0.0.1:{collector.port}",
-                       launcher_pid=os.getppid(), count_flops=False, secure=True,
-                       secret=secret)
+                       launcher_pid=os.getppid(), count_flops=False, secret=secret)
         runtime = AgentRuntime(env, Sender("rank", socket.gethostname(), os.getpid(), 0, rank=0))
         runtime.watch_batches()
         runtime.sender.start()

@@ -36,9 +36,6 @@ Variables:
     default) adapts to the step time, ``0`` turns stall reports off.
 ``TRACEML_NO_FLOPS``
     ``1`` with ``--no-flops``: the agent counts no FLOPs (samples and tokens stay).
-``TRACEML_SECURE``
-    ``1``: every sender speaks ZeroMQ CURVE with keys derived from the session
-    secret (``traceml run`` always sets it: every collector speaks CURVE).
 
 Set by the user (read by the launcher, passed on to the workers):
 
@@ -83,7 +80,6 @@ class AgentEnv:
     flush_interval_s: float = 0.5
     arm_dir: str | None = None
     session_dir: str | None = None
-    secure: bool = False
     secret: str | None = None
     stall_timeout_s: float | None = None  # None: automatic; 0: off
     count_flops: bool = True
@@ -104,8 +100,6 @@ class AgentEnv:
             env["TRACEML_ARM_DIR"] = self.arm_dir
         if self.session_dir is not None:
             env["TRACEML_SESSION_DIR"] = self.session_dir
-        if self.secure:
-            env["TRACEML_SECURE"] = "1"
         if self.secret is not None:
             env["TRACEML_SECRET"] = self.secret
         if not self.count_flops:
@@ -128,7 +122,6 @@ class AgentEnv:
             flush_interval_s=float(environ.get("TRACEML_FLUSH_INTERVAL", "0.5")),
             arm_dir=environ.get("TRACEML_ARM_DIR"),
             session_dir=environ.get("TRACEML_SESSION_DIR"),
-            secure=environ.get("TRACEML_SECURE") == "1",
             secret=environ.get("TRACEML_SECRET"),
             stall_timeout_s=_stall_timeout(environ.get("TRACEML_STALL_TIMEOUT", "auto")),
             count_flops=environ.get("TRACEML_NO_FLOPS") != "1",

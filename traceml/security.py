@@ -69,10 +69,8 @@ def relay_keys(keys: CurveKeys, secret: str | None, session_id: str) -> CurveKey
                    client_secret=client_secret)
 
 
-def session_keys(secure: bool, secret: str | None, session_id: str) -> CurveKeys | None:
-    """The session's keys when it is secured, else None."""
-    if not secure:
-        return None
+def session_keys(secret: str | None, session_id: str) -> CurveKeys:
+    """The session's keys: every collector socket speaks CURVE."""
     return derive_keys(secret if secret else session_id, session_id)
 
 

@@ -55,8 +55,7 @@ def test_unknown_kind_and_bad_rows() -> None:
 def test_environment_contract_round_trip() -> None:
     env = AgentEnv(session_id="x.y-1", endpoint="tcp://127.0.0.1:5", launcher_pid=42,
                    mode="watch", node_rank=3, sample_interval_s=0.25, flush_interval_s=0.1,
-                   arm_dir="/tmp/a", session_dir="/tmp/logs/x.y-1", secure=True,
-                   secret="s3")
+                   arm_dir="/tmp/a", session_dir="/tmp/logs/x.y-1", secret="s3")
     variables = env.to_env()
     assert all(k.startswith("TRACEML_") for k in variables)
     assert AgentEnv.from_env(variables) == env

@@ -105,7 +105,7 @@ class AgentRuntime:
             min(RSS_TICK_S, env.flush_interval_s, env.sample_interval_s),
             producers=[self._drain_events, self.process_sampler.produce],
             final_producers=[self._bye],
-            keys=session_keys(env.secure, env.secret, env.session_id),
+            keys=session_keys(env.secret, env.session_id),
             on_exit=self._sender_exited,
         )
 

@@ -40,7 +40,7 @@ class InProcessSession:
         self.env = AgentEnv(
             session_id=session_id, endpoint=f"tcp://127.0.0.1:{self.collector.port}",
             launcher_pid=os.getpid(), sample_interval_s=sample_interval_s,
-            session_dir=str(self.session_dir.resolve()), secure=True, secret=secret)
+            session_dir=str(self.session_dir.resolve()), secret=secret)
         self.sampler = SystemSampler(self.env.endpoint, session_id, 0, sample_interval_s,
                                      self.collector.keys)
         self.failed = False

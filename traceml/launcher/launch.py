@@ -172,7 +172,7 @@ def agent_env_for(cfg: RunConfig, endpoint: str, session_dir: Path, topo: Topolo
         session_id=cfg.session_id, endpoint=endpoint, launcher_pid=os.getpid(),
         mode="run" if cfg.command == "run" else "watch", node_rank=cfg.node_rank,
         sample_interval_s=cfg.sample_interval_s, arm_dir=arm_dir,
-        session_dir=str(session_dir.resolve()), secure=True, secret=secret,
+        session_dir=str(session_dir.resolve()), secret=secret,
         stall_timeout_s=cfg.stall_timeout_s,
         count_flops=cfg.count_flops,
     )
@@ -254,7 +254,7 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
                collector: CollectorProcess | None, session_dir: Path,
                relay: CollectorProcess | None = None) -> int:
     """Run torch's launch with the node's helpers around it; end with the summary."""
-    keys = session_keys(True, agent_env.secret, cfg.session_id)
+    keys = session_keys(agent_env.secret, cfg.session_id)
     stack_watch = StackWatch(session_dir)
     sampler = SystemSampler(agent_env.endpoint, cfg.session_id,
                             cfg.node_rank if topo.static else None, cfg.sample_interval_s, keys,
