@@ -59,11 +59,11 @@ def test_sigterm_to_the_process_group_keeps_a_whole_summary(tmp_path: Path) -> N
 
 
 def test_second_ctrl_c_during_the_summary_does_not_abort_it(tmp_path: Path) -> None:
-    summary_txt = tmp_path / "logs" / "e" / "final_summary.txt"
+    summary_json = tmp_path / "logs" / "e" / "final_summary.json"  # written last
     with _training(tmp_path, tmp_path / "logs", str(tmp_path / "never"), "0") as proc:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal
         # ... and again, impatiently, until the summary is written.
-        while not wait_until(lambda: proc.poll() is not None or summary_txt.exists(), 0.2):
+        while not wait_until(lambda: proc.poll() is not None or summary_json.exists(), 0.2):
             os.kill(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]

@@ -34,9 +34,9 @@ def test_a_short_two_rank_run_has_start_and_exit_samples_of_both_ranks(tmp_path:
         assert len(steps) == 8
         last_end = max(s["t_begin"] + s["total_ms"] / 1000.0 for s in steps)
         # The start sample comes a sender tick (0.1 s) after the rank's hello,
-        # before the first periodic one is due (1 s).
+        # long before the first periodic one is due (1 s).
         assert len(times[rank]) >= 2, (rank, times[rank])
-        assert times[rank][0] < hello[rank] + 0.9, (rank, times[rank], hello[rank])
+        assert times[rank][0] < hello[rank] + 0.5, (rank, times[rank], hello[rank])
         assert times[rank][-1] > last_end, (rank, times[rank], last_end)  # the exit sample
     assert res.summary is not None
     scope = res.summary["process"]["scope"]

@@ -1,11 +1,15 @@
-"""Who runs the collector on c10d when two launchers on the endpoint's host start at
-once: the one that claims the session folder; the other connects once that
-collector holds the port, and an old run's folder is still refused."""
+"""Who runs the collector on c10d when launchers on the endpoint's host start
+together: the one that claims the session folder; another connects once that
+collector has recorded the run's start, takes the folder over when the claimant
+gives it back, and an ended run's folder is refused at once.  Real collectors,
+real ports, real stores."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,16 +18,7 @@ from traceml.config import RunConfig
 from traceml.errors import UsageError
 from traceml.launcher import launch, topology
 from traceml.launcher.args import parse
-
-
-def _c10d(tmp_path: Path, port: int) -> tuple[RunConfig, topology.Topology]:
-    cfg = parse("run", ["--logs-dir", str(tmp_path), "--session-id", "c1", "--nnodes=2",
-                        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400",
-                        f"--aggregator-port={port}", "--aggregator-bind-host=127.0.0.1",
-                        "train.py"])
-    topo = topology.resolve(cfg)
-    assert topo.may_host and not topo.collector_here
-    return cfg, topo
+from traceml.launcher.collector_process import CollectorProcess, end_run
 
 
 def _free_port() -> int:
@@ -32,31 +27,107 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_the_launcher_that_claims_the_folder_runs_the_collector(tmp_path: Path) -> None:
-    cfg, topo = _c10d(tmp_path, _free_port())
+C10d = tuple[RunConfig, topology.Topology]
+
+
+@pytest.fixture
+def c10d(tmp_path: Path) -> C10d:
+    cfg = parse("run", ["--logs-dir", str(tmp_path), "--session-id", "c1", "--nnodes=2",
+                        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400",
+                        f"--aggregator-port={_free_port()}", "--aggregator-bind-host=127.0.0.1",
+                        "train.py"])
+    topo = topology.resolve(cfg)
+    assert topo.may_host and not topo.collector_here
+    return cfg, topo
+
+
+def _collector(cfg: RunConfig, topo: topology.Topology) -> CollectorProcess:
+    """What the claimant does next: its collector on the port, the run's start recorded."""
+    collector = launch.start_collector(cfg, topo, Path(cfg.logs_dir) / cfg.session_id, None)
+    assert collector is not None
+    launch.record_start(collector, cfg)
+    return collector
+
+
+@pytest.fixture
+def collectors() -> Iterator[list[CollectorProcess]]:
+    started: list[CollectorProcess] = []
+    yield started
+    for collector in started:
+        collector.stop()
+
+
+def test_the_launcher_that_claims_the_folder_runs_the_collector(c10d: C10d) -> None:
+    cfg, topo = c10d
     path, hosting = launch.session_dir_for(cfg, topo)
     assert hosting and (path / "telemetry.sqlite").exists()
 
 
-def test_the_other_connects_once_the_peer_collector_holds_the_port(tmp_path: Path) -> None:
-    port = _free_port()
-    cfg, topo = _c10d(tmp_path, port)
-    launch.session_dir_for(cfg, topo)  # the peer claimed the folder first
-    peer = socket.socket()
-    starting = threading.Timer(0.5, lambda: (peer.bind(("127.0.0.1", port)), peer.listen()))
-    starting.start()  # ... and its collector takes the port a moment later
+def test_the_other_connects_once_the_peers_collector_recorded_the_start(
+        c10d: C10d, collectors: list[CollectorProcess]) -> None:
+    cfg, topo = c10d
+    launch.session_dir_for(cfg, topo)  # the peer claimed the folder first ...
+    starting = threading.Timer(0.3, lambda: collectors.append(_collector(cfg, topo)))
+    starting.start()  # ... and starts its collector a moment later
     try:
         path, hosting = launch.session_dir_for(cfg, topo)
     finally:
         starting.join()
-        peer.close()
-    assert not hosting and path == tmp_path / "c1"
+    assert not hosting and path == Path(cfg.logs_dir) / "c1"
+    assert collectors[0].alive()
 
 
-def test_an_old_runs_folder_is_still_refused(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launch, "PEER_COLLECTOR_S", 0.3)
-    cfg, topo = _c10d(tmp_path, _free_port())
-    launch.session_dir_for(cfg, topo)  # a finished run's folder: nobody holds the port
+def test_a_folder_given_back_is_claimed_again(c10d: C10d) -> None:
+    cfg, topo = c10d
+    path, _ = launch.session_dir_for(cfg, topo)
+    # The peer's collector could not start: it gives the (empty) store back.
+    giving_back = threading.Timer(0.5, (path / "telemetry.sqlite").unlink)
+    giving_back.start()
+    try:
+        assert launch.session_dir_for(cfg, topo) == (path, True)
+    finally:
+        giving_back.join()
+
+
+def test_an_ended_runs_folder_is_refused_at_once(c10d: C10d) -> None:
+    cfg, topo = c10d
+    launch.session_dir_for(cfg, topo)
+    end_run(_collector(cfg, topo), 0)  # the run ended, its end recorded
+    began = time.monotonic()
     with pytest.raises(UsageError, match="already holds a run"):
         launch.session_dir_for(cfg, topo)
+    assert time.monotonic() - began < 5  # not the wait for a starting peer
+
+
+def test_a_folder_whose_collector_is_gone_is_refused_at_once(c10d: C10d) -> None:
+    cfg, topo = c10d
+    launch.session_dir_for(cfg, topo)
+    collector = _collector(cfg, topo)
+    assert collector.stop() == 0  # a launcher killed before it recorded the end
+    began = time.monotonic()
+    with pytest.raises(UsageError, match="already holds a run"):
+        launch.session_dir_for(cfg, topo)
+    assert time.monotonic() - began < 5
+
+
+def test_a_claim_whose_collector_never_comes_is_one_line(
+        c10d: C10d, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "PEER_COLLECTOR_S", 0.5)
+    cfg, topo = c10d
+    launch.session_dir_for(cfg, topo)
+    with pytest.raises(UsageError, match=r"its collector did not start within 0 s"):
+        launch.session_dir_for(cfg, topo)
+
+
+def test_a_collector_that_cannot_take_the_port_gives_the_folder_back(
+        c10d: C10d, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg, topo = c10d
+    path, _ = launch.session_dir_for(cfg, topo)
+    with socket.socket() as taken:  # another program holds the port
+        taken.bind(("127.0.0.1", topo.port))
+        taken.listen()
+        assert launch.start_collector(cfg, topo, path, None) is None
+    assert not (path / "telemetry.sqlite").exists()
+    err = capsys.readouterr().err
+    assert err.startswith("traceml: no collector here (cannot listen on 127.0.0.1:")
+    assert f"this node sends to the one at 127.0.0.1:{topo.port}" in err

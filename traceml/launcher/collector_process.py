@@ -45,6 +45,15 @@ class StoreUnwritable(UsageError):
     """The collector cannot create the store (a full disk, a read-only folder)."""
 
 
+class CollectorFailed(UsageError):
+    """The collector did not start (its port is taken, or it did not say it was ready)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"traceml: collector failed: {reason}; pick another "
+                         "--aggregator-port or free that one")
+        self.reason = reason
+
+
 class CollectorProcess:
     """Handle on the running collector: its port, a control socket, its exit.
 
@@ -73,8 +82,7 @@ class CollectorProcess:
             reason = ready.get("error", "it did not start")
             if ready.get("store_error"):
                 raise StoreUnwritable(f"traceml: warning: {reason}")
-            raise UsageError(f"traceml: collector failed: {reason}; pick another "
-                             "--aggregator-port or free that one")
+            raise CollectorFailed(reason)
         self.port = int(ready["port"])
         self.ready = ready  # what the collector reported: its port, its dashboard's address
         self._context = zmq.Context()

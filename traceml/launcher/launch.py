@@ -25,6 +25,8 @@ from traceml.errors import UsageError
 from traceml.launcher import topology
 from traceml.launcher.args import torch_namespace
 from traceml.launcher.collector_process import (
+    READY_TIMEOUT_S,
+    CollectorFailed,
     CollectorProcess,
     StoreUnwritable,
     end_run,
@@ -38,12 +40,13 @@ from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
 from traceml.security import new_secret, session_keys
-from traceml.store import STORE_FILENAME
+from traceml.store import STORE_FILENAME, StoreError, StoreReader
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
-PEER_COLLECTOR_S = 10.0
+PEER_COLLECTOR_S = READY_TIMEOUT_S + 10.0
 """c10d: how long a launcher that lost the session folder to a peer on its host
-waits for that peer's collector to take the port (it starts in about a second)."""
+waits for that peer's collector to record the run's start (a collector that has
+not started within `READY_TIMEOUT_S` gives the folder back)."""
 
 
 def exit_status_of(exc: BaseException) -> int:
@@ -101,40 +104,59 @@ def check_script(cfg: RunConfig) -> None:
 def session_dir_for(cfg: RunConfig, topo: Topology) -> tuple[Path, bool]:
     """The session folder, and whether this launcher runs the collector: it claims
     the folder by creating the store file (exclusively: of two runs started at once
-    with one session id, one stops here).  On c10d, two launchers on the endpoint's
-    host both see the port free at first: the one that claims the folder runs the
-    collector, the other connects once that collector has taken the port."""
+    with one session id, one stops here).
+
+    On c10d, every launcher on the endpoint's host may run it (`Topology.may_host`),
+    and they are nodes of one job: the one that claims the folder runs the collector;
+    another connects once that collector has recorded the run's start, and claims
+    the folder itself if the claimant gives it back (its collector could not start).
+    A folder whose run has ended, or whose collector is gone, is refused."""
     path = Path(cfg.logs_dir) / cfg.session_id
     hosting = topo.collector_here or topo.may_host
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if hosting:
-            os.close(os.open(path / STORE_FILENAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        if path.is_dir() and topo.may_host and _peer_takes_port(topo):
-            return path, False
-        if path.is_dir():
-            raise UsageError(f"traceml {cfg.command}: session folder {path} already holds a "
-                             "run; pass another --session-id or remove that folder") from None
-        raise _unwritable(cfg, path, "a file is in the way") from None
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StoreUnwritable(f"traceml: warning: cannot create {path}: "
-                                  f"{exc.strerror}") from None
-        raise _unwritable(cfg, path, exc.strerror or str(exc)) from None
-    return path, hosting
-
-
-def _peer_takes_port(topo: Topology) -> bool:
-    """Whether another launcher's collector takes the collector port within
-    `PEER_COLLECTOR_S` (it claimed the session folder first, then starts it)."""
     deadline = time.monotonic() + PEER_COLLECTOR_S
     while True:
-        if not topology.port_is_free(topo.bind_host, topo.port):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if hosting:
+                os.close(os.open(path / STORE_FILENAME,
+                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            return path, hosting
+        except FileExistsError:
+            if not path.is_dir():
+                raise _unwritable(cfg, path, "a file is in the way") from None
+            peer = _peer_run(path / STORE_FILENAME, topo) if topo.may_host else "ended"
+            if peer == "live":
+                return path, False
+            if peer == "ended":
+                raise UsageError(f"traceml {cfg.command}: session folder {path} already holds "
+                                 "a run; pass another --session-id or remove that folder") from None
+            if time.monotonic() >= deadline:
+                raise UsageError(
+                    f"traceml {cfg.command}: another launcher on this host claimed {path}, but "
+                    f"its collector did not start within {PEER_COLLECTOR_S:.0f} s; pass "
+                    "another --session-id or remove that folder") from None
+            time.sleep(0.2)  # then claim again: the folder is free if the peer gave it back
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreUnwritable(f"traceml: warning: cannot create {path}: "
+                                      f"{exc.strerror}") from None
+            raise _unwritable(cfg, path, exc.strerror or str(exc)) from None
+
+
+def _peer_run(store: Path, topo: Topology) -> str:
+    """The run in a claimed session folder: ``live`` (its collector recorded the
+    start and holds the port), ``ended`` (it recorded the end, or its collector is
+    gone), or ``starting`` (nothing recorded yet: the claimant starts its collector)."""
+    try:
+        with StoreReader(store, timeout_s=1.0) as reader:
+            records = reader.records()
+    except StoreError:
+        return "starting"  # not made yet, or given back
+    if records.start is None:
+        return "starting"
+    if records.end is None and not topology.port_is_free(topo.bind_host, topo.port):
+        return "live"
+    return "ended"
 
 
 def _unwritable(cfg: RunConfig, path: Path, reason: str) -> UsageError:
@@ -144,7 +166,8 @@ def _unwritable(cfg: RunConfig, path: Path, reason: str) -> UsageError:
 
 def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
                     secret: str | None) -> CollectorProcess | None:
-    """The collector, if it runs here (None: a c10d peer on this host has it)."""
+    """The collector, if it runs here (None: on c10d, it could not start here, and
+    this node sends to the collector that holds the port, a peer's on this host)."""
     try:
         return CollectorProcess(CollectorConfig(
             session_id=cfg.session_id, bind_host=topo.bind_host, port=topo.port,
@@ -157,7 +180,9 @@ def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
         store = session_dir / STORE_FILENAME
         if store.stat().st_size == 0:
             store.unlink()  # claimed, never written: the folder stays free for a retry
-        if topo.may_host and not isinstance(exc, StoreUnwritable):
+        if topo.may_host and isinstance(exc, CollectorFailed):
+            print(f"traceml: no collector here ({exc.reason}): this node sends to the one at "
+                  f"{topo.connect_host}:{topo.port}", file=sys.stderr)
             return None
         raise
 
@@ -193,16 +218,16 @@ def record_start(collector: CollectorProcess, cfg: RunConfig) -> None:
         count_flops=cfg.count_flops, peak_tflops=cfg.peak_tflops))
 
 
-def session_secret(cfg: RunConfig, topo: Topology) -> str | None:
+def session_secret(cfg: RunConfig, topo: Topology, hosting: bool) -> str | None:
     """The secret every sender's key derives from: the user's (environment); on one node a new
-    one for this run; else None (derived from the session id: the node that runs
-    the collector says what that exposes)."""
+    one for this run; else None (derived from the session id: the launcher that runs
+    the collector, ``hosting``, says what that exposes)."""
     secret = environment.user_secret(os.environ)
     if secret is not None:
         return secret
     if not cfg.multi_node:
         return new_secret()
-    if topo.collector_here or topo.may_host:
+    if hosting:
         print(f"traceml: warning: no session secret: anyone who can reach "
               f"{topo.bind_host}:{topo.port} and knows the session id (it is on the command "
               f"line) can send to this run's collector; {environment.SECRET_HINT}",
@@ -216,9 +241,9 @@ def run(cfg: RunConfig) -> int:
     if cfg.no_trace:
         return run_torch(torch_namespace(cfg, redirect_output=False))
     topo = topology.resolve(cfg)
-    secret = session_secret(cfg, topo)
     try:
         session_dir, hosting = session_dir_for(cfg, topo)
+        secret = session_secret(cfg, topo, hosting)
         collector = start_collector(cfg, topo, session_dir, secret) if hosting else None
     except StoreUnwritable as exc:  # a full disk: the training still runs, untraced
         print(f"{exc}; the training runs without traceml", file=sys.stderr)

@@ -34,6 +34,7 @@ from traceml.store import STORE_FILENAME, JoinError, SenderState, StoreError, St
 
 WAIT_REPORT_S = 10.0
 NODES_FINISH_TIMEOUT_S = 20.0
+STOP_WAIT_S = 60.0  # a partial summary being written (seconds at thousands of ranks)
 RELAY_SILENT_S = 10.0  # 5 of a relay's heartbeats (`traceml.collector.relay.HEARTBEAT_S`)
 JOIN_REPLY_TIMEOUT_MS = 2000
 
@@ -227,6 +228,8 @@ class SilenceWatch(threading.Thread):
                       and s.sender.node_rank not in self.reported]
             if not silent:
                 continue
+            if self.done.is_set():  # the run ended meanwhile: the final summary is written
+                return
             self.reported.update(n.node_rank for n in silent)
             names = ", ".join(f"node {n.node_rank} ({n.host})" for n in silent)
             # Said before the summary is written: whoever sees the summary has seen why.
@@ -240,4 +243,8 @@ class SilenceWatch(threading.Thread):
             _say(f"partial summary written to {files.json_path}")
 
     def stop(self) -> None:
+        """No partial summary after this: one being written is finished first, so the
+        final summary, written next, is the one that stays."""
         self.done.set()
+        if self.is_alive():
+            self.join(STOP_WAIT_S)

@@ -2,8 +2,10 @@
 
 Static rendezvous: node 0 (``--node-rank 0``) runs the collector at
 ``--master-addr``.  c10d and other dynamic backends assign node ranks by join
-order, so the collector runs on the rendezvous endpoint's host: the first
-launcher there to take ``--aggregator-port`` runs it, the others connect.
+order, so the collector runs on the rendezvous endpoint's host: of the
+launchers there that find ``--aggregator-port`` free, the one that claims the
+session folder runs it (`traceml.launcher.launch.session_dir_for`), the others
+connect.
 Other nodes connect to ``--aggregator-host`` (default: that host).
 """
 
@@ -76,6 +78,6 @@ def resolve(cfg: RunConfig) -> Topology:
     if static:
         here = cfg.node_rank == 0
         return Topology(here, False, host, bind, port, True)
-    # c10d: the first launcher on the endpoint's host to take the port runs it.
+    # c10d: a launcher on the endpoint's host that finds the port free may run it.
     may_host = is_local_address(_endpoint_host(cfg)) and port_is_free(bind, port)
     return Topology(False, may_host, host, bind, port, False)

@@ -23,7 +23,7 @@ statements, `StoreError`), ``records`` (the record types), ``writer``
 from here: the names below are the store's interface.
 """
 
-from traceml.store.reader import MIN_SAMPLES_PER_SOURCE, SAMPLES_PER_SOURCE, StoreReader
+from traceml.store.reader import StoreReader
 from traceml.store.records import (
     JoinError,
     NewRows,
@@ -44,8 +44,6 @@ from traceml.store.writer import StoreWriter
 
 __all__ = [
     "JOIN_ERROR_PREFIX",
-    "MIN_SAMPLES_PER_SOURCE",
-    "SAMPLES_PER_SOURCE",
     "SCHEMA_VERSION",
     "STEP_COLUMNS",
     "STORE_FILENAME",
