@@ -34,9 +34,8 @@ class BatchSender:
     """A daemon thread that sends whatever the producers return, periodically."""
 
     def __init__(self, endpoint: str, session_id: str, identity: Sender,
-                 interval_s: float, producers: list[Producer],
+                 interval_s: float, producers: list[Producer], *, keys: CurveKeys,
                  final_producers: list[Producer] | None = None,
-                 keys: CurveKeys | None = None,
                  on_exit: Callable[[], None] | None = None) -> None:
         self.endpoint = endpoint
         self.session_id = session_id
@@ -98,8 +97,7 @@ class BatchSender:
         sock = self._context.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.keys is not None:
-            secure_client(sock, self.keys)
+        secure_client(sock, self.keys)  # every collector socket speaks CURVE
         sock.connect(self.endpoint)
         self._socket = sock
 

@@ -27,7 +27,7 @@ class ProcessWatcher:
     """Samples every local worker each interval and reports it as that rank."""
 
     def __init__(self, endpoint: str, session_id: str, node_rank: int | None,
-                 interval_s: float, keys: CurveKeys | None = None) -> None:
+                 interval_s: float, keys: CurveKeys) -> None:
         self.node_rank = node_rank
         self.host = socket.gethostname()
         self.ram_total = psutil.virtual_memory().total

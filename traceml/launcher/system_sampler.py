@@ -98,7 +98,7 @@ class SystemSampler:
     """
 
     def __init__(self, endpoint: str, session_id: str, node_rank: int | None,
-                 interval_s: float, keys: CurveKeys | None = None,
+                 interval_s: float, keys: CurveKeys,
                  extra: list[Producer] | None = None) -> None:
         self.nvml = Nvml()
         psutil.cpu_percent(None)  # prime: the first call has no interval
