@@ -161,16 +161,17 @@ def test_a_stall_that_clears_is_listed_with_its_duration(tmp_path: Path) -> None
         launch.kill()
     assert launch.proc.returncode == 0
     assert "traceml: STALLED:" in launch.stderr()  # printed while it lasted
-    # r0, waiting in the all-reduce, may have been reported stalled too: both clear.
-    cleared_line = next((line for line in launch.stderr().splitlines()
-                         if line.startswith("traceml: the stall cleared: steps resumed (")), "")
-    assert re.search(r"[(, ]r1 after \d+\.\d s", cleared_line), launch.stderr()
+    # r0, waiting in the all-reduce, may have been reported stalled too: both clear,
+    # in one line or in two (their reports may reach node 0 a poll apart).
+    cleared = [line for line in launch.stderr().splitlines()
+               if line.startswith("traceml: the stall cleared: steps resumed (")]
+    assert any(re.search(r"[(, ]r1 after \d+\.\d s", line) for line in cleared), launch.stderr()
     summary = read_summary(launch.session)
     assert summary is not None
     assert summary["ending"]["state"] == "completed" and summary["ending"]["headline"] is None
-    cleared = [f for f in summary["ending"]["findings"] if f["kind"] == "STALL_CLEARED"]
-    assert len(cleared) == 1 and cleared[0]["ranks"] == [1]
-    assert 10.0 <= cleared[0]["evidence"]["stalled_s"] <= 15.0
+    findings = [f for f in summary["ending"]["findings"] if f["kind"] == "STALL_CLEARED"]
+    assert len(findings) == 1 and findings[0]["ranks"] == [1]
+    assert 10.0 <= findings[0]["evidence"]["stalled_s"] <= 15.0
     assert "STALL CLEARED [warn]: r1 (n0) made no progress for" in out
     assert stall_of(summary, 1)["cleared_at"] is not None
     assert launch.steps_of(0) == launch.steps_of(1) == 60  # the steps are still exact
