@@ -87,23 +87,15 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def _fill(disk: Path) -> None:
-    """Fill the disk to the last byte."""
-    with open(disk / "filler", "wb") as f:
-        chunk = b"\0" * 65536
-        try:
-            while True:
-                f.write(chunk)
-                f.flush()
-        except OSError:
-            pass
-    for size in (4096, 512, 1):  # the partial chunk
-        try:
-            with open(disk / f"filler{size}", "wb") as f:
-                while True:
-                    f.write(b"\0" * size)
-                    f.flush()
-        except OSError:
-            pass
+    """Fill the disk to the last byte.  Unbuffered: a buffered file's close would
+    try again to write what did not fit, and raise."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        for size in (65536, 4096, 512, 1):
+            try:
+                while f.write(b"\0" * size):
+                    pass
+            except OSError:
+                pass
 
 
 def test_disk_full_during_the_run_keeps_the_exit_code_and_prints_the_card(
