@@ -16,6 +16,7 @@ from traceml.report.page.snapshot import (
     LIVE_WINDOW_STEPS,
     build_snapshot,
     live_snapshot,
+    live_window_steps,
     snapshot_to_json,
 )
 from traceml.store import SenderState, StoreWriter
@@ -125,3 +126,24 @@ def test_at_thousands_of_ranks_the_live_window_and_the_tail_shrink() -> None:
     snap = live_snapshot(wide_run(1024, 60, slow_rank=677), 10000, now=T0 + 60)
     assert snap.report.step_time.scope.num_steps == 25  # 25 600 rows: about 100 steps of 256 ranks
     assert snap.report.primary.finding.ranks == (677,)
+
+
+def test_the_tail_keeps_twice_the_live_window_per_rank_whatever_the_nodes(
+        tmp_path: Path) -> None:
+    """Kept steps follow the number of ranks, not of senders (each node's sampler
+    speaks too): 1024 ranks on 128 nodes keep 2 x 25 steps a rank."""
+    db = tmp_path / "telemetry.sqlite"
+    writer = StoreWriter(str(db))
+    writer.save_run(run_start("s", T0, summary_window_rows=50))
+    for node in range(128):
+        writer.save_sender(SenderState(Sender("system", f"h{node}", 9, node), T0, T0))
+    for rank in range(1024):
+        writer.save_sender(SenderState(_sender(rank), T0, T0))
+        _steps(writer, rank, range(60))
+    writer.commit()
+    run, _ = StoreTail(db).poll()
+    per_rank = {r.rank: 0 for r in run.steps}
+    for r in run.steps:
+        per_rank[r.rank] += 1
+    assert set(per_rank.values()) == {2 * live_window_steps(1024)} == {50}
+    writer.close()

@@ -63,7 +63,8 @@ class StoreTail:
         with StoreReader(self.db_path) as reader:
             records = reader.records()
             num_senders = max(1, len(records.senders))  # ranks and each node's sampler
-            self._kept = self.kept_steps(num_senders)
+            self._kept = self.kept_steps(len({s.sender.rank for s in records.senders
+                                              if s.sender.rank is not None}))
             # Newer rows than this cannot all be kept: a late first poll skips the backlog.
             most = 2 * num_senders
             steps = reader.steps_after(self._steps_after, most * self._kept)
