@@ -110,7 +110,7 @@ def _num_nodes(run: RunData) -> int:
 def _unmeasured_steps_why(run: RunData) -> str:
     if run.meta.mode == "watch":
         return "traceml watch records System and Process telemetry only, no steps."
-    if not run.steps and not run.totals:
+    if not rank_totals(run):
         return "No training step was recorded."
     return "No step was completed by every rank after warm-up."
 

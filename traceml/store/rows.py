@@ -248,8 +248,9 @@ def run_data(records: RunRecords, steps: tuple[StepRow, ...], process: tuple[Pro
              totals: tuple[RankTotals, ...] | None = None) -> RunData:
     """The run as the diagnosis reads it: these samples (all, the window's, or the
     recent ones a live view keeps), what ``records`` say about the run and each rank's
-    whole-run ``totals`` (None: ``steps`` are all there is)."""
-    meta = _run_meta(records, totals_of(steps) if totals is None else totals, process)
+    whole-run ``totals`` (None: ``steps`` are all there is; added up once, here)."""
+    totals = totals_of(steps) if totals is None else totals
+    meta = _run_meta(records, totals, process)
     return RunData(meta, steps, process, system, incidents=incidents, totals=totals)
 
 

@@ -59,7 +59,8 @@
     return h + ":" + String(m).padStart(2, "0") + ":" + String(sec).padStart(2, "0");
   }
 
-  // As format_ranks in traceml/diagnosis/finding.py: a finding may name hundreds of ranks.
+  // As format_ranks in traceml/diagnosis/finding.py (which shows 4 in a sentence; a
+  // header's rank list shows 8): a finding may name hundreds of ranks.
   function ranksText(ranks, limit = 8) {
     const shown = ranks.slice(0, limit).map((r) => "r" + r).join(", ");
     return ranks.length > limit ? `${shown} +${ranks.length - limit} more` : shown;
