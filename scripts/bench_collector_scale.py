@@ -52,13 +52,13 @@ from traceml.collector.server import RELAY_INTERVAL_S, CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import Envelope, RunEnd, RunStart, Sender
 from traceml.security import derive_keys, new_secret, relay_keys, secure_client
+from traceml.sender import SEND_HWM
 from traceml.store import STEP_COLUMNS, SenderState, StepRecord
 
 SESSION = "scale"
-FLUSH_S = 0.5  # as an agent ships its events, and as a relay its batches
+FLUSH_S = 0.5  # as an agent ships its events; the pacing tick (a relay sends every few)
 SAMPLE_S = 1.0  # process and system samples
 SLOTS = 50  # sends are spread over this many slots per flush interval
-SEND_HWM = 1000  # an agent's (`traceml.sender.SEND_HWM`)
 RANKS_PER_NODE = 8
 START_DELAY_S = 3.0  # senders connect, then all start at one time
 

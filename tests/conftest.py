@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -126,6 +127,13 @@ def read_summary(session_dir: Path) -> dict[str, Any] | None:
     text = (session_dir / "final_summary.txt").read_text()
     assert text.startswith("+") and "TraceML Run Summary" in text
     return summary
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float = 20.0,

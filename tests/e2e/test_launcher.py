@@ -79,6 +79,7 @@ def test_collector_killed_mid_run(tmp_path: Path) -> None:
         "the run never stored a step"
     collector_pid = _collector_pid(proc.pid)
     assert collector_pid, "no collector process under the launcher"
+    assert proc.poll() is None, "the run ended before the collector was killed"
     os.kill(collector_pid, signal.SIGKILL)
     killed_at = time.monotonic()
     out, err = proc.communicate(timeout=120)

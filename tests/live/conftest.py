@@ -6,7 +6,6 @@ import dataclasses
 import math
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -113,12 +112,6 @@ def wait_for(check: Callable[[], T | None], timeout_s: float, what: str,
             seen = f"; last seen:\n{describe()}" if describe else ""
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{seen}")
         time.sleep(interval_s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def artifact(name: str) -> Path:

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.live.conftest import GIB, T0, free_port
+from tests.conftest import free_port
+from tests.live.conftest import GIB, T0
 from tests.rows import run_start, step_record
 from traceml.collector.server import CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.conftest import free_port
 from traceml import protocol
 from traceml.collector.dispatch import Collector
 from traceml.collector.rank_steps import RankSteps
@@ -308,9 +309,7 @@ def test_a_relay_cannot_report_a_crash_of_another_nodes_rank(nodes: Nodes) -> No
 def test_a_batch_node_0_did_not_take_gives_its_states_to_the_next(tmp_path: Path) -> None:
     """Node 0 unreachable: the batch times out and is dropped (counted), but the
     rank's goodbye and its crash go out with the next batch."""
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it
     config = CollectorConfig(SESSION, "127.0.0.1", 0, "", 0, secret=SECRET,
                              upstream=f"tcp://127.0.0.1:{port}", node_rank=1)
     outbox = open_outbox(config)

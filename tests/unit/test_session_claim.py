@@ -7,25 +7,18 @@ real ports, real stores."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
 from traceml.config import RunConfig
 from traceml.errors import UsageError
 from traceml.launcher import launch, topology
 from traceml.launcher.args import parse
 from traceml.launcher.collector_process import CollectorProcess, end_run
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 C10d = tuple[RunConfig, topology.Topology]
 
@@ -34,7 +27,7 @@ C10d = tuple[RunConfig, topology.Topology]
 def c10d(tmp_path: Path) -> C10d:
     cfg = parse("run", ["--logs-dir", str(tmp_path), "--session-id", "c1", "--nnodes=2",
                         "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400",
-                        f"--aggregator-port={_free_port()}", "--aggregator-bind-host=127.0.0.1",
+                        f"--aggregator-port={free_port()}", "--aggregator-bind-host=127.0.0.1",
                         "train.py"])
     topo = topology.resolve(cfg)
     assert topo.may_host and not topo.collector_here
@@ -63,30 +56,44 @@ def test_the_launcher_that_claims_the_folder_runs_the_collector(c10d: C10d) -> N
     assert hosting and (path / "telemetry.sqlite").exists()
 
 
+def _peer_acts(monkeypatch: pytest.MonkeyPatch, act: Callable[[], object]) -> list[str]:
+    """What the waiting launcher finds each time it looks at the claimed folder; the
+    peer does ``act`` right after the first look, while this one waits."""
+    seen: list[str] = []
+    look = launch._peer_run
+
+    def looking(store: Path, topo: topology.Topology) -> str:
+        seen.append(look(store, topo))
+        if len(seen) == 1:
+            act()
+        return seen[-1]
+
+    monkeypatch.setattr(launch, "_peer_run", looking)
+    return seen
+
+
 def test_the_other_connects_once_the_peers_collector_recorded_the_start(
-        c10d: C10d, collectors: list[CollectorProcess]) -> None:
+        c10d: C10d, collectors: list[CollectorProcess],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     cfg, topo = c10d
     launch.session_dir_for(cfg, topo)  # the peer claimed the folder first ...
-    starting = threading.Timer(0.3, lambda: collectors.append(_collector(cfg, topo)))
-    starting.start()  # ... and starts its collector a moment later
-    try:
-        path, hosting = launch.session_dir_for(cfg, topo)
-    finally:
-        starting.join()
+    # ... and starts its collector while this launcher waits
+    seen = _peer_acts(monkeypatch, lambda: collectors.append(_collector(cfg, topo)))
+    path, hosting = launch.session_dir_for(cfg, topo)
     assert not hosting and path == Path(cfg.logs_dir) / "c1"
+    # it waited (the start is stored a commit after the collector is up), then connected
+    assert seen[0] == "starting" and seen[-1] == "live" and set(seen) == {"starting", "live"}
     assert collectors[0].alive()
 
 
-def test_a_folder_given_back_is_claimed_again(c10d: C10d) -> None:
+def test_a_folder_given_back_is_claimed_again(
+        c10d: C10d, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg, topo = c10d
     path, _ = launch.session_dir_for(cfg, topo)
     # The peer's collector could not start: it gives the (empty) store back.
-    giving_back = threading.Timer(0.5, (path / "telemetry.sqlite").unlink)
-    giving_back.start()
-    try:
-        assert launch.session_dir_for(cfg, topo) == (path, True)
-    finally:
-        giving_back.join()
+    seen = _peer_acts(monkeypatch, (path / "telemetry.sqlite").unlink)
+    assert launch.session_dir_for(cfg, topo) == (path, True)
+    assert seen == ["starting"]
 
 
 def test_an_ended_runs_folder_is_refused_at_once(c10d: C10d) -> None:

@@ -144,6 +144,10 @@ def test_the_window_reads_each_rank_around_its_end_only(tmp_path: Path) -> None:
     totals = {t.rank: t for t in files.run.totals or ()}
     assert [t.num_rows for t in totals.values()] == [400, 400, 400]  # the whole run's
     assert totals[0].num_eval == 4 and totals[0].last_step == 399
+    # ... and the samples taken while the window ran, not the whole run's
+    full = build_summary(folder, window_rows=50, full=True).run
+    assert 0 < len(files.run.process) < len(full.process) / 4
+    assert 0 < len(files.run.system) < len(full.system) / 4
 
 
 def test_a_store_without_the_sample_indexes_reads_the_same(tmp_path: Path) -> None:
