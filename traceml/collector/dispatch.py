@@ -71,6 +71,8 @@ class Collector:
         self.store_failed = False
         self.num_steps = 0
         self.relayed_by: dict[str, str] = {}  # sender id -> the relay that speaks for it
+        # rank -> its rank senders (one per attempt), by id: incidents ask it of each rank
+        self.rank_senders: dict[int, dict[str, Sender]] = {}
         self.relayed_rows: dict[tuple[str, int], int] = {}  # (relay, its stall id) -> row
         # relay process (host, pid: its id changes when a c10d relay learns its node) ->
         # the running totals of what it rejected
@@ -116,6 +118,7 @@ class Collector:
             raise Rejected("rank or node claimed by another sender")
         now = time.time()
         state = self.senders[key] = SenderState(env.sender, now, now)
+        self._index(env.sender)
         return state
 
     def _track(self, state: SenderState, env: Envelope) -> None:
@@ -190,11 +193,12 @@ class Collector:
         if report.what == protocol.STALL:
             self.open_stalls[key] = row
 
+    def _index(self, sender: Sender) -> None:
+        if sender.role == "rank" and sender.rank is not None:
+            self.rank_senders.setdefault(sender.rank, {})[sender.sender_id] = sender
+
     def _rank_sender(self, rank: int, pid: int) -> Sender | None:
-        for state in self.senders.values():
-            if state.sender.role == "rank" and state.sender.rank == rank and state.sender.pid == pid:
-                return state.sender
-        return None
+        return next((s for s in self.rank_senders.get(rank, {}).values() if s.pid == pid), None)
 
     def _add_steps(self, sender: Sender, batch: protocol.EventBatch) -> None:
         steps = self.rank_steps.get(sender.sender_id)
@@ -249,8 +253,7 @@ class Collector:
         """The sender of the rank a relayed incident is about: False when that rank
         speaks here directly or through another relay (a relay speaks for its own
         node's ranks only); None when the rank never spoke (it crashed first)."""
-        known = [s.sender for s in self.senders.values()
-                 if s.sender.role == "rank" and s.sender.rank == rank]
+        known = list(self.rank_senders.get(rank, {}).values()) if rank is not None else []
         if any(self.relayed_by.get(s.sender_id) != relay.sender_id for s in known):
             return False
         return next((s for s in known if s.pid == pid), None)
@@ -279,6 +282,7 @@ class Collector:
         state = self.senders[key] = SenderState(who, *values)
         state.last_seen = now  # node 0's clock: its silence watch compares with it
         self.relayed_by[key] = relay.sender_id
+        self._index(who)
         return who
 
     def _relayed_steps(self, columns: list[list[Any]], senders: list[Sender | None]) -> None:
