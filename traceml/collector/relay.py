@@ -161,9 +161,8 @@ class Outbox:
         batch = self.take()
         if batch is not None and not self.upstream.send(
                 protocol.KIND_RELAY, protocol.relay_payload(batch)):
-            states, incidents, clears, self._rejected_sent = held
-            self._states = {**states, **self._states}
-            self._incidents, self._clears = incidents + self._incidents, clears + self._clears
+            # Nothing arrived since the take (one thread): what it held is all there is.
+            self._states, self._incidents, self._clears, self._rejected_sent = held
 
     def close(self) -> None:
         self.commit()
@@ -177,7 +176,7 @@ class Outbox:
                 or time.monotonic() - self._last_batch >= HEARTBEAT_S):
             return None
         self._last_batch = time.monotonic()
-        if self.upstream is not None and self.upstream.identity.node_rank < 0:
+        if self.upstream.identity.node_rank < 0:
             self._learn_node()
         index = {key: i for i, key in enumerate(self._states)}
         steps = [(index[key], *values) for key, values in self._steps]
