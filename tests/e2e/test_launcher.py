@@ -26,33 +26,48 @@ def _env_lines(stdout: str) -> dict[str, str]:
     return out
 
 
+def _rank_envs(dump_dir: Path) -> dict[str, dict[str, str]]:
+    return {p.stem: _env_lines(p.read_text()) for p in sorted(dump_dir.glob("rank*.txt"))}
+
+
 def test_workers_get_torchruns_environment(tmp_path: Path) -> None:
-    res = run_traceml(tmp_path, "run", "--nproc-per-node=2", script("env_dump.py"))
+    ours_dir, theirs_dir = tmp_path / "ours", tmp_path / "theirs"
+    ours_dir.mkdir()
+    theirs_dir.mkdir()
+    res = run_traceml(tmp_path, "run", "--nproc-per-node=2", script("env_dump.py"),
+                      env={"ENV_DUMP_DIR": str(ours_dir)})
     assert res.returncode == 0, res.stderr
-    ours = _env_lines(res.stdout)
-    env = dict(os.environ, OMP_NUM_THREADS="1", EVIDENCE_DIR=str(res.evidence_dir))
+    env = dict(os.environ, OMP_NUM_THREADS="1", EVIDENCE_DIR=str(res.evidence_dir),
+               ENV_DUMP_DIR=str(theirs_dir))
     ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                           script("env_dump.py")], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=120)
-    theirs = _env_lines(ref.stdout)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
-                "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS"):
-        assert key in ours and key in theirs, key
-    assert set(theirs) - set(ours) == set()
-    extra = {k for k in set(ours) - set(theirs)
-             if not k.startswith(("TRACEML_", "TORCHELASTIC_RUN_ID"))}
-    # The only other difference: PYTHONPATH names the bootstrap directory, which
-    # holds nothing but sitecustomize.py.
-    if "PYTHONPATH" not in theirs:
-        extra.discard("PYTHONPATH")
-        site_dir = Path(ours["PYTHONPATH"])
-        assert site_dir.name == "site_dir"
-        assert [p.name for p in site_dir.iterdir() if p.name != "__pycache__"] == [
-            "sitecustomize.py"]
-    assert extra == set(), extra
-    # sitecustomize took traceml's directory back off sys.path
-    assert not [p for p in res.stdout.splitlines() if p.startswith("path:") and "site_dir" in p]
+    assert ref.returncode == 0, ref.stderr
+    our_ranks, their_ranks = _rank_envs(ours_dir), _rank_envs(theirs_dir)
+    assert sorted(our_ranks) == sorted(their_ranks) == ["rank0", "rank1"]
+    for rank, ours in our_ranks.items():
+        theirs = their_ranks[rank]
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                    "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
+                    "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS"):
+            assert key in ours and key in theirs, (rank, key)
+            if key != "MASTER_ADDR":
+                assert ours[key] == theirs[key], (rank, key, ours[key], theirs[key])
+        assert set(theirs) - set(ours) == set(), rank
+        extra = {k for k in set(ours) - set(theirs)
+                 if not k.startswith(("TRACEML_", "TORCHELASTIC_RUN_ID"))}
+        # The only other difference: PYTHONPATH names the bootstrap directory, which
+        # holds nothing but sitecustomize.py.
+        if "PYTHONPATH" not in theirs:
+            extra.discard("PYTHONPATH")
+            site_dir = Path(ours["PYTHONPATH"])
+            assert site_dir.name == "site_dir"
+            assert [p.name for p in site_dir.iterdir() if p.name != "__pycache__"] == [
+                "sitecustomize.py"]
+        assert extra == set(), (rank, extra)
+        # sitecustomize took traceml's directory back off sys.path
+        path_lines = (ours_dir / f"{rank}.txt").read_text().splitlines()
+        assert not [p for p in path_lines if p.startswith("path:") and "site_dir" in p]
 
 
 def test_module_mode_and_console_script(tmp_path: Path) -> None:
