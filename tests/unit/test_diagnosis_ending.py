@@ -3,6 +3,7 @@ whom, which crash came first, and what is not a crash (traceml.diagnosis.ending)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from tests.rows import step_row
 from traceml.diagnosis.ending import diagnose_ending
 from traceml.diagnosis.samples import Incident, NodeInfo, RunData, RunMeta, SystemSample
-from traceml.report import build_report, report_to_json, validate_summary
+from traceml.report import build_report, render_text, report_to_json, validate_summary
 from traceml.stacks import Frame
 
 T0 = 1000.0
@@ -72,7 +73,44 @@ def test_eight_ranks_one_culprit_seven_waiting() -> None:
     assert ending.culprits == (5,)
     assert ending.headline is not None
     assert "r5 (n0) made no progress for 50 s at step 30 outside every phase" in ending.headline.why
-    assert ending.headline.why.count("waited for it") == 7
+    # the seven waiting at the same frames are one clause
+    assert ending.headline.why.count("waited for it") == 1
+    assert ("r0, r1, r2, r3, r4, r6, r7 (n0) waited for it in communication (backward's "
+            "gradient all-reduce)") in ending.headline.why
+
+
+def test_a_job_wide_stall_at_8192_ranks_is_one_sentence_not_8191_clauses() -> None:
+    world = 8192
+    incidents = [dataclasses.replace(waiter(r, 50.2), node_rank=r // 8) for r in range(1, world)]
+    incidents.append(stall(0, 50.0, "input"))
+    ending = diagnose_ending(run(world, incidents))
+    assert ending.culprits == (0,)
+    headline = ending.headline
+    assert headline is not None and len(headline.why) < 600, headline.why
+    assert headline.why.startswith("r0 (n0) made no progress for 50 s at step 30 in input")
+    assert ("r1, r2, r3, r4, r5, r6, r7, r8 +8183 more (on 1024 nodes) waited for it in "
+            "communication") in headline.why
+    report = build_report(run(world, incidents), 10_000)
+    card = [line.strip("| ") for line in render_text(report, width=400).splitlines()]
+    stack_lines = [line for line in card if "stall stack" in line]
+    assert stack_lines == [
+        "- r0 stall stack (python): train.py:42 in forward > threading.py:327 in wait",
+        "- r1, r2, r3, r4, r5, r6, r7, r8 +8183 more stall stack (python): "
+        "train.py:90 in main > _tensor.py:623 in backward > graph.py:979 in _engine_run_backward"]
+    # the JSON keeps every rank's incident
+    assert len(report_to_json(report)["ending"]["incidents"]) == world
+
+
+def test_many_different_crashes_after_the_first_are_counted_past_three() -> None:
+    incidents = [crash(0, 60.0, type="ValueError", message="bad batch")]
+    incidents += [crash(r, 60.0 + r, type="RuntimeError", message=f"peer {r} closed")
+                  for r in range(1, 8)]
+    ending = diagnose_ending(run(8, incidents, exit_code=1))
+    assert ending.headline is not None
+    why = ending.headline.why
+    assert why.count("failed at step") == 3
+    assert "r1 (n0) failed at step 25 in forward (RuntimeError: peer 1 closed)" in why
+    assert why.endswith("; 4 more ranks failed after it.")
 
 
 def test_eight_ranks_all_inside_collectives_name_the_first_to_stop_and_say_why() -> None:

@@ -32,7 +32,7 @@ how a run is stopped, not crashes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from traceml import phases, stacks
@@ -165,6 +165,36 @@ def _rank(i: Incident) -> str:
     return f"r{i.rank} (n{i.node_rank})"
 
 
+RANKS_NAMED = 8
+"""Ranks a sentence names before ``+N more`` (the JSON's incidents keep them all)."""
+GROUPS_SAID = 3
+"""Distinct clauses a sentence says before counting the remaining ranks."""
+
+
+def said_of_ranks(incidents: Sequence[Incident], say: Callable[[Incident], str],
+                  rest: str, sep: str = ", ") -> str:
+    """Clauses for ``incidents``, ranks of which the same is said merged into one:
+    ``r1 (n0) waited for it in ...`` or ``r1, r2, ... r8 +8183 more (on 1024 nodes)
+    waited for it in ...``.  Past ``GROUPS_SAID`` distinct clauses, the remaining
+    ranks are counted: ``12 more ranks {rest}``.  A job-wide stall at 8192 ranks reads
+    as one clause, not 8191."""
+    groups: dict[str, list[Incident]] = {}
+    for i in incidents:
+        groups.setdefault(say(i), []).append(i)
+    clauses = []
+    for text, members in list(groups.items())[:GROUPS_SAID]:
+        if len(members) == 1:
+            clauses.append(f"{_rank(members[0])} {text}")
+            continue
+        nodes = sorted({m.node_rank for m in members})
+        on = f"n{nodes[0]}" if len(nodes) == 1 else f"on {len(nodes)} nodes"
+        clauses.append(f"{format_ranks(sorted(m.rank for m in members), RANKS_NAMED)} ({on}) {text}")
+    left = sum(len(members) for members in list(groups.values())[GROUPS_SAID:])
+    if left:
+        clauses.append(f"{left} more rank{'s' if left > 1 else ''} {rest}")
+    return sep.join(clauses)
+
+
 def _seconds(s: float) -> str:
     return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
 
@@ -181,23 +211,27 @@ def stalled_finding(stalled: Sequence[Incident], run: RunData, end: float,
     culprits, waiters = stall_roles(stalled)
     named = culprits or [min(stalled, key=lambda s: s.began_at)]
     lead = named[0]
-    why = ", ".join(
-        f"{_rank(s)} made no progress for {_seconds(max(0.0, end - s.began_at))}"
-        f"{_at_step(s, run)} {where_phase(s)} ({_where(s)})" for s in named)
+    why = said_of_ranks(
+        named, lambda s: (f"made no progress for {_seconds(max(0.0, end - s.began_at))}"
+                          f"{_at_step(s, run)} {where_phase(s)} ({_where(s)})"),
+        "made no progress outside every collective")
     if culprits and waiters:
-        why += "; " + ", ".join(f"{_rank(s)} waited for it {where_phase(s)} ({_where(s)})"
-                                for s in waiters)
+        why += "; " + said_of_ranks(
+            waiters, lambda s: f"waited for it {where_phase(s)} ({_where(s)})",
+            "waited for it elsewhere")
     elif not culprits:
         why = (f"Every stalled rank is inside a collective, so no stack names one culprit: "
                f"{why}, the first to stop; "
-               + ", ".join(f"{_rank(s)} {where_phase(s)} ({_where(s)})"
-                           for s in waiters if s is not lead))
+               + said_of_ranks([s for s in waiters if s is not lead],
+                               lambda s: f"{where_phase(s)} ({_where(s)})",
+                               "inside other collectives"))
     stalled_ranks = {s.rank for s in stalled}
     others = [r for r in range(run.meta.world_size) if r not in stalled_ranks]
     if others:
         why += f"; {format_ranks(others)} reported no stall"
     if crashes:
-        why += "; then " + "; ".join(_crash_clause(c, run) for c in crashes)
+        why += "; then " + said_of_ranks(crashes, lambda c: _crash_clause(c, run),
+                                         "failed after it", sep="; ")
     why += "."
     if not culprits:
         next_step = ("Make every rank call the same collectives in the same order: look for a "
@@ -231,7 +265,8 @@ def cleared_finding(cleared: Sequence[Incident], stalls: Sequence[Incident],
     why = (f"{_rank(lead)} made no progress for {_seconds(duration)}{_at_step(lead, run)} "
            f"{where_phase(lead)} ({_where(lead)}); then its steps resumed")
     if waiters and lead not in waiters:
-        why += "; " + ", ".join(f"{_rank(s)} waited {where_phase(s)}" for s in waiters)
+        why += "; " + said_of_ranks(waiters, lambda s: f"waited {where_phase(s)}",
+                                    "waited elsewhere")
     more = len([s for s in cleared if s is not longest and s not in alongside])
     if more:
         why += f"; {more} more stall{'s' if more > 1 else ''} cleared"
@@ -281,11 +316,12 @@ def _is_crash_exit(i: Incident) -> bool:
 
 
 def _crash_clause(c: Incident, run: RunData) -> str:
-    """``r0 failed at step 25 in communication (RuntimeError: Connection closed)``."""
+    """``failed at step 25 in communication (RuntimeError: Connection closed)``, said of
+    a rank."""
     kind = c.detail.get("type") or c.detail.get("signal") or f"exit {c.detail.get('exit_code')}"
     message = str(c.detail.get("message") or "")
     said = f"{kind}: {_short(message)}" if message else str(kind)
-    return f"{_rank(c)} failed{_at_step(c, run)} {where_phase(c)} ({said})"
+    return f"failed{_at_step(c, run)} {where_phase(c)} ({said})"
 
 
 def _short(text: str, limit: int = 160) -> str:
@@ -335,11 +371,13 @@ def crash_finding(crashes: Sequence[Incident], run: RunData,
         why += f"; exit {code}"
     followers = crashes[1:]
     if followers:
-        why += "; then " + "; ".join(_crash_clause(c, run) for c in followers)
+        why += "; then " + said_of_ranks(followers, lambda c: _crash_clause(c, run),
+                                         "failed after it", sep="; ")
     waiting_ranks = [s for s in left_waiting if s.rank != first.rank and waiting(s)]
     if waiting_ranks:
-        why += "; " + ", ".join(f"{_rank(s)} was left waiting for it {where_phase(s)}"
-                                for s in waiting_ranks)
+        why += "; " + said_of_ranks(
+            waiting_ranks, lambda s: f"was left waiting for it {where_phase(s)}",
+            "were left waiting for it elsewhere")
     return Finding(kind, kind, "crit", why + ".", next_step, (first.rank,),
                    {"step": float(first.step) if first.step is not None else None},
                    (first.node_rank,))

@@ -12,7 +12,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 
 from traceml import phases
-from traceml.diagnosis.ending import STOPPING_EXCEPTIONS
+from traceml.diagnosis.ending import RANKS_NAMED, STOPPING_EXCEPTIONS
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
 from traceml.diagnosis.stats import MetricStat
 from traceml.diagnosis.step_loop import BOUNDARY_TEXT, INPUT_TEXT
@@ -98,6 +98,9 @@ def _ending_lines(report: Report) -> list[str]:
     ending = report.ending
     lines = ["Ending", f"- State: {ending.state}"]
     lines += [f"- {f.label}{_severity(f)}: {f.why}" for f in ending.findings]
+    # Ranks stopped at the same frames share a line (a job-wide stall at 8192 ranks is
+    # a line or two, not 8192); the culprits' lines first.
+    ranks_at: dict[tuple[str, str | None, str], list[int]] = {}
     shown: set[tuple[int, str]] = set()
     for i in ending.incidents:
         if (not i.stack or (i.rank, i.what) in shown
@@ -105,7 +108,12 @@ def _ending_lines(report: Report) -> list[str]:
             continue
         shown.add((i.rank, i.what))
         frames = " > ".join(f.short() for f in i.stack[-STACK_FRAMES_SHOWN:])
-        lines.append(f"- r{i.rank} {i.what} stack ({i.stack_source}): {frames}")
+        ranks_at.setdefault((i.what, i.stack_source, frames), []).append(i.rank)
+    culprits = set(ending.culprits)
+    for (what, source, frames), ranks in sorted(ranks_at.items(),
+                                                key=lambda item: culprits.isdisjoint(item[1])):
+        lines.append(f"- {format_ranks(sorted(ranks), RANKS_NAMED)} {what} stack ({source}): "
+                     f"{frames}")
     return lines
 
 
