@@ -147,3 +147,29 @@ def test_the_tail_keeps_twice_the_live_window_per_rank_whatever_the_nodes(
         per_rank[r.rank] += 1
     assert set(per_rank.values()) == {2 * live_window_steps(1024)} == {50}
     writer.close()
+
+
+def test_a_job_wide_stall_at_1024_ranks_keeps_the_page_document_small() -> None:
+    """Every rank's stall is in final_summary.json; the page's document keeps the ranks
+    the findings name (it shows the findings, not the incidents)."""
+    import json
+
+    from tests.live.conftest import wide_run
+    from traceml.diagnosis.samples import Incident
+    from traceml.stacks import Frame
+
+    user = (Frame("/home/me/train.py", 42, "load"),)
+    collective = (Frame("/home/me/train.py", 90, "main"),
+                  Frame("/venv/lib/python3.11/site-packages/torch/_tensor.py", 623, "backward"))
+    stalls = [Incident("stall", r, r // 8, f"node{r // 8}", 1000 + r, T0 + 5.5, T0 + 9.0, None,
+                       59, *(("input", ("input",), user) if r == 677 else
+                             ("communication", ("backward", "communication"), collective)),
+                       "python") for r in range(1024)]
+    run = dataclasses.replace(wide_run(1024, 60, slow_rank=677), incidents=tuple(stalls))
+    report = build_report(run, 10000)
+    assert report.primary.finding.label == "STALLED" and report.ending.culprits == (677,)
+    assert len(report_to_json(report)["ending"]["incidents"]) == 1024
+    doc = snapshot_to_json(build_snapshot(run, report, ended=True), live=False)
+    assert [i["rank"] for i in doc["summary"]["ending"]["incidents"]] == [677]
+    assert doc["summary"]["ending"]["findings"][0]["why"] == report.primary.finding.why
+    assert len(json.dumps(doc)) < 2_000_000

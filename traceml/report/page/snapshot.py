@@ -164,13 +164,18 @@ def snapshot_to_json(snap: Snapshot, live: bool) -> dict[str, Json]:
     """The document the page renders; ``summary`` is exactly final_summary.json's shape.
 
     At many ranks (``wide`` is not null) the document stays bounded: ``phases`` and the
-    series' ``ranks`` are empty, and so is each summary section's ``ranks`` (the per-rank
-    rows stay in final_summary.json)."""
+    series' ``ranks`` are empty, and so is each summary section's ``ranks``; the ending
+    keeps the incidents of the ranks its findings name (a job-wide stall at 8192 ranks
+    is 8192 incidents, ~6 MB).  The per-rank rows and every incident stay in
+    final_summary.json."""
     report = snap.report
     if snap.wide is not None:  # the rows are left out before encoding: that is the costly part
         no_rows: dict[str, Any] = {name: dataclasses.replace(report.section(name), ranks=())
                                    for name in SECTION_NAMES}
-        report = dataclasses.replace(report, **no_rows)
+        named = {rank for finding in report.ending.findings for rank in finding.ranks}
+        ending = dataclasses.replace(report.ending, incidents=tuple(
+            i for i in report.ending.incidents if i.rank in named))
+        report = dataclasses.replace(report, ending=ending, **no_rows)
     return {
         "format": SNAPSHOT_FORMAT,
         "phase_table": [{**row} for row in phases.table_json()],
