@@ -172,4 +172,4 @@ def test_a_job_wide_stall_at_1024_ranks_keeps_the_page_document_small() -> None:
     doc = snapshot_to_json(build_snapshot(run, report, ended=True), live=False)
     assert [i["rank"] for i in doc["summary"]["ending"]["incidents"]] == [677]
     assert doc["summary"]["ending"]["findings"][0]["why"] == report.primary.finding.why
-    assert len(json.dumps(doc)) < 2_000_000
+    assert len(json.dumps(doc["summary"]["ending"])) < 10_000  # 0.7 MB with every incident

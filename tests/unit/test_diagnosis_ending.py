@@ -21,6 +21,9 @@ BACKWARD = (Frame("/home/me/train.py", 90, "main"),
             Frame("/venv/lib/python3.11/site-packages/torch/_tensor.py", 623, "backward"),
             Frame("/venv/lib/python3.11/site-packages/torch/autograd/graph.py", 979,
                   "_engine_run_backward"))
+C10D = (Frame("/home/me/train.py", 90, "main"),
+        Frame("/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", 2501,
+              "all_reduce"))
 
 
 def run(world: int, incidents: list[Incident], exit_code: int | None = 130,
@@ -90,15 +93,30 @@ def test_a_job_wide_stall_at_8192_ranks_is_one_sentence_not_8191_clauses() -> No
     assert headline.why.startswith("r0 (n0) made no progress for 50 s at step 30 in input")
     assert ("r1, r2, r3, r4, r5, r6, r7, r8 +8183 more (on 1024 nodes) waited for it in "
             "communication") in headline.why
-    report = build_report(run(world, incidents), 10_000)
+    # The card, at 1024 ranks (the report's cost is the step rows): a line per stack.
+    small = [i for i in incidents if i.rank < 1024]
+    report = build_report(run(1024, small), 10_000)
     card = [line.strip("| ") for line in render_text(report, width=400).splitlines()]
     stack_lines = [line for line in card if "stall stack" in line]
     assert stack_lines == [
         "- r0 stall stack (python): train.py:42 in forward > threading.py:327 in wait",
-        "- r1, r2, r3, r4, r5, r6, r7, r8 +8183 more stall stack (python): "
+        "- r1, r2, r3, r4, r5, r6, r7, r8 +1015 more stall stack (python): "
         "train.py:90 in main > _tensor.py:623 in backward > graph.py:979 in _engine_run_backward"]
     # the JSON keeps every rank's incident
-    assert len(report_to_json(report)["ending"]["incidents"]) == world
+    assert len(report_to_json(report)["ending"]["incidents"]) == 1024
+
+
+def test_the_card_shows_at_most_eight_stack_lines_then_counts() -> None:
+    # 20 ranks each stopped at its own line: the culprit's line, 7 more, then a count.
+    incidents = [stall(r, 50.2, "communication", ("communication",),
+                       (Frame("/home/me/train.py", 100 + r, "main"), *C10D[1:]))
+                 for r in range(1, 20)]
+    report = build_report(run(20, [stall(0, 50.0, "input"), *incidents]), 10_000)
+    card = [line.strip("| ") for line in render_text(report, width=400).splitlines()]
+    stack_lines = [line for line in card if " stack (" in line or "other frames" in line]
+    assert len(stack_lines) == 9 and stack_lines[0].startswith("- r0 stall stack")
+    assert stack_lines[-1] == ("- 12 more ranks stopped at other frames "
+                               "(final_summary.json has every stack)")
 
 
 def test_many_different_crashes_after_the_first_are_counted_past_three() -> None:
@@ -226,3 +244,41 @@ def test_ranks_left_waiting_for_a_rank_that_crashed_are_its_consequence() -> Non
     assert ending.headline is not None
     assert ("r0 (n0) was left waiting for it in communication (backward's gradient all-reduce)"
             in ending.headline.why)
+
+
+
+def test_ranks_left_waiting_for_a_crash_are_grouped_largest_first_with_their_verb() -> None:
+    phases_of = {1: "communication", 2: "communication", 3: "communication", 4: "forward",
+                 5: "forward", 6: "backward", 7: "optimizer"}
+    incidents = [stall(r, 59.9, p, stack=C10D) for r, p in phases_of.items()]
+    incidents.append(crash(0, 60.0, type="ValueError", message="bad batch"))
+    ending = diagnose_ending(run(8, incidents, exit_code=1))
+    assert ending.state == "crashed" and ending.headline is not None
+    assert ending.headline.why.endswith(
+        "; r1, r2, r3 (n0) were left waiting for it in communication, r4, r5 (n0) were left "
+        "waiting for it in forward, r6 (n0) was left waiting for it in backward, 1 more rank "
+        "was left waiting for it elsewhere."), ending.headline.why
+
+
+def test_up_to_three_ranks_each_get_their_own_clause_as_before() -> None:
+    same = [stall(r, 50.0, "input") for r in range(3)]
+    why = diagnose_ending(run(3, same)).headline.why  # type: ignore[union-attr]
+    assert why.startswith("r0 (n0) made no progress for 50 s at step 30 in input (train.py:42 "
+                          "in forward (threading.py:327 in wait)), r1 (n0) made no progress")
+    four = diagnose_ending(run(4, [stall(r, 50.0, "input") for r in range(4)]))
+    assert four.headline is not None
+    assert four.headline.why.startswith("r0, r1, r2, r3 (n0) made no progress for 50 s")
+
+
+def test_merged_ranks_name_up_to_four_nodes() -> None:
+    incidents = [dataclasses.replace(waiter(r, 50.2), node_rank=r % 2) for r in range(1, 5)]
+    ending = diagnose_ending(run(5, [stall(0, 50.0, "forward"), *incidents]))
+    assert ending.headline is not None
+    assert "r1, r2, r3, r4 (n0, n1) waited for it in communication" in ending.headline.why
+
+
+def test_a_lone_rank_stalled_in_a_collective_leaves_no_empty_clause() -> None:
+    ending = diagnose_ending(run(2, [waiter(0, 50.0)]))
+    assert ending.headline is not None
+    why = ending.headline.why
+    assert "; ;" not in why and why.endswith("the first to stop; r1 reported no stall."), why

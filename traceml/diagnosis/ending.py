@@ -171,28 +171,54 @@ GROUPS_SAID = 3
 """Distinct clauses a sentence says before counting the remaining ranks."""
 
 
+NODES_NAMED = 4
+"""Nodes a merged clause names (``(n0, n1)``) before it counts them (``(on 1024 nodes)``)."""
+
+
 def said_of_ranks(incidents: Sequence[Incident], say: Callable[[Incident], str],
-                  rest: str, sep: str = ", ") -> str:
-    """Clauses for ``incidents``, ranks of which the same is said merged into one:
-    ``r1 (n0) waited for it in ...`` or ``r1, r2, ... r8 +8183 more (on 1024 nodes)
-    waited for it in ...``.  Past ``GROUPS_SAID`` distinct clauses, the remaining
-    ranks are counted: ``12 more ranks {rest}``.  A job-wide stall at 8192 ranks reads
-    as one clause, not 8191."""
+                  rest: str, sep: str = ", ", largest_first: bool = False) -> str:
+    """Clauses for ``incidents``: ``r1 (n0) waited for it in ...``, each rank its own
+    up to ``GROUPS_SAID`` ranks (so 1- to 3-rank sentences are the plain per-rank
+    ones).  Past that, ranks of which the same is said share a clause (``r1, r2, ...
+    r8 +8183 more (on 1024 nodes) waited for it in ...``), and past ``GROUPS_SAID``
+    clauses the remaining ranks are counted: ``12 more ranks {rest}``.  A job-wide
+    stall at 8192 ranks reads as one clause, not 8191.  Clauses keep the order of
+    ``incidents``, or with ``largest_first`` the largest groups come first.  A clause
+    that starts with ``was`` says ``were`` of several ranks (and ``rest``, plural, says
+    ``was`` of one)."""
+    if len(incidents) <= GROUPS_SAID:
+        return sep.join(f"{_rank(i)} {say(i)}" for i in incidents)
     groups: dict[str, list[Incident]] = {}
     for i in incidents:
         groups.setdefault(say(i), []).append(i)
+    ordered = list(groups.items())
+    if largest_first:
+        ordered.sort(key=lambda group: -len(group[1]))
     clauses = []
-    for text, members in list(groups.items())[:GROUPS_SAID]:
+    for text, members in ordered[:GROUPS_SAID]:
         if len(members) == 1:
             clauses.append(f"{_rank(members[0])} {text}")
             continue
         nodes = sorted({m.node_rank for m in members})
-        on = f"n{nodes[0]}" if len(nodes) == 1 else f"on {len(nodes)} nodes"
-        clauses.append(f"{format_ranks(sorted(m.rank for m in members), RANKS_NAMED)} ({on}) {text}")
-    left = sum(len(members) for members in list(groups.values())[GROUPS_SAID:])
+        on = (", ".join(f"n{n}" for n in nodes) if len(nodes) <= NODES_NAMED
+              else f"on {len(nodes)} nodes")
+        ranks = format_ranks(sorted(m.rank for m in members), RANKS_NAMED)
+        clauses.append(f"{ranks} ({on}) {_agree(text, plural=True)}")
+    left = sum(len(members) for _, members in ordered[GROUPS_SAID:])
     if left:
-        clauses.append(f"{left} more rank{'s' if left > 1 else ''} {rest}")
+        counted = f"{left} more ranks {rest}" if left > 1 else (
+            f"1 more rank {_agree(rest, plural=False)}")
+        clauses.append(counted)
     return sep.join(clauses)
+
+
+def _agree(text: str, plural: bool) -> str:
+    """``was left waiting`` said of several ranks: ``were left waiting``; and back."""
+    if plural and text.startswith("was "):
+        return "were " + text[len("was "):]
+    if not plural and text.startswith("were "):
+        return "was " + text[len("were "):]
+    return text
 
 
 def _seconds(s: float) -> str:
@@ -218,13 +244,13 @@ def stalled_finding(stalled: Sequence[Incident], run: RunData, end: float,
     if culprits and waiters:
         why += "; " + said_of_ranks(
             waiters, lambda s: f"waited for it {where_phase(s)} ({_where(s)})",
-            "waited for it elsewhere")
+            "waited for it elsewhere", largest_first=True)
     elif not culprits:
         why = (f"Every stalled rank is inside a collective, so no stack names one culprit: "
-               f"{why}, the first to stop; "
-               + said_of_ranks([s for s in waiters if s is not lead],
-                               lambda s: f"{where_phase(s)} ({_where(s)})",
-                               "inside other collectives"))
+               f"{why}, the first to stop")
+        if rest_waiting := [s for s in waiters if s is not lead]:
+            why += "; " + said_of_ranks(rest_waiting, lambda s: f"{where_phase(s)} ({_where(s)})",
+                                        "inside other collectives", largest_first=True)
     stalled_ranks = {s.rank for s in stalled}
     others = [r for r in range(run.meta.world_size) if r not in stalled_ranks]
     if others:
@@ -266,7 +292,7 @@ def cleared_finding(cleared: Sequence[Incident], stalls: Sequence[Incident],
            f"{where_phase(lead)} ({_where(lead)}); then its steps resumed")
     if waiters and lead not in waiters:
         why += "; " + said_of_ranks(waiters, lambda s: f"waited {where_phase(s)}",
-                                    "waited elsewhere")
+                                    "waited elsewhere", largest_first=True)
     more = len([s for s in cleared if s is not longest and s not in alongside])
     if more:
         why += f"; {more} more stall{'s' if more > 1 else ''} cleared"
@@ -377,7 +403,7 @@ def crash_finding(crashes: Sequence[Incident], run: RunData,
     if waiting_ranks:
         why += "; " + said_of_ranks(
             waiting_ranks, lambda s: f"was left waiting for it {where_phase(s)}",
-            "were left waiting for it elsewhere")
+            "were left waiting for it elsewhere", largest_first=True)
     return Finding(kind, kind, "crit", why + ".", next_step, (first.rank,),
                    {"step": float(first.step) if first.step is not None else None},
                    (first.node_rank,))

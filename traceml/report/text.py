@@ -91,6 +91,8 @@ def _overview(report: Report) -> list[str]:
 
 STACK_FRAMES_SHOWN = 4
 """Frames of each stalled or crashed rank's stack the card shows (innermost last)."""
+STACK_LINES_SHOWN = 8
+"""Stack lines the card shows (ranks at the same frames share one), culprits first."""
 
 
 def _ending_lines(report: Report) -> list[str]:
@@ -110,10 +112,14 @@ def _ending_lines(report: Report) -> list[str]:
         frames = " > ".join(f.short() for f in i.stack[-STACK_FRAMES_SHOWN:])
         ranks_at.setdefault((i.what, i.stack_source, frames), []).append(i.rank)
     culprits = set(ending.culprits)
-    for (what, source, frames), ranks in sorted(ranks_at.items(),
-                                                key=lambda item: culprits.isdisjoint(item[1])):
+    ordered = sorted(ranks_at.items(), key=lambda item: culprits.isdisjoint(item[1]))
+    for (what, source, frames), ranks in ordered[:STACK_LINES_SHOWN]:
         lines.append(f"- {format_ranks(sorted(ranks), RANKS_NAMED)} {what} stack ({source}): "
                      f"{frames}")
+    left = sum(len(ranks) for _, ranks in ordered[STACK_LINES_SHOWN:])
+    if left:
+        lines.append(f"- {left} more rank{'s' if left > 1 else ''} stopped at other frames "
+                     "(final_summary.json has every stack)")
     return lines
 
 

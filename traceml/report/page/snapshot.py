@@ -161,7 +161,8 @@ def worst_ranks(phases: tuple[RankPhases, ...]) -> dict[str, int]:
 
 
 def snapshot_to_json(snap: Snapshot, live: bool) -> dict[str, Json]:
-    """The document the page renders; ``summary`` is exactly final_summary.json's shape.
+    """The document the page renders; ``summary`` has final_summary.json's shape (and, up
+    to ``WIDE_RANKS`` ranks, its contents).
 
     At many ranks (``wide`` is not null) the document stays bounded: ``phases`` and the
     series' ``ranks`` are empty, and so is each summary section's ``ranks``; the ending
