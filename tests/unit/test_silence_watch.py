@@ -95,7 +95,7 @@ def test_stopping_waits_for_the_partial_summary_being_written(
 
     def slow(*args: Any, **kwargs: Any) -> session.SummaryFiles:
         writing.set()
-        time.sleep(0.5)  # a wide job's summary takes seconds
+        watch.done.wait(20)  # a wide job's summary takes seconds: still writing at stop()
         return write(*args, **kwargs)
 
     monkeypatch.setattr(session, "write_summary", slow)

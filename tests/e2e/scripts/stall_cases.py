@@ -2,7 +2,8 @@
 
 ``--case`` (on ``--bad-rank``, at step ``--at``):
   python   blocks forever in Python inside its model's forward
-  gil      blocks in a C call that holds the GIL, a second after its optimizer step
+  gil      blocks in a C call that holds the GIL after its optimizer step, once the
+           collector stored its steps so far
   loader   its DataLoader worker hangs fetching that step's batch
   pause    pauses ``--pause-s`` inside forward, then trains on to ``--steps``
   raise    raises ValueError inside forward
@@ -14,9 +15,11 @@ Each rank writes its pid to ``$EVIDENCE_DIR/pid-<rank>`` once it trains.
 """
 
 import argparse
+import contextlib
 import ctypes
 import os
 import signal
+import sqlite3
 import threading
 import time
 
@@ -62,6 +65,27 @@ class Batches(Dataset):
         return torch.randn(8, 32), torch.randn(8, 1)
 
 
+def wait_for_stored_steps(rank: int, num_steps: int, timeout_s: float = 30.0) -> None:
+    """Poll the session's store until it holds ``num_steps`` of ``rank``'s steps
+    (no wait outside traceml)."""
+    session_dir = os.environ.get("TRACEML_SESSION_DIR")
+    if session_dir is None:
+        return
+    store = os.path.join(session_dir, "telemetry.sqlite")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True,
+                                                    timeout=1.0)) as db:
+                (stored,) = db.execute("SELECT COUNT(*) FROM steps WHERE rank = ?",
+                                       (rank,)).fetchone()
+            if stored >= num_steps:
+                return
+        except sqlite3.Error:
+            pass  # not created yet, or busy
+        time.sleep(0.05)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", default="none")
@@ -95,9 +119,9 @@ def main() -> None:
         loss.backward()
         opt.step()
         if bad and step == args.at and args.case == "gil":
-            # A second with the GIL free first: its sender thread ships the steps
-            # so far (every 0.5 s), which the test waits for before timing the alert.
-            time.sleep(1.0)
+            # The GIL free until the collector stored its steps so far (its sender
+            # ships them every 0.5 s): the test waits for them before timing the alert.
+            wait_for_stored_steps(rank, args.at - 1)
             # read() of a pipe nobody writes: restarted after the launcher's stack
             # signal (faulthandler's handler is SA_RESTART), so Python never runs
             # again on this rank, as in a C extension blocked in a system call.
