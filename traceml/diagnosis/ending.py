@@ -176,18 +176,22 @@ NODES_NAMED = 4
 
 
 def said_of_ranks(incidents: Sequence[Incident], say: Callable[[Incident], str],
-                  rest: str, sep: str = ", ", largest_first: bool = False) -> str:
+                  rest: str, sep: str = ", ", largest_first: bool = False,
+                  verb: tuple[str, str] | None = None) -> str:
     """Clauses for ``incidents``: ``r1 (n0) waited for it in ...``, each rank its own
     up to ``GROUPS_SAID`` ranks (so 1- to 3-rank sentences are the plain per-rank
     ones).  Past that, ranks of which the same is said share a clause (``r1, r2, ...
     r8 +8183 more (on 1024 nodes) waited for it in ...``), and past ``GROUPS_SAID``
     clauses the remaining ranks are counted: ``12 more ranks {rest}``.  A job-wide
     stall at 8192 ranks reads as one clause, not 8191.  Clauses keep the order of
-    ``incidents``, or with ``largest_first`` the largest groups come first.  A clause
-    that starts with ``was`` says ``were`` of several ranks (and ``rest``, plural, says
-    ``was`` of one)."""
+    ``incidents``, or with ``largest_first`` the largest groups come first.  ``verb``
+    (singular, plural: ``("was", "were")``) comes before what is said, agreeing with
+    the number of ranks."""
+    def subject(who: str, num_ranks: int) -> str:
+        return who if verb is None else f"{who} {verb[num_ranks > 1]}"
+
     if len(incidents) <= GROUPS_SAID:
-        return sep.join(f"{_rank(i)} {say(i)}" for i in incidents)
+        return sep.join(f"{subject(_rank(i), 1)} {say(i)}" for i in incidents)
     groups: dict[str, list[Incident]] = {}
     for i in incidents:
         groups.setdefault(say(i), []).append(i)
@@ -197,28 +201,18 @@ def said_of_ranks(incidents: Sequence[Incident], say: Callable[[Incident], str],
     clauses = []
     for text, members in ordered[:GROUPS_SAID]:
         if len(members) == 1:
-            clauses.append(f"{_rank(members[0])} {text}")
+            clauses.append(f"{subject(_rank(members[0]), 1)} {text}")
             continue
         nodes = sorted({m.node_rank for m in members})
         on = (", ".join(f"n{n}" for n in nodes) if len(nodes) <= NODES_NAMED
               else f"on {len(nodes)} nodes")
         ranks = format_ranks(sorted(m.rank for m in members), RANKS_NAMED)
-        clauses.append(f"{ranks} ({on}) {_agree(text, plural=True)}")
+        clauses.append(f"{subject(f'{ranks} ({on})', len(members))} {text}")
     left = sum(len(members) for _, members in ordered[GROUPS_SAID:])
     if left:
-        counted = f"{left} more ranks {rest}" if left > 1 else (
-            f"1 more rank {_agree(rest, plural=False)}")
-        clauses.append(counted)
+        counted = f"{left} more rank{'s' if left > 1 else ''}"
+        clauses.append(f"{subject(counted, left)} {rest}")
     return sep.join(clauses)
-
-
-def _agree(text: str, plural: bool) -> str:
-    """``was left waiting`` said of several ranks: ``were left waiting``; and back."""
-    if plural and text.startswith("was "):
-        return "were " + text[len("was "):]
-    if not plural and text.startswith("were "):
-        return "was " + text[len("were "):]
-    return text
 
 
 def _seconds(s: float) -> str:
@@ -402,8 +396,8 @@ def crash_finding(crashes: Sequence[Incident], run: RunData,
     waiting_ranks = [s for s in left_waiting if s.rank != first.rank and waiting(s)]
     if waiting_ranks:
         why += "; " + said_of_ranks(
-            waiting_ranks, lambda s: f"was left waiting for it {where_phase(s)}",
-            "were left waiting for it elsewhere", largest_first=True)
+            waiting_ranks, lambda s: f"left waiting for it {where_phase(s)}",
+            "left waiting for it elsewhere", largest_first=True, verb=("was", "were"))
     return Finding(kind, kind, "crit", why + ".", next_step, (first.rank,),
                    {"step": float(first.step) if first.step is not None else None},
                    (first.node_rank,))
