@@ -25,7 +25,7 @@ class Phase:
     label: str  # "Input": tables, compare and the page
     colour: str  # the page's charts
     compute: bool = False  # part of ``compute`` (forward+backward+optimizer)
-    collective: bool = False  # time blocked on collectives (communication)
+    collective: bool = False  # communication: blocked on collectives, or a comm hook's own work
     gpu_timed: bool = False  # CUDA events time it too (``gpu_<name>_ms``)
     pending: bool = False  # its time waits to learn what it was for (a fetch: training
     # or evaluation?), so it never begins a step itself
@@ -52,6 +52,7 @@ PHASES: tuple[Phase, ...] = (
     Phase("backward", "Backward", "#f28e2b", compute=True, gpu_timed=True),
     Phase("optimizer", "Optimizer", "#b07aa1", compute=True, gpu_timed=True),
     Phase("communication", "Communication", "#edc948", collective=True),
+    Phase("hook", "Comm hook", "#9c755f", collective=True),
 )
 """The measured phases in step order; a phase's wire code is its position."""
 
@@ -81,6 +82,12 @@ def code(name: str) -> int:
 def compute_names() -> tuple[str, ...]:
     """The phases that make up ``compute``."""
     return tuple(p.name for p in PHASES if p.compute)
+
+
+def collective_names() -> tuple[str, ...]:
+    """The phases that are communication: blocked on collectives (``communication``)
+    and the synchronous part of DDP communication hooks (``hook``)."""
+    return tuple(p.name for p in PHASES if p.collective)
 
 
 def starts_step(phase: Phase) -> bool:

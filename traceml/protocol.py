@@ -25,7 +25,7 @@ import orjson
 from traceml import phases, stacks
 from traceml.errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: event codes follow traceml.phases (communication), spans
+PROTOCOL_VERSION = 3  # 2: event codes follow traceml.phases (communication), spans; 3: hook
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
 KIND_EVENTS = "events"

@@ -61,7 +61,7 @@ def test_plain_loop(steps: Steps) -> None:
         opt.step()
     done = steps()
     assert len(done) + 1 == 6  # the last one closes at exit
-    assert all(t.counts == (1, 1, 1, 1, 0) for t in done)
+    assert all(t.counts == (1, 1, 1, 1, 0, 0) for t in done)
     assert not any(steps.probe.streams)  # the take emptied the log
 
 
@@ -197,7 +197,7 @@ def test_a_module_call_patched_by_another_tool_is_called_as_it_is() -> None:
         finally:
             inst.uninstall()
             nn.Module.__call__ = torchs  # type: ignore[method-assign]
-        assert [t.counts for t in steps()] == [(1, 1, 1, 1, 0)] * 2
+        assert [t.counts for t in steps()] == [(1, 1, 1, 1, 0, 0)] * 2
         assert len(compiled_calls) == 3  # the nested compiled module ran compiled
         assert seen == (["Sequential", "Linear", "Linear"] * 3 if foreign else [])
 

@@ -99,7 +99,7 @@ EXPECTED = """\
 |  - GPU time: median/worst 72.5/90.0ms r0 (forward+backward+optimizer),     |
 |    from 2-4 of 17 steps (those timed)                                      |
 |  - Why: r1 input was 40.0 ms vs 4.0 ms on the other ranks (+36.0 ms,       |
-|    36.0% of the 100.0 ms typical step).                                    |
+|    36.0% of the 100.0 ms typical step; slower in 100% of the steps).       |
 |  - Next: Check r1's data path: its shard size, DataLoader num_workers,     |
 |    and storage or preprocessing load on its node; every rank should load   |
 |    alike.                                                                  |

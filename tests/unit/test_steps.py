@@ -88,10 +88,10 @@ def test_plain_loop_steps_add_up() -> None:
     s.log(CLOSE)
     assert [t.step for t in s.steps] == [0, 1, 2, 3]
     for t in s.steps[:3]:
-        assert t.phase_s == (1, 2, 3, 1, 0)
+        assert t.phase_s == (1, 2, 3, 1, 0, 0)
         assert t.total_s == pytest.approx(7.5)  # boundary (fetch) to boundary
         assert t.wait_s == pytest.approx(0.5)
-        assert t.counts == (1, 1, 1, 1, 0)
+        assert t.counts == (1, 1, 1, 1, 0, 0)
     assert s.steps[3].total_s == pytest.approx(7.0)  # last one ends at its optimizer
 
 
@@ -105,8 +105,8 @@ def test_gradient_accumulation_is_one_step() -> None:
         s.phase(OPTIMIZER, 1)
     s.log(CLOSE)
     assert len(s.steps) == 3
-    assert all(t.counts == (4, 4, 4, 1, 0) for t in s.steps)
-    assert s.steps[0].phase_s == (4, 8, 12, 1, 0)
+    assert all(t.counts == (4, 4, 4, 1, 0, 0) for t in s.steps)
+    assert s.steps[0].phase_s == (4, 8, 12, 1, 0, 0)
 
 
 def test_two_optimizers_with_dataloader_is_one_step() -> None:
@@ -121,7 +121,7 @@ def test_two_optimizers_with_dataloader_is_one_step() -> None:
         s.phase(OPTIMIZER, 1)
     s.log(CLOSE)
     assert len(s.steps) == 3
-    assert s.steps[0].counts == (1, 2, 2, 2, 0)
+    assert s.steps[0].counts == (1, 2, 2, 2, 0, 0)
     assert s.steps[0].total_s == pytest.approx(13)
 
 
@@ -133,10 +133,10 @@ def test_without_dataloader_the_time_before_the_forward_is_input() -> None:
     s.log(CLOSE)
     assert len(s.steps) == 3
     assert s.steps[0].total_s == pytest.approx(6)  # the first step begins at its forward
-    assert s.steps[0].phase_s == (0, 2, 3, 1, 0)
+    assert s.steps[0].phase_s == (0, 2, 3, 1, 0, 0)
     assert s.steps[1].total_s == pytest.approx(8)
-    assert s.steps[1].phase_s == (2, 2, 3, 1, 0)
-    assert s.steps[1].counts == (0, 1, 1, 1, 0)  # no fetch
+    assert s.steps[1].phase_s == (2, 2, 3, 1, 0, 0)
+    assert s.steps[1].counts == (0, 1, 1, 1, 0, 0)  # no fetch
     assert [t.boundary for t in s.steps] == ["optimizer"] * 3
 
 
@@ -152,8 +152,8 @@ def test_closure_optimizer_time_is_exclusive() -> None:
         s.log(OPTIMIZER_END)
     s.log(CLOSE)
     assert len(s.steps) == 2
-    assert s.steps[0].phase_s == pytest.approx((1, 2, 3, 0.75, 0))
-    assert s.steps[0].counts == (1, 1, 1, 1, 0)
+    assert s.steps[0].phase_s == pytest.approx((1, 2, 3, 0.75, 0, 0))
+    assert s.steps[0].counts == (1, 1, 1, 1, 0, 0)
 
 
 def test_eval_loop_is_kept_out_of_steps() -> None:
@@ -166,8 +166,8 @@ def test_eval_loop_is_kept_out_of_steps() -> None:
     assert len(s.steps) == 3
     first, second = s.steps[0], s.steps[1]
     assert first.total_s == pytest.approx(7.5)  # closed where evaluation began
-    assert second.phase_s == (1, 2, 3, 1, 0)
-    assert second.counts == (1, 1, 1, 1, 0)
+    assert second.phase_s == (1, 2, 3, 1, 0, 0)
+    assert second.counts == (1, 1, 1, 1, 0, 0)
     assert second.total_s == pytest.approx(7.5)
 
 
@@ -183,7 +183,7 @@ def test_nograd_forward_inside_a_step_is_not_evaluation() -> None:
         s.phase(OPTIMIZER, 1)
     s.log(CLOSE)
     assert len(s.steps) == 3
-    assert s.steps[0].phase_s == (1, 2, 3, 1, 0)
+    assert s.steps[0].phase_s == (1, 2, 3, 1, 0, 0)
     assert s.steps[0].total_s == pytest.approx(11)
     assert s.steps[0].wait_s == pytest.approx(4)
 
@@ -217,7 +217,7 @@ def test_manual_boundaries_replace_detection() -> None:
         s.gap(5)  # outside any step
     s.log(CLOSE)
     assert len(s.steps) == 3
-    assert s.steps[1].phase_s == (1, 4, 3, 2, 0)
+    assert s.steps[1].phase_s == (1, 4, 3, 2, 0, 0)
     assert s.steps[1].total_s == pytest.approx(10)
     assert s.steps[2].total_s == pytest.approx(10)
 
@@ -246,7 +246,7 @@ def test_work_after_an_eval_loop_stays_out_of_the_next_step() -> None:
     s.log(CLOSE)
     assert len(s.steps) == 3
     assert s.steps[0].total_s == pytest.approx(7.5)
-    assert s.steps[1].total_s == pytest.approx(7.5) and s.steps[1].counts == (1, 1, 1, 1, 0)
+    assert s.steps[1].total_s == pytest.approx(7.5) and s.steps[1].counts == (1, 1, 1, 1, 0, 0)
 
 
 def test_a_training_loader_running_out_still_begins_the_last_step() -> None:
@@ -261,7 +261,7 @@ def test_a_training_loader_running_out_still_begins_the_last_step() -> None:
     s.phase(BACKWARD, 3)
     s.phase(OPTIMIZER, 1)
     s.log(CLOSE)
-    assert len(s.steps) == 2 and s.steps[1].counts == (1, 1, 1, 1, 0)
+    assert len(s.steps) == 2 and s.steps[1].counts == (1, 1, 1, 1, 0, 0)
 
 
 def test_marks_belong_to_the_step_they_were_logged_in() -> None:
@@ -320,7 +320,7 @@ def test_a_cut_log_resynchronises_at_the_next_boundary(resync: bool) -> None:
         s.train_iter()
     s.log(CLOSE)
     if resync:  # the interrupted step is dropped and detection goes on
-        assert [t.phase_s for t in s.steps] == [(1, 2, 3, 1, 0)] * 4
+        assert [t.phase_s for t in s.steps] == [(1, 2, 3, 1, 0, 0)] * 4
     else:  # the orphan optimizer phase swallows every later iteration into one step
         assert len(s.steps) == 2
         assert s.steps[1].counts[FORWARD] == 3
@@ -390,7 +390,7 @@ def test_rank_steps_resynchronise_after_a_lost_batch() -> None:
     counts = [r.counts for r in rows]
     # The iteration cut in two went: from the gap on, only its optimizer step
     # was seen, a step of its own.  The iterations after it are whole.
-    assert counts == [(0, 0, 0, 1, 0), (1, 1, 1, 1, 0)]
+    assert counts == [(0, 0, 0, 1, 0, 0), (1, 1, 1, 1, 0, 0)]
 
 
 @pytest.mark.parametrize("events", [
@@ -447,7 +447,7 @@ def test_manual_parameter_updates_end_steps_at_backward() -> None:
     assert len(s.steps) == 5
     assert [t.boundary for t in s.steps] == ["backward"] * 5
     assert s.steps[1].total_s == pytest.approx(6)  # the update is the step's (wait)
-    assert s.steps[1].phase_s == (0, 2, 3, 0, 0) and s.steps[1].wait_s == pytest.approx(1)
+    assert s.steps[1].phase_s == (0, 2, 3, 0, 0, 0) and s.steps[1].wait_s == pytest.approx(1)
     assert [t.step for t in s.steps] == list(range(5))
 
 
@@ -458,7 +458,7 @@ def test_two_backwards_without_optimizer_are_one_step() -> None:
         s.phase(BACKWARD, 1)  # a second loss, retain_graph
         s.gap(1)
     s.log(CLOSE)
-    assert len(s.steps) == 3 and s.steps[0].counts == (0, 1, 2, 0, 0)
+    assert len(s.steps) == 3 and s.steps[0].counts == (0, 1, 2, 0, 0, 0)
 
 
 def test_accumulation_before_the_first_optimizer_step_is_one_step() -> None:
@@ -472,7 +472,7 @@ def test_accumulation_before_the_first_optimizer_step_is_one_step() -> None:
         s.gap(0.5)
     s.log(CLOSE)
     assert len(s.steps) == 3
-    assert s.steps[0].counts == (4, 4, 4, 1, 0)
+    assert s.steps[0].counts == (4, 4, 4, 1, 0, 0)
     assert s.steps[0].total_s == pytest.approx(25.5)
     assert [t.boundary for t in s.steps] == ["optimizer"] * 3
     assert [t.step for t in s.steps] == [0, 1, 2]
@@ -503,7 +503,7 @@ def test_evaluation_without_a_dataloader_is_kept_out_and_counted() -> None:
     assert all(t.total_s <= 6.5 + 1e-9 for t in s.steps)
     assert [t.num_eval for t in s.steps] == [0, 0, 1, 0, 1, 0]
     assert s.steps[2].eval_s == pytest.approx(15.5)  # the batch after it included
-    assert s.steps[3].phase_s == (0.5, 2, 3, 1, 0)
+    assert s.steps[3].phase_s == (0.5, 2, 3, 1, 0, 0)
 
 
 def test_predictions_between_closure_steps_are_evaluation() -> None:
@@ -553,8 +553,8 @@ def test_host_to_device_copies_are_input() -> None:
         s.phase(OPTIMIZER, 1)
     s.log(CLOSE)
     assert len(s.steps) == 3
-    assert s.steps[1].phase_s == pytest.approx((1.75, 2, 3, 1, 0))
-    assert s.steps[1].counts == (1, 1, 1, 1, 0)
+    assert s.steps[1].phase_s == pytest.approx((1.75, 2, 3, 1, 0, 0))
+    assert s.steps[1].counts == (1, 1, 1, 1, 0, 0)
 
 
 def test_accumulation_with_the_optimizer_step_after_the_last_fetch_is_one_step() -> None:
@@ -569,4 +569,4 @@ def test_accumulation_with_the_optimizer_step_after_the_last_fetch_is_one_step()
         s.log(OPTIMIZER_END)
     s.log(CLOSE)
     assert [t.step for t in s.steps] == [0, 1, 2]
-    assert all(t.counts == (2, 2, 2, 1, 0) for t in s.steps)
+    assert all(t.counts == (2, 2, 2, 1, 0, 0) for t in s.steps)

@@ -45,8 +45,8 @@ def test_exposed_communication_is_its_own_phase_nested_in_backward() -> None:
         s.ddp_iter()
     s.log(CLOSE)
     first = s.steps[0]
-    assert first.phase_s == (1, 2, 3, 1, 2)  # backward is compute only
-    assert first.counts == (1, 1, 1, 1, 1)
+    assert first.phase_s == (1, 2, 3, 1, 2, 0)  # backward is compute only
+    assert first.counts == (1, 1, 1, 1, 1, 0)
     assert first.wait_s == pytest.approx(0.0)
     # In flight: bucket 0 (1 s) and the last bucket (2.5 s), disjoint.
     assert first.collective_s == pytest.approx(3.5)
@@ -86,7 +86,7 @@ def test_a_collective_after_the_fetch_belongs_to_the_iteration_it_starts() -> No
     first, second = s.steps
     assert first.total_s == pytest.approx(9.0)  # fetch to fetch
     assert sum(first.phase_s) <= first.total_s
-    assert second.phase_s == (1, 2, 3, 1, 0.5)
+    assert second.phase_s == (1, 2, 3, 1, 0.5, 0)
     assert second.collective_s == pytest.approx(0.5)
 
 

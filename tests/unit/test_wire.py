@@ -33,7 +33,8 @@ def test_envelope_round_trip() -> None:
     (b"[1,2]", "not an envelope"),
     (b'{"v": 99}', "protocol version"),
     (b'{"v": 1}', "protocol version"),  # a traceml from before the phase table
-    (b'{"v": 2, "kind": "steps"}', "malformed"),  # that kind is gone
+    (b'{"v": 2, "kind": "events"}', "protocol version"),  # a traceml from before the hook
+    (b'{"v": 3, "kind": "steps"}', "malformed"),  # that kind is gone
 ])
 def test_decode_rejects(data: bytes, reason: str) -> None:
     with pytest.raises(ProtocolError, match=reason):

@@ -62,6 +62,7 @@ COLLECTIVES = (
 """The torch.distributed functions timed (those this torch has)."""
 
 COMM = phases.code("communication")
+HOOK = phases.code("hook")
 
 
 class CommTiming:
@@ -195,20 +196,33 @@ class CommTiming:
 
     def timed_hook(self, hook: Callable[..., Any]) -> Callable[..., Any]:
         """The script's own ``hook`` (Python, so it pays a Python call per bucket
-        already) with each bucket's launch and completion logged as a span."""
+        already) with each bucket's launch and completion logged as a span.
+
+        The hook's synchronous part (what it does before it returns its future:
+        compression, PowerSGD's matrices, launching its collectives) is the
+        ``hook`` phase, communication, not backward: on gloo it runs on the
+        training thread, inside backward.  Its result is returned untouched."""
         probe, clock, spans = self.probe, self.probe.clock, self.probe.spans.append
+        begins, ends = probe.appenders[HOOK], probe.appenders[END]
 
         @functools.wraps(hook)
         def timed(state: object, bucket: Any) -> Any:
             if probe.off or probe.in_comm:
                 return hook(state, bucket)
+            on_host = not bucket.buffer().is_cuda
+            # A phase only on the training thread (the one whose events make steps).
+            on_thread = on_host and get_ident() == probe.thread_id
             launch = clock()
+            if on_thread:
+                begins(launch)
             probe.in_comm = True
             try:
                 future = hook(state, bucket)
             finally:
                 probe.in_comm = False
-            if bucket.buffer().is_cuda:
+                if on_thread:
+                    ends(clock())
+            if not on_host:
                 return future
 
             def done(f: Any) -> Any:

@@ -2,11 +2,13 @@
 
 Runs in the offline-analysis process. Pure functions over floats:
 distributions of a per-step series, the median/worst of a per-rank metric,
-and the "median of the other ranks" reference that straggler rules use.
+the "median of the other ranks" reference that straggler rules use, per rank
+and per step, and a robust spread.
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -120,6 +122,34 @@ def medians_of_others(values: Mapping[int, float]) -> dict[int, float]:
         half = num_others // 2
         out[rank] = other(half) if num_others % 2 else (other(half - 1) + other(half)) / 2
     return out
+
+
+def median_without(ordered: Sequence[float], value: float) -> float:
+    """The median of ``ordered`` (ascending, holding ``value``) with one ``value``
+    left out: a rank's per-step reference among many, in O(log n)."""
+    if len(ordered) < 2:
+        raise ValueError("median_without needs the value and at least one other")
+    pos = bisect.bisect_left(ordered, value)
+
+    def other(i: int) -> float:
+        return ordered[i] if i < pos else ordered[i + 1]
+
+    num_others, half = len(ordered) - 1, (len(ordered) - 1) // 2
+    return other(half) if num_others % 2 else (other(half - 1) + other(half)) / 2
+
+
+def spread_sd(values: Sequence[float]) -> float:
+    """The standard deviation a normal spread with the same interquartile range
+    would have (IQR / 1.349): a few wild steps do not make a run noisy, and two
+    clusters (ranks taking turns) read as the spread they are."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return (quantile(ordered, 0.75) - quantile(ordered, 0.25)) / IQR_PER_SD
+
+
+IQR_PER_SD = 1.349
+"""The interquartile range of normal noise is this many standard deviations."""
 
 
 def thirds(values: Sequence[float]) -> tuple[float, float, float]:

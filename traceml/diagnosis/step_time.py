@@ -6,8 +6,9 @@ the step window's typical steps (the parts of `traceml.phases`): outlier steps
 (`traceml.diagnosis.outliers`) are left out and reported on their own, and the
 section's diagnosis is the finding with the most wall time to win back. Shares
 are the median over ranks of part mean / step mean over the typical steps;
-COMMUNICATION-BOUND reads the smallest share instead, since a slow rank makes
-every other rank wait in its collectives.
+COMMUNICATION-BOUND reads the rank that waits least instead (its communication is
+the collectives' own cost: a slow rank makes every other rank wait in theirs), and
+holds beside a straggler: the verdict is the one with more to win back.
 Stragglers are found from each rank's own work, never from time it waited in a
 collective for another rank (`traceml.diagnosis.stragglers`).
 """
@@ -30,7 +31,7 @@ from traceml.diagnosis.finding import (
     order_findings,
 )
 from traceml.diagnosis.outliers import RankOutliers, find_outliers, outlier_steps
-from traceml.diagnosis.samples import ms_column
+from traceml.diagnosis.samples import StepRow, ms_column
 from traceml.diagnosis.stats import Distribution, distribution
 from traceml.diagnosis.window import StepWindow
 
@@ -55,6 +56,7 @@ class RankStepTimes:
     gpu_ms: Distribution | None = None
     num_gpu_timed_steps: int | None = None  # steps with GPU times; None off CUDA
     outliers: RankOutliers | None = None
+    rows: tuple[StepRow, ...] = ()  # the typical steps, for step-by-step tests
 
     def dist(self, phase: str) -> Distribution:
         """The distribution of one of PHASES."""
@@ -63,6 +65,20 @@ class RankStepTimes:
     def mean(self, phase: str) -> float:
         """Mean ms of one of PHASES."""
         return self.dists[phase].mean
+
+    def per_step(self, phase: str) -> dict[int, float]:
+        """Ms of one of PHASES at each typical step, by step index."""
+        return dict(zip((r.step for r in self.rows), ms_column(self.rows, phase)))
+
+    @property
+    def communication_ms(self) -> float:
+        """Mean ms of communication: blocked on collectives, and comm hooks' own work."""
+        return sum(self.mean(name) for name in phases.collective_names())
+
+    def communication_share_pct(self) -> float | None:
+        """Communication as % of the step mean; None for a zero-length step."""
+        total = self.total_ms.mean
+        return 100.0 * self.communication_ms / total if total > 0 else None
 
     @property
     def total_ms(self) -> Distribution:
@@ -106,7 +122,7 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
         on_cuda = bool(gpu) or any(r.peak_allocated_bytes is not None for r in every)
         out[rank] = RankStepTimes(rank, node_of.get(rank), len(every), dists, collective,
                                   distribution(gpu) if gpu else None,
-                                  len(gpu) if on_cuda else None, outliers)
+                                  len(gpu) if on_cuda else None, outliers, tuple(rows))
     return out
 
 
@@ -114,12 +130,6 @@ def median_share_pct(times: Mapping[int, RankStepTimes], phase: str) -> float | 
     """Median over ranks of the phase's share of step time."""
     shares = [s for t in times.values() if (s := t.share_pct(phase)) is not None]
     return statistics.median(shares) if shares else None
-
-
-def least_share_pct(times: Mapping[int, RankStepTimes], phase: str) -> float | None:
-    """The smallest share over ranks of the phase's step time."""
-    shares = [s for t in times.values() if (s := t.share_pct(phase)) is not None]
-    return min(shares) if shares else None
 
 
 def median_mean_ms(times: Mapping[int, RankStepTimes], phase: str) -> float:
@@ -169,10 +179,9 @@ def _share_rule(
     levels: tuple[float, float],
     why: str,
     next_step: str,
-    least: bool = False,
 ) -> list[Finding]:
-    """A share rule on the median rank (``least``: on the rank with the smallest share)."""
-    share = least_share_pct(times, phase) if least else median_share_pct(times, phase)
+    """A share rule on the median rank."""
+    share = median_share_pct(times, phase)
     if share is None:
         return []
     near = borderline(share, levels[0])
@@ -226,25 +235,54 @@ def balanced(times: Mapping[int, RankStepTimes]) -> Finding:
     return Finding("BALANCED", "BALANCED", "info", why, next_step, (), evidence)
 
 
-def communication_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
-    """COMMUNICATION-BOUND: exposed communication share >= 10 % (crit >= 20 %) on
-    every rank, the one that waits least included.
+COMMUNICATION_NEXT = (
+    "Overlap communication with compute (DDP bucket_cap_mb, gradient_as_bucket_view=True, "
+    "static_graph=True), communicate less often (no_sync() with gradient accumulation, "
+    "a larger batch) or less (a bf16/fp16 or PowerSGD DDP comm hook, fewer and larger "
+    "collectives), and check the interconnect (NCCL_DEBUG=INFO, nccl-tests).")
 
-    A slow rank makes the others wait in their collectives while it waits little
-    itself: that is its to fix (a straggler, named or just below the limit), so
-    the rule reads the smallest share, and the caller uses it only when no rank
-    straggles."""
-    return _share_rule(
-        times, "communication", "COMMUNICATION_BOUND", "COMMUNICATION-BOUND",
-        (thresholds.COMM_SHARE_WARN_PCT, thresholds.COMM_SHARE_CRIT_PCT),
-        "Collectives blocked the training thread for at least {share:.1f}% of step time "
-        "on every rank ({ms:.1f} of {step:.1f} ms, median rank).",
-        "Overlap communication with compute (DDP bucket_cap_mb, gradient_as_bucket_view=True, "
-        "static_graph=True), communicate less often (no_sync() with gradient accumulation, "
-        "a larger batch) or less (a bf16/fp16 or PowerSGD DDP comm hook, fewer and larger "
-        "collectives), and check the interconnect (NCCL_DEBUG=INFO, nccl-tests).",
-        least=True,
-    )
+HOOK_NEXT = ("Make the comm hook cheaper before it launches its collective (its own "
+             "work runs on the training thread), or compress less often.")
+
+
+def communication_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
+    """COMMUNICATION-BOUND: communication (blocked on collectives, and comm hooks'
+    own work) >= 10 % (crit >= 20 %) of the step on the rank that waits least.
+
+    A slow rank makes the others wait in their collectives while it waits on
+    nobody: its communication is the collectives' own cost.  So the share is read
+    from the rank that waits least (the straggler, when there is one; the least of
+    all ranks otherwise): a straggler never hides a communication-bound job, and
+    its victims never make one up (SPEC R-COMM-3)."""
+    shares = {r: s for r, t in times.items() if (s := t.communication_share_pct()) is not None}
+    if not shares:
+        return []
+    least = min(shares, key=lambda r: (shares[r], r))
+    share, levels = shares[least], (thresholds.COMM_SHARE_WARN_PCT, thresholds.COMM_SHARE_CRIT_PCT)
+    near = borderline(share, levels[0])
+    severity = grade(share, *levels)
+    if severity is None and not near:
+        return []
+    rank = times[least]
+    ms, step, hook = rank.communication_ms, rank.total_ms.mean, rank.mean("hook")
+    hooks = f", {hook:.1f} ms of it in comm hooks" if hook >= HOOK_SHOWN_FRACTION * ms else ""
+    where = ("" if len(times) < 2 else
+             f" on r{least}, the rank that waits least: the collectives' own cost, not "
+             "waiting for a slower rank")
+    why = f"Communication took {share:.1f}% of step time ({ms:.1f} of {step:.1f} ms{hooks}){where}."
+    next_step = f"{HOOK_NEXT} {COMMUNICATION_NEXT}" if hooks else COMMUNICATION_NEXT
+    low = levels[0] * (1.0 - thresholds.BORDERLINE_MARGIN) if near else levels[0]
+    ranks = sorted((r for r, v in shares.items() if v >= low), key=lambda r: -shares[r])
+    evidence = {"communication_share_pct": share, "communication_ms": ms, "hook_ms": hook,
+                "step_ms": step, "rank": least}
+    found = Finding("COMMUNICATION_BOUND", "COMMUNICATION-BOUND", severity or "warn", why,
+                    next_step, tuple(ranks), evidence)
+    return [as_borderline(found, levels[0]) if near else found]
+
+
+HOOK_SHOWN_FRACTION = 0.25
+"""COMMUNICATION-BOUND says how much of the communication was comm hooks' own work
+when it is at least this fraction of it."""
 
 
 def stragglers(times: Mapping[int, RankStepTimes], device: str = "cpu") -> list[Finding]:
@@ -257,7 +295,7 @@ def stragglers(times: Mapping[int, RankStepTimes], device: str = "cpu") -> list[
 def comm_measured(times: Mapping[int, RankStepTimes]) -> bool:
     """Whether every rank's collectives were timed: time spent waiting in them is
     then its communication, never its compute."""
-    return bool(times) and all(t.mean("communication") > 0 for t in times.values())
+    return bool(times) and all(t.communication_ms > 0 for t in times.values())
 
 
 def diagnose_step_time(
@@ -271,10 +309,7 @@ def diagnose_step_time(
         return (not_measured("STEP TIME", unmeasured_why),)
     measured = comm_measured(times)
     found = stragglers(times, device)
-    named = any(f.kind != "STRAGGLER_UNCLEAR" for f in found)
-    found += input_bound(times, device) + wait_heavy(times)
-    if not named:
-        found += communication_bound(times)
+    found += input_bound(times, device) + wait_heavy(times) + communication_bound(times)
     if len(times) >= 2 and not measured:
         found.append(not_measured(
             "COMMUNICATION", "Collectives were not timed end to end (CUDA/NCCL, a hook or "

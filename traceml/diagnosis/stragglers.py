@@ -23,20 +23,32 @@ candidate's time may itself be waiting for that rank:
 * input never holds waiting.
 
 An excess explains another when it is at least ``STRAGGLER_EXPLAINS_FRACTION``
-of it.  What remains names the rank, the part and the excess in ms.  When a
-candidate was dropped and nothing remains, the rule says it cannot tell.
+of it.  What remains must also **hold step by step** (SPEC R-COMM-4), since a
+mean can come from a coin toss: at each window step the rank's time in the part
+is compared with the median of the other ranks' at that step, and the rank is
+named only when it was slower in at least ``STRAGGLER_MIN_SLOWER_PCT`` of the
+steps of each half of the window, and its median per-step excess is at least
+``STRAGGLER_MIN_SIGNAL_TO_NOISE`` times that excess's step-to-step noise (the
+standard deviation its interquartile range implies).  Two ranks on two shared cores take turns being slow
+(their communication threads compete with their compute): their means differ,
+but the difference moves from rank to rank, and no rank is named.
+
+What remains names the rank, the part (a rank slow in several compute phases has
+them named together: "forward and backward") and the excess in ms.  When a
+candidate was dropped and nothing remains, the rule says it cannot tell, and why.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from traceml import phases
 from traceml.diagnosis import thresholds
 from traceml.diagnosis.finding import Finding, as_borderline, borderline, format_ranks, grade
-from traceml.diagnosis.stats import medians_of_others
+from traceml.diagnosis.stats import median_without, medians_of_others, spread_sd
 
 OWN_PARTS = (*(p.name for p in phases.PHASES if not p.collective), phases.WAIT.name)
 """The parts of a step that are a rank's own work: every non-collective phase, and wait."""
@@ -51,20 +63,94 @@ class RankTimes(Protocol):
 
     def mean(self, phase: str) -> float: ...
 
+    def per_step(self, phase: str) -> Mapping[int, float]: ...
+
 
 @dataclass(frozen=True)
 class Excess:
     """How much one rank's own time in one part exceeds the other ranks' (ms)."""
 
     rank: int
-    part: str  # one of OWN_PARTS, or "own work" (several parts together)
+    part: str  # one of OWN_PARTS; "own work" or "forward and backward": several together
     value_ms: float
     reference_ms: float
+    members: tuple[str, ...] = ()  # the OWN_PARTS a combined part adds up; () for one part
 
     @property
     def excess_ms(self) -> float:
         """Own time beyond the reference; negative when faster."""
         return self.value_ms - self.reference_ms
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The OWN_PARTS whose time this is."""
+        return self.members or (self.part,)
+
+
+@dataclass(frozen=True)
+class Consistency:
+    """How steadily one rank's excess held over the window's steps."""
+
+    num_steps: int  # steps compared (the rank's typical steps other ranks also had)
+    slower_pct: tuple[float, float]  # % of steps it was slower, in each half of the window
+    median_excess_ms: float  # its typical per-step excess
+    noise_ms: float  # the step-to-step noise of that excess (`stats.spread_sd`)
+
+    @property
+    def decided(self) -> bool:
+        """Enough steps to tell."""
+        return self.num_steps >= thresholds.STRAGGLER_MIN_STEPS
+
+    @property
+    def holds(self) -> bool:
+        """Slower in a clear majority of each half, by more than the noise."""
+        return (self.decided and min(self.slower_pct) >= thresholds.STRAGGLER_MIN_SLOWER_PCT
+                and self.median_excess_ms > 0.0
+                and self.median_excess_ms
+                >= thresholds.STRAGGLER_MIN_SIGNAL_TO_NOISE * self.noise_ms)
+
+
+@dataclass
+class StepSeries:
+    """Every rank's per-step times, for testing an excess step by step: per part (or
+    parts added up), each window step's values over the ranks, sorted once, so each
+    rank's per-step reference (the median of the others) is a bisection."""
+
+    times: Mapping[int, RankTimes]
+    _sorted: dict[tuple[str, ...], dict[int, list[float]]] = field(default_factory=dict)
+
+    def values(self, rank: int, parts: tuple[str, ...]) -> dict[int, float]:
+        """One rank's time in ``parts`` (added up) at each of its typical steps."""
+        columns = [self.times[rank].per_step(part) for part in parts]
+        if len(columns) == 1:
+            return dict(columns[0])
+        return {step: sum(c[step] for c in columns) for step in columns[0]
+                if all(step in c for c in columns)}
+
+    def excesses(self, rank: int, parts: tuple[str, ...]) -> list[float]:
+        """The rank's per-step excess over the other ranks' median, in step order."""
+        table = self._sorted.get(parts)
+        if table is None:
+            table = {}
+            for other in self.times:
+                for step, value in self.values(other, parts).items():
+                    table.setdefault(step, []).append(value)
+            for column in table.values():
+                column.sort()
+            self._sorted[parts] = table
+        return [value - median_without(table[step], value)
+                for step, value in sorted(self.values(rank, parts).items())
+                if len(table[step]) >= 2]
+
+    def consistency(self, excess: Excess) -> Consistency:
+        """How steadily ``excess`` held over the window."""
+        per_step = self.excesses(excess.rank, excess.parts)
+        half = len(per_step) // 2
+        halves = (per_step[:half], per_step[half:])
+        slower = tuple(100.0 * sum(d > 0.0 for d in h) / len(h) if h else 0.0 for h in halves)
+        return Consistency(len(per_step), (slower[0], slower[1]),
+                           statistics.median(per_step) if per_step else 0.0,
+                           spread_sd(per_step))
 
 
 def excesses(times: Mapping[int, RankTimes]) -> dict[tuple[int, str], Excess]:
@@ -132,7 +218,8 @@ def _kind(part: str) -> tuple[str, str]:
 def stragglers(times: Mapping[int, RankTimes], step_ms: float,
                comm_measured: bool, device: str = "cpu") -> list[Finding]:
     """INPUT / COMPUTE / HOST-WORK STRAGGLER, STRAGGLER (own work together), or
-    UNCLEAR STRAGGLER: with >= 2 ranks, from each rank's own work."""
+    UNCLEAR STRAGGLER: with >= 2 ranks, from each rank's own work, named only when
+    its excess holds step by step."""
     if len(times) < 2 or step_ms <= 0:
         return []
     # Candidates from just below the limit: those near it are said as borderline.
@@ -142,14 +229,50 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
     standing, explained = attribute(every, limit_ms, comm_measured)
     seen = {e.rank for e in standing + explained}
     standing += _combined(every, sorted(set(times) - seen), limit_ms, comm_measured)
-    standing.sort(key=lambda e: -e.excess_ms)
+    series = StepSeries(times)
+    checked = [(e, series.consistency(e)) for e in standing]
+    held = {e: c for e, c in checked if c.holds}
+    unsteady = [(e, c) for e, c in checked if not c.holds]
+    named = sorted(_together(list(held)), key=lambda e: -e.excess_ms)
     by_kind: dict[tuple[str, str], list[Excess]] = {}
-    for excess in standing:
+    for excess in named:
         by_kind.setdefault(_kind(excess.part), []).append(excess)
-    found = [_straggler(kind, group, step_ms, device) for kind, group in by_kind.items()]
-    if not found and explained:
+    found = [_straggler(kind, group, step_ms, device, _steadiness(group[0], held))
+             for kind, group in by_kind.items()]
+    if not found and unsteady:
+        found.append(_unsteady(*max(unsteady, key=lambda ec: ec[0].excess_ms), step_ms))
+    elif not found and explained:
         found.append(_unclear(explained, step_ms))
     return found
+
+
+def _together(found: list[Excess]) -> list[Excess]:
+    """A rank's standing compute phases as one part ("forward and backward"): the
+    rank does more of the same work (a larger shard, a busier core)."""
+    compute: dict[int, list[Excess]] = {}
+    out = []
+    for excess in found:
+        if excess.part in COMPUTE_PARTS:
+            compute.setdefault(excess.rank, []).append(excess)
+        else:
+            out.append(excess)
+    for rank, group in compute.items():
+        if len(group) == 1:
+            out += group
+            continue
+        group.sort(key=lambda e: COMPUTE_PARTS.index(e.part))
+        names = tuple(e.part for e in group)
+        out.append(Excess(rank, phases.describe(tuple(p for p in phases.PHASES if p.name in names)),
+                          sum(e.value_ms for e in group), sum(e.reference_ms for e in group),
+                          names))
+    return out
+
+
+def _steadiness(excess: Excess, held: Mapping[Excess, Consistency]) -> float:
+    """The lowest % of steps (over the window's halves) in which the named rank was
+    slower, over the parts it is named for."""
+    return min(min(c.slower_pct) for e, c in held.items()
+               if e.rank == excess.rank and set(e.parts) <= set(excess.parts))
 
 
 def _combined(every: Mapping[tuple[int, str], Excess], ranks: list[int], limit_ms: float,
@@ -167,25 +290,28 @@ def _combined(every: Mapping[tuple[int, str], Excess], ranks: list[int], limit_m
         extra = sum(e.excess_ms for e in parts)
         if extra >= limit_ms:
             value = sum(e.value_ms for e in parts)
-            out.append(Excess(rank, "own work", value, value - extra))
+            out.append(Excess(rank, "own work", value, value - extra,
+                              tuple(e.part for e in parts)))
     return out
 
 
 def _straggler(kind: tuple[str, str], found: list[Excess], step_ms: float,
-               device: str) -> Finding:
+               device: str, slower_pct: float) -> Finding:
     worst = found[0]
     excess_pct = 100.0 * worst.excess_ms / step_ms
     severity = grade(excess_pct, thresholds.STRAGGLER_WARN_PCT, thresholds.STRAGGLER_CRIT_PCT)
     near = borderline(excess_pct, thresholds.STRAGGLER_WARN_PCT)
     ranks = tuple(dict.fromkeys(e.rank for e in found))
-    why = (f"r{worst.rank} {_part_text(worst.part)} was {worst.value_ms:.1f} ms vs "
+    verb = "were" if " and " in worst.part else "was"
+    why = (f"r{worst.rank} {_part_text(worst.part)} {verb} {worst.value_ms:.1f} ms vs "
            f"{worst.reference_ms:.1f} ms on the other ranks (+{worst.excess_ms:.1f} ms, "
-           f"{excess_pct:.1f}% of the {step_ms:.1f} ms typical step).")
+           f"{excess_pct:.1f}% of the {step_ms:.1f} ms typical step; slower in "
+           f"{slower_pct:.0f}% of the steps).")
     if len(ranks) > 1:
         why = why[:-1] + f"; slow too: {format_ranks(ranks[1:])}."
     evidence = {"rank": worst.rank, "value_ms": worst.value_ms,
                 "reference_ms": worst.reference_ms, "excess_ms": worst.excess_ms,
-                "step_ms": step_ms, "excess_pct": excess_pct}
+                "step_ms": step_ms, "excess_pct": excess_pct, "slower_pct": slower_pct}
     finding = Finding(kind[0], kind[1], severity or "warn", why,
                       _next(kind[0], worst, device), ranks, evidence)
     if near:
@@ -217,6 +343,35 @@ def _next(kind: str, worst: Excess, device: str) -> str:
                 "(OMP_NUM_THREADS, taskset), its node's load, and its batch shapes; uneven "
                 "sequence lengths or rank-only work slow one rank.")
     return f"Profile {rank} with torch.profiler: several parts of its own work run slower."
+
+
+def _unsteady(excess: Excess, held: Consistency, step_ms: float) -> Finding:
+    """UNCLEAR STRAGGLER (info): ranks differ on the mean, but no rank is slower
+    step by step; no rank is named."""
+    excess_pct = 100.0 * excess.excess_ms / step_ms
+    first, second = held.slower_pct
+    if held.decided:
+        how = (f"r{excess.rank} was slower in {first:.0f}% and {second:.0f}% of the steps "
+               f"of the window's two halves, typically by {held.median_excess_ms:.1f} ms "
+               f"against {held.noise_ms:.1f} ms of step-to-step noise")
+    else:
+        how = (f"{held.num_steps} steps are too few to tell whether r{excess.rank} is "
+               "slower step by step")
+    why = (f"Ranks differ by {excess.excess_ms:.1f} ms per step in {_part_text(excess.part)} "
+           f"(r{excess.rank} {excess.value_ms:.1f} ms vs {excess.reference_ms:.1f} ms on the "
+           f"other ranks, {excess_pct:.1f}% of the {step_ms:.1f} ms typical step), but not "
+           f"consistently: {how}, so no single rank is the cause.")
+    next_step = ("Nothing to fix on one rank: the difference moves between ranks from step "
+                 "to step. On a shared host give each rank its own cores (taskset, "
+                 "OMP_NUM_THREADS), so communication threads and compute do not compete; "
+                 "if one rank stays slower over a longer run, profile it beside another "
+                 "with torch.profiler.")
+    evidence = {"rank": excess.rank, "excess_ms": excess.excess_ms, "step_ms": step_ms,
+                "excess_pct": excess_pct, "num_steps": held.num_steps,
+                "slower_pct_first_half": first, "slower_pct_second_half": second,
+                "median_excess_ms": held.median_excess_ms, "noise_ms": held.noise_ms}
+    return Finding("STRAGGLER_UNCLEAR", "UNCLEAR STRAGGLER", "info", why, next_step, (),
+                   evidence)
 
 
 def _unclear(explained: list[Excess], step_ms: float) -> Finding:

@@ -43,6 +43,25 @@ STRAGGLER_EXPLAINS_FRACTION = 0.5
 """traceml (SPEC R-COMM-2): another rank's excess explains a candidate's (which
 may be waiting for it) when it is at least this fraction of the candidate's."""
 
+STRAGGLER_MIN_SLOWER_PCT = 75.0
+"""traceml (SPEC R-COMM-4): a rank is named only when its excess holds step by step:
+its own time in the part exceeds the other ranks' median in at least this share of
+the window's steps, in each half of the window (a clear majority, early and late).
+Two ranks that share two cores with their communication threads take turns being
+slower (about 70/30); a rank with twice the rows, or a busy process on its core, is
+slower in 95-100 % of the steps."""
+
+STRAGGLER_MIN_SIGNAL_TO_NOISE = 1.0
+"""traceml (SPEC R-COMM-4): ...and its typical (median) per-step excess is at least
+this many times the step-to-step noise of that excess (the standard deviation its
+interquartile range implies: IQR / 1.349). Under normal noise this is a rank slower
+in about 84 % of its steps; the 2-core turn-taking above reads about 0.5, real
+stragglers 2 and more."""
+
+STRAGGLER_MIN_STEPS = 6
+"""traceml: fewer window steps than this (3 per half) cannot show an excess holding
+step by step; the rule then says it cannot tell rather than name a rank."""
+
 COMM_SHARE_WARN_PCT = 10.0  # SPEC R-COMM-3 COMMUNICATION-BOUND: exposed communication share
 COMM_SHARE_CRIT_PCT = 20.0  # SPEC R-COMM-3
 

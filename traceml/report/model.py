@@ -22,7 +22,7 @@ from traceml.diagnosis.system import NodeSystem
 from traceml.diagnosis.throughput import JobThroughput, RankThroughput
 from traceml.diagnosis.window import Scope
 
-SCHEMA_VERSION = "1.2"  # 1.2: ending, throughput, num_counted_steps, GPU time, meta.rejected
+SCHEMA_VERSION = "1.3"  # 1.3: hook phase, straggler steadiness; 1.2: ending, throughput, ...
 """Version of final_summary.json; bump the major part on incompatible changes."""
 
 RankRow = Union[RankStepTimes, RankMemory, RankProcess, NodeSystem, RankThroughput]

@@ -1,0 +1,120 @@
+"""2-rank gloo DDP whose cost comes from real causes, never a sleep (never imports traceml).
+
+``--case``:
+  heavy     a 4 x (2048 x 2048) MLP (67 MB of gradients) and 2 rows per batch:
+            the gradient all-reduce is most of the step
+  hook      the same, with a compression-style DDP comm hook of the script's own
+            that works on the calling thread (a top-k-like magnitude pass over
+            the bucket) before it launches ``all_reduce(..., async_op=True)``
+  uneven    a smaller MLP; ``--slow-rank`` gets twice the rows per batch (an
+            uneven shard), so its forward and backward do twice the work
+  shared    the smaller MLP, even batches; each rank is pinned to its own core
+            and ``--slow-rank`` shares its core with a spinning process
+  large     the heavy model with a large batch: compute dominates the step
+
+Each rank writes ``rank<R>.json`` (its step count) into ``EVIDENCE_DIR`` when set.
+"""
+
+# No `from __future__ import annotations`: torch checks a comm hook's
+# ``bucket`` annotation against dist.GradBucket itself, not its string.
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+HEAVY_WIDTH = 2048
+SMALL_WIDTH = 512
+
+
+def mlp(width: int, depth: int = 4) -> nn.Module:
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.ReLU())
+                           for _ in range(depth - 1)), nn.Linear(width, 1))
+
+
+class Compressor:
+    """A compression-style hook with error feedback: on the calling thread it
+    quantizes the bucket to int8 and keeps the quantization error for the next
+    step (the work a compressing hook does before it launches), then launches
+    the all-reduce of the dense bucket, so the update stays exact."""
+
+    def __init__(self) -> None:
+        # By bucket and size: DDP rebuilds its buckets after the first step.
+        self.residuals: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        key = (bucket.index(), buffer.numel())
+        corrected = buffer + self.residuals.get(key, 0.0)
+        scale = corrected.abs().amax().clamp_min(1e-12) / 127.0
+        quantized = (corrected / scale).round_().clamp_(-127, 127).to(torch.int8)
+        self.residuals[key] = corrected - quantized.float() * scale
+        buffer.div_(dist.get_world_size())
+        work = dist.all_reduce(buffer, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def spin_on(core: int) -> subprocess.Popen[bytes]:
+    """A process that keeps one core busy (another job on this rank's core)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    os.sched_setaffinity(spinner.pid, {core})
+    return spinner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", default="heavy",
+                        choices=("heavy", "hook", "uneven", "shared", "large"))
+    parser.add_argument("--slow-rank", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=0, help="rows per batch (0: the case's)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    slowed = rank == args.slow_rank
+    spinner = None
+    if args.case == "shared":
+        cores = sorted(os.sched_getaffinity(0))
+        core = cores[rank % len(cores)]
+        os.sched_setaffinity(0, {core})
+        if slowed:
+            spinner = spin_on(core)
+    torch.manual_seed(0)
+    heavy = args.case in ("heavy", "hook", "large")
+    width = HEAVY_WIDTH if heavy else SMALL_WIDTH
+    model = nn.parallel.DistributedDataParallel(mlp(width))
+    if args.case == "hook":
+        model.register_comm_hook(None, Compressor())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    batch = args.batch or {"heavy": 2, "hook": 2, "large": 256}.get(args.case, 64)
+    if args.case == "uneven" and slowed:
+        batch *= 2
+    torch.manual_seed(1 + rank)
+    data = TensorDataset(torch.randn(args.steps * batch, width), torch.randn(args.steps * batch, 1))
+    steps = 0
+    try:
+        for x, y in DataLoader(data, batch_size=batch):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            steps += 1
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+    out_dir = os.environ.get("EVIDENCE_DIR")
+    if out_dir:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "steps": steps}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
