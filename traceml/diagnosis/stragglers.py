@@ -94,7 +94,7 @@ class Consistency:
     num_steps: int  # steps compared (the rank's typical steps other ranks also had)
     slower_pct: tuple[float, float]  # % of steps it was slower, in each half of the window
     median_excess_ms: float  # its typical per-step excess
-    noise_ms: float  # the step-to-step noise of that excess (`stats.spread_sd`)
+    noise_ms: float  # the step-to-step noise it is held against (`StepSeries.consistency`)
 
     @property
     def decided(self) -> bool:
@@ -118,6 +118,7 @@ class StepSeries:
 
     times: Mapping[int, RankTimes]
     _sorted: dict[tuple[str, ...], dict[int, list[float]]] = field(default_factory=dict)
+    _spread: dict[tuple[str, ...], dict[int, float]] = field(default_factory=dict)
 
     def values(self, rank: int, parts: tuple[str, ...]) -> dict[int, float]:
         """One rank's time in ``parts`` (added up) at each of its typical steps."""
@@ -142,15 +143,28 @@ class StepSeries:
                 for step, value in sorted(self.values(rank, parts).items())
                 if len(table[step]) >= 2]
 
+    def own_noise_ms(self, rank: int, parts: tuple[str, ...]) -> float:
+        """The median over the *other* ranks of their own step-to-step spread in
+        ``parts``: how much a rank's time there moves by itself."""
+        spread = self._spread.get(parts)
+        if spread is None:
+            spread = {r: spread_sd(list(self.values(r, parts).values())) for r in self.times}
+            self._spread[parts] = spread
+        return medians_of_others(spread)[rank] if len(spread) >= 2 else 0.0
+
     def consistency(self, excess: Excess) -> Consistency:
-        """How steadily ``excess`` held over the window."""
+        """How steadily ``excess`` held over the window.  Its noise is the smaller
+        of two spreads: of its own per-step excess (a steady offset between ranks
+        that swing together stands out from it) and of the other ranks' own times
+        (an erratic rank whose excess never dips into the others' range stands out
+        from that).  Ranks taking turns stand out from neither."""
         per_step = self.excesses(excess.rank, excess.parts)
         half = len(per_step) // 2
         halves = (per_step[:half], per_step[half:])
         slower = tuple(100.0 * sum(d > 0.0 for d in h) / len(h) if h else 0.0 for h in halves)
+        noise = min(spread_sd(per_step), self.own_noise_ms(excess.rank, excess.parts))
         return Consistency(len(per_step), (slower[0], slower[1]),
-                           statistics.median(per_step) if per_step else 0.0,
-                           spread_sd(per_step))
+                           statistics.median(per_step) if per_step else 0.0, noise)
 
 
 def excesses(times: Mapping[int, RankTimes]) -> dict[tuple[int, str], Excess]:
@@ -229,15 +243,12 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
     standing, explained = attribute(every, limit_ms, comm_measured)
     seen = {e.rank for e in standing + explained}
     standing += _combined(every, sorted(set(times) - seen), limit_ms, comm_measured)
-    series = StepSeries(times)
-    checked = [(e, series.consistency(e)) for e in standing]
-    held = {e: c for e, c in checked if c.holds}
-    unsteady = [(e, c) for e, c in checked if not c.holds]
-    named = sorted(_together(list(held)), key=lambda e: -e.excess_ms)
+    held, unsteady = _steady(_together(standing), StepSeries(times))
+    named = sorted(held, key=lambda e: -e.excess_ms)
     by_kind: dict[tuple[str, str], list[Excess]] = {}
     for excess in named:
         by_kind.setdefault(_kind(excess.part), []).append(excess)
-    found = [_straggler(kind, group, step_ms, device, _steadiness(group[0], held))
+    found = [_straggler(kind, group, step_ms, device, min(held[group[0]].slower_pct))
              for kind, group in by_kind.items()]
     if not found and unsteady:
         found.append(_unsteady(*max(unsteady, key=lambda ec: ec[0].excess_ms), step_ms))
@@ -246,33 +257,49 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
     return found
 
 
-def _together(found: list[Excess]) -> list[Excess]:
-    """A rank's standing compute phases as one part ("forward and backward"): the
-    rank does more of the same work (a larger shard, a busier core)."""
+def _steady(candidates: list[tuple[Excess, list[Excess]]], series: StepSeries
+            ) -> tuple[dict[Excess, Consistency], list[tuple[Excess, Consistency]]]:
+    """The candidates whose excess holds step by step, and those that do not.  A
+    candidate that does not hold has its parts tried one by one (a rank's compute
+    phases together: its backward alone may still hold)."""
+    held: dict[Excess, Consistency] = {}
+    unsteady = []
+    for excess, parts in candidates:
+        tried = series.consistency(excess)
+        if tried.holds:
+            held[excess] = tried
+            continue
+        unsteady.append((excess, tried))
+        for part in parts:
+            alone = series.consistency(part)
+            if alone.holds:
+                held[part] = alone
+    return held, unsteady
+
+
+def _together(found: list[Excess]) -> list[tuple[Excess, list[Excess]]]:
+    """The candidates to test, each with the parts to fall back on: a rank's
+    standing compute phases are one candidate ("forward and backward"), since
+    the rank does more of the same work (a larger shard, a busier core)."""
     compute: dict[int, list[Excess]] = {}
-    out = []
+    out: list[tuple[Excess, list[Excess]]] = []
     for excess in found:
         if excess.part in COMPUTE_PARTS:
             compute.setdefault(excess.rank, []).append(excess)
         else:
-            out.append(excess)
+            out.append((excess, []))
     for rank, group in compute.items():
         if len(group) == 1:
-            out += group
+            out.append((group[0], []))
             continue
         group.sort(key=lambda e: COMPUTE_PARTS.index(e.part))
         names = tuple(e.part for e in group)
-        out.append(Excess(rank, phases.describe(tuple(p for p in phases.PHASES if p.name in names)),
+        together = Excess(rank, phases.describe(tuple(p for p in phases.PHASES
+                                                      if p.name in names)),
                           sum(e.value_ms for e in group), sum(e.reference_ms for e in group),
-                          names))
+                          names)
+        out.append((together, group))
     return out
-
-
-def _steadiness(excess: Excess, held: Mapping[Excess, Consistency]) -> float:
-    """The lowest % of steps (over the window's halves) in which the named rank was
-    slower, over the parts it is named for."""
-    return min(min(c.slower_pct) for e, c in held.items()
-               if e.rank == excess.rank and set(e.parts) <= set(excess.parts))
 
 
 def _combined(every: Mapping[tuple[int, str], Excess], ranks: list[int], limit_ms: float,

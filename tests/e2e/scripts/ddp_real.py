@@ -76,16 +76,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=0, help="rows per batch (0: the case's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = int(os.environ["RANK"])
     slowed = rank == args.slow_rank
     spinner = None
     if args.case == "shared":
+        # Before the process group: gloo's threads are made then, and take the
+        # rank's core with them (traceml's own threads already run, and float).
         cores = sorted(os.sched_getaffinity(0))
         core = cores[rank % len(cores)]
         os.sched_setaffinity(0, {core})
         if slowed:
             spinner = spin_on(core)
+    dist.init_process_group("gloo")
     torch.manual_seed(0)
     heavy = args.case in ("heavy", "hook", "large")
     width = HEAVY_WIDTH if heavy else SMALL_WIDTH
