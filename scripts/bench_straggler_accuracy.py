@@ -1,7 +1,10 @@
 """Does traceml name the slow rank and its cause?  Hit rates on real 2-rank gloo DDP.
 
-Runs tests/e2e/scripts/ddp_cases.py under ``traceml run --nproc-per-node 2`` N
-times per case (default 10) and checks each summary's Step Time findings:
+Runs each case under ``traceml run --nproc-per-node 2`` N times (default 10),
+interleaved so machine load hits every case alike, and checks each summary's
+Step Time findings.
+
+Injected with a sleep (tests/e2e/scripts/ddp_cases.py):
 
   backward   r1 spends 15 ms more inside backward, before its gradients are
              ready -> COMPUTE STRAGGLER naming r1 and backward, no other straggler
@@ -11,11 +14,25 @@ times per case (default 10) and checks each summary's Step Time findings:
              diagnosis, no straggler
   balanced   nothing injected -> no straggler
 
-For the straggler cases it also checks the measured excess against the
+From real causes, no sleep anywhere (tests/e2e/scripts/ddp_real.py):
+
+  heavy      67 MB of gradients, 2 rows per batch, plain DDP: the all-reduce is
+             most of the step -> COMMUNICATION-BOUND diagnosis, no rank named
+  hook       the same with a compression-style comm hook that works before it
+             launches -> COMMUNICATION-BOUND; its hook_ms (each rank's median)
+             within +-(1 ms + 10 %) of the hook's own timing of itself
+  uneven     r1 gets twice the rows per batch -> COMPUTE STRAGGLER naming r1,
+             forward and backward
+  shared     r1 shares its core with a spinning process -> COMPUTE STRAGGLER
+             naming r1 alone
+  large      the heavy model with 1024 rows per batch -> COMPUTE-BOUND
+             diagnosis, no rank named
+
+For the injected straggler cases it also checks the measured excess against the
 injected delay: within +-(1 ms + 15 %).  For ``network`` the excess is the
 exposed communication over that of the balanced runs (medians).  Prints one
-line per case (hits/runs, excess median and range) and exits 1 when any case
-misses.  About 8 s per run on 2 cores.
+line per case (hits/runs, and the case's figures) and exits 1 when any case
+misses.  About 15 minutes for 10 runs of every case on 2 cores.
 
     python scripts/bench_straggler_accuracy.py [--runs 10] [--delay-ms 15] [--cases ...]
 """
@@ -23,6 +40,7 @@ misses.  About 8 s per run on 2 cores.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -34,64 +52,118 @@ from typing import Any
 from accuracy_runs import run_summary
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "ddp_cases.py"
-CASES = ("backward", "between", "network", "balanced")
+SLEEPS = ROOT / "tests" / "e2e" / "scripts" / "ddp_cases.py"
+REAL = ROOT / "tests" / "e2e" / "scripts" / "ddp_real.py"
+INJECTED = ("backward", "between", "network", "balanced")
+REAL_STEPS = {"heavy": 30, "hook": 20, "uneven": 25, "shared": 30, "large": 16}
+CASES = (*INJECTED, *REAL_STEPS)
+
+Summary = dict[str, Any]
+Evidence = list[dict[str, Any]]  # each rank's rank<R>.json
 
 
 @dataclass
 class Tally:
-    """One case's runs: hits, and the measured excess of each run."""
+    """One case's runs: hits, and the figure measured in each run."""
 
     hits: int = 0
     runs: int = 0
     excess_ms: list[float] = field(default_factory=list)
+    figures: list[str] = field(default_factory=list)
     misses: list[str] = field(default_factory=list)
 
 
-def run_case(case: str, delay_ms: float, steps: int, logs: Path, n: int) -> dict[str, Any]:
-    """One traceml run of one case; its final_summary.json."""
-    return run_summary(logs, f"{case}-{n}", ["--nproc-per-node", "2", str(SCRIPT), "--case", case,
-                                             "--delay-ms", str(delay_ms), "--steps", str(steps)],
-                       300, f"{case} run {n}")
+def run_case(case: str, delay_ms: float, steps: int, logs: Path, n: int) -> tuple[Summary, Evidence]:
+    """One traceml run of one case; its final_summary.json and the ranks' evidence."""
+    evidence = logs / f"{case}-{n}-evidence"
+    evidence.mkdir()
+    if case in INJECTED:
+        args = [str(SLEEPS), "--case", case, "--delay-ms", str(delay_ms), "--steps", str(steps)]
+    else:
+        args = [str(REAL), "--case", case, "--steps", str(REAL_STEPS[case])]
+    summary = run_summary(logs, f"{case}-{n}", ["--nproc-per-node", "2", *args], 300,
+                          f"{case} run {n}", {"EVIDENCE_DIR": str(evidence)})
+    ranks = [json.loads(p.read_text()) for p in sorted(evidence.glob("rank*.json"))]
+    return summary, ranks
 
 
-def stragglers(summary: dict[str, Any]) -> list[dict[str, Any]]:
+def stragglers(summary: Summary) -> list[dict[str, Any]]:
     return [f for f in summary["step_time"]["findings"] if "STRAGGLER" in f["kind"]]
 
 
-def straggler_check(kind: str, why_prefix: str) -> Callable[[dict[str, Any]], str]:
+def named(summary: Summary) -> list[tuple[str, list[int]]]:
+    """The straggler findings that name a rank."""
+    return [(f["kind"], f["ranks"]) for f in stragglers(summary) if f["ranks"]]
+
+
+def straggler_check(kind: str, why_prefix: str) -> Callable[[Summary, Evidence], str]:
     """A check that exactly one straggler finding, ``kind``, names r1 alone."""
-    def check(summary: dict[str, Any]) -> str:
-        found = [(f["kind"], f["ranks"]) for f in stragglers(summary)]
+    def check(summary: Summary, evidence: Evidence) -> str:
+        found = named(summary)
         if found != [(kind, [1])]:
             return f"stragglers {found}"
-        why = stragglers(summary)[0]["why"]
+        why = next(f["why"] for f in stragglers(summary) if f["ranks"])
         return "" if why.startswith(why_prefix) else f"why {why!r}"
     return check
 
 
-def network_check(summary: dict[str, Any]) -> str:
-    diagnosis = summary["step_time"]["diagnosis"]["kind"]
-    found = [(f["kind"], f["ranks"]) for f in stragglers(summary)]
-    if diagnosis != "COMMUNICATION_BOUND" or found:
-        return f"diagnosis {diagnosis}, stragglers {found}"
-    return ""
+def diagnosis_check(kind: str) -> Callable[[Summary, Evidence], str]:
+    """A check that Step Time's diagnosis is ``kind`` and no rank is named."""
+    def check(summary: Summary, evidence: Evidence) -> str:
+        diagnosis = summary["step_time"]["diagnosis"]["kind"]
+        found = named(summary)
+        if diagnosis != kind or found:
+            return f"diagnosis {diagnosis}, stragglers {found}"
+        return ""
+    return check
 
 
-def balanced_check(summary: dict[str, Any]) -> str:
-    found = [(f["kind"], f["ranks"]) for f in stragglers(summary)]
+def balanced_check(summary: Summary, evidence: Evidence) -> str:
+    found = named(summary)
     return f"stragglers {found}" if found else ""
 
 
-CHECKS: dict[str, Callable[[dict[str, Any]], str]] = {
+def hook_check(summary: Summary, evidence: Evidence) -> str:
+    """COMMUNICATION-BOUND, and every rank's hook_ms (median) within +-(1 ms + 10 %)
+    of the hook's own timing of itself (its median step, after warm-up)."""
+    miss = diagnosis_check("COMMUNICATION_BOUND")(summary, evidence)
+    if miss:
+        return miss
+    rows = {row["rank"]: row for row in summary["step_time"]["ranks"]}
+    for rank in evidence:
+        truth = statistics.median(rank["hook_ms"][5:])
+        measured = rows[rank["rank"]]["hook_ms"]["p50"]
+        if abs(measured - truth) > 1.0 + 0.1 * truth:
+            return f"r{rank['rank']} hook_ms {measured:.1f} vs its own {truth:.1f}"
+    return ""
+
+
+CHECKS: dict[str, Callable[[Summary, Evidence], str]] = {
     "backward": straggler_check("COMPUTE_STRAGGLER", "r1 backward"),
     "between": straggler_check("HOST_STRAGGLER", "r1 untraced host work"),
-    "network": network_check,
+    "network": diagnosis_check("COMMUNICATION_BOUND"),
     "balanced": balanced_check,
+    "heavy": diagnosis_check("COMMUNICATION_BOUND"),
+    "hook": hook_check,
+    "uneven": straggler_check("COMPUTE_STRAGGLER", "r1 forward and backward"),
+    "shared": straggler_check("COMPUTE_STRAGGLER", "r1 "),
+    "large": diagnosis_check("COMPUTE_BOUND"),
 }
 
 
-def exposed_ms(summary: dict[str, Any]) -> float:
+def figure(case: str, summary: Summary) -> str:
+    """What one run measured, for the case's line: the excess, or the diagnosis's share."""
+    step = summary["step_time"]
+    diagnosis = step["diagnosis"]
+    if case in ("uneven", "shared") and named(summary):
+        found = next(f for f in stragglers(summary) if f["ranks"])
+        return f"+{found['evidence']['excess_ms']:.1f} ms"
+    share = diagnosis["evidence"].get("communication_share_pct") or diagnosis["evidence"].get(
+        "compute_share_pct")
+    return f"{share:.0f}%" if share is not None else diagnosis["kind"]
+
+
+def exposed_ms(summary: Summary) -> float:
     return float(summary["step_time"]["stats"]["communication_ms"]["median"])
 
 
@@ -99,7 +171,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=10, help="runs per case (default 10)")
     p.add_argument("--delay-ms", type=float, default=15.0, help="injected delay (default 15)")
-    p.add_argument("--steps", type=int, default=30, help="training steps per run")
+    p.add_argument("--steps", type=int, default=30, help="training steps per injected run")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     args = p.parse_args()
     tallies = {case: Tally() for case in args.cases}
@@ -107,13 +179,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for n in range(args.runs):  # cases interleaved: machine load hits them alike
             for case in args.cases:
-                summary = run_case(case, args.delay_ms, args.steps, Path(tmp), n)
+                summary, evidence = run_case(case, args.delay_ms, args.steps, Path(tmp), n)
                 tally = tallies[case]
                 tally.runs += 1
-                miss = CHECKS[case](summary)
-                found = stragglers(summary)
+                miss = CHECKS[case](summary, evidence)
+                found = named(summary)
                 if found and case in ("backward", "between"):
-                    tally.excess_ms.append(float(found[0]["evidence"]["excess_ms"]))
+                    tally.excess_ms.append(float(stragglers(summary)[0]["evidence"]["excess_ms"]))
+                elif case not in INJECTED:
+                    tally.figures.append(figure(case, summary))
                 exposed[case].append(exposed_ms(summary))
                 if miss:
                     tally.misses.append(f"run {n}: {miss}")
@@ -138,6 +212,8 @@ def report(tallies: dict[str, Tally], exposed: dict[str, list[float]], delay_ms:
                      f"{min(tally.excess_ms):.1f}-{max(tally.excess_ms):.1f} ms, "
                      f"{inside}/{len(tally.excess_ms)} within tolerance")
             ok &= inside == len(tally.excess_ms)
+        if tally.figures:
+            line += " | " + " ".join(tally.figures)
         print(line)
         for miss in tally.misses:
             print(f"    miss {miss}")

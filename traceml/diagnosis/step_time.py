@@ -241,8 +241,9 @@ COMMUNICATION_NEXT = (
     "a larger batch) or less (a bf16/fp16 or PowerSGD DDP comm hook, fewer and larger "
     "collectives), and check the interconnect (NCCL_DEBUG=INFO, nccl-tests).")
 
-HOOK_NEXT = ("Make the comm hook cheaper before it launches its collective (its own "
-             "work runs on the training thread), or compress less often.")
+HOOK_NEXT = ("Most of it is comm hooks' own work before they launch their collectives "
+             "(on the training thread, inside backward): make the hook cheaper, compress "
+             "less often, or use a lighter one (bf16 compression, a lower PowerSGD rank).")
 
 
 def communication_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
@@ -270,7 +271,7 @@ def communication_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
              f" on r{least}, the rank that waits least: the collectives' own cost, not "
              "waiting for a slower rank")
     why = f"Communication took {share:.1f}% of step time ({ms:.1f} of {step:.1f} ms{hooks}){where}."
-    next_step = f"{HOOK_NEXT} {COMMUNICATION_NEXT}" if hooks else COMMUNICATION_NEXT
+    next_step = HOOK_NEXT if hook >= 0.5 * ms else COMMUNICATION_NEXT
     low = levels[0] * (1.0 - thresholds.BORDERLINE_MARGIN) if near else levels[0]
     ranks = sorted((r for r, v in shares.items() if v >= low), key=lambda r: -shares[r])
     evidence = {"communication_share_pct": share, "communication_ms": ms, "hook_ms": hook,

@@ -4,15 +4,16 @@
   heavy     a 4 x (2048 x 2048) MLP (67 MB of gradients) and 2 rows per batch:
             the gradient all-reduce is most of the step
   hook      the same, with a compression-style DDP comm hook of the script's own
-            that works on the calling thread (a top-k-like magnitude pass over
-            the bucket) before it launches ``all_reduce(..., async_op=True)``
-  uneven    a smaller MLP; ``--slow-rank`` gets twice the rows per batch (an
-            uneven shard), so its forward and backward do twice the work
+            that works on the calling thread (int8 quantization with error
+            feedback) before it launches ``all_reduce(..., async_op=True)``
+  uneven    a 4 x (512 x 512) MLP, 256 rows per batch; ``--slow-rank`` gets
+            twice the rows (an uneven shard): twice the forward and backward work
   shared    the smaller MLP, even batches; each rank is pinned to its own core
             and ``--slow-rank`` shares its core with a spinning process
-  large     the heavy model with a large batch: compute dominates the step
+  large     the heavy model with 1024 rows per batch: compute dominates the step
 
-Each rank writes ``rank<R>.json`` (its step count) into ``EVIDENCE_DIR`` when set.
+Each rank writes ``rank<R>.json`` into ``EVIDENCE_DIR`` when set: its step count and,
+per step, the ms its comm hook spent before returning (``hook``: timed by the hook).
 """
 
 # No `from __future__ import annotations`: torch checks a comm hook's
@@ -22,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import torch
@@ -31,6 +33,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 HEAVY_WIDTH = 2048
 SMALL_WIDTH = 512
+BATCH = {"heavy": 2, "hook": 2, "uneven": 256, "shared": 64, "large": 1024}
+"""Rows per batch of each case (``--slow-rank`` gets twice as many in ``uneven``)."""
 
 
 def mlp(width: int, depth: int = 4) -> nn.Module:
@@ -42,13 +46,23 @@ class Compressor:
     """A compression-style hook with error feedback: on the calling thread it
     quantizes the bucket to int8 and keeps the quantization error for the next
     step (the work a compressing hook does before it launches), then launches
-    the all-reduce of the dense bucket, so the update stays exact."""
+    the all-reduce of the dense bucket, so the update stays exact.  It times
+    itself (``step_s``: its seconds per step, the ground truth for traceml's
+    ``hook_ms``)."""
 
     def __init__(self) -> None:
         # By bucket and size: DDP rebuilds its buckets after the first step.
         self.residuals: dict[tuple[int, int], torch.Tensor] = {}
+        self.step_s: list[float] = [0.0]
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        start = time.perf_counter()
+        try:
+            return self._compress_and_launch(bucket)
+        finally:
+            self.step_s[-1] += time.perf_counter() - start
+
+    def _compress_and_launch(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         key = (bucket.index(), buffer.numel())
         corrected = buffer + self.residuals.get(key, 0.0)
@@ -92,10 +106,11 @@ def main() -> None:
     heavy = args.case in ("heavy", "hook", "large")
     width = HEAVY_WIDTH if heavy else SMALL_WIDTH
     model = nn.parallel.DistributedDataParallel(mlp(width))
+    compressor = Compressor()
     if args.case == "hook":
-        model.register_comm_hook(None, Compressor())
+        model.register_comm_hook(None, compressor)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    batch = args.batch or {"heavy": 2, "hook": 2, "large": 256}.get(args.case, 64)
+    batch = args.batch or BATCH[args.case]
     if args.case == "uneven" and slowed:
         batch *= 2
     torch.manual_seed(1 + rank)
@@ -107,6 +122,7 @@ def main() -> None:
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             steps += 1
+            compressor.step_s.append(0.0)
     finally:
         if spinner is not None:
             spinner.kill()
@@ -114,7 +130,8 @@ def main() -> None:
     out_dir = os.environ.get("EVIDENCE_DIR")
     if out_dir:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "steps": steps}, f)
+            json.dump({"rank": rank, "steps": steps,
+                       "hook_ms": [1e3 * s for s in compressor.step_s[:steps]]}, f)
     dist.destroy_process_group()
 
 
