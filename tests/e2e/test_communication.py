@@ -23,7 +23,9 @@ def _ddp(tmp_path: Any, case: str, slow_rank: int = 1) -> Any:
 
 
 def _stragglers(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    return [f for f in summary["step_time"]["findings"] if "STRAGGLER" in f["kind"]]
+    """The straggler findings that name a rank (UNCLEAR STRAGGLER names none)."""
+    return [f for f in summary["step_time"]["findings"]
+            if "STRAGGLER" in f["kind"] and f["ranks"]]
 
 
 def _excess_ok(finding: dict[str, Any]) -> bool:
@@ -68,8 +70,9 @@ def test_balanced_run_has_no_straggler_and_times_its_all_reduce(tmp_path: Any) -
     assert _stragglers(res.summary) == []
     stats = res.summary["step_time"]["stats"]
     assert stats["communication_ms"]["median"] > 0
-    # torch's own C++ all-reduce stays: its buckets are not timed one by one.
-    assert stats["collective_ms"] is None
+    # torch's own C++ all-reduce stays (its buckets are not timed one by one): in
+    # flight from its first bucket's launch to the end of DDP's wait.
+    assert stats["collective_ms"]["median"] >= stats["communication_ms"]["median"]
     # DDP's own averaging, unchanged by the timing hook.
     assert res.evidence()[0]["grad"] == pytest.approx(res.evidence()[0]["sum_of_local_grads"] / 2)
 
@@ -82,6 +85,7 @@ def test_the_scripts_own_comm_hook_still_decides_the_gradients(tmp_path: Any) ->
     stats = res.summary["step_time"]["stats"]
     assert stats["communication_ms"]["median"] > 0
     assert stats["collective_ms"]["median"] > 0  # the script's hook: each bucket a span
+    assert stats["hook_ms"]["median"] > 0  # its own work before it launches: communication
 
 
 def test_fsdp_steps_are_counted_with_communication_measured(tmp_path: Any) -> None:

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from traceml import phases
 from traceml.agent.comm import CommTiming
+from traceml.agent.ddp_buckets import MAX_HOOKED_PARAMS, first_bucket
 from traceml.agent.patches import Instrumentation
 from traceml.agent.probe import Probe
 from traceml.collector.rank_steps import merge_events
@@ -71,12 +72,55 @@ def _steps(probe: Probe) -> list[StepTiming]:
 
 def test_ddp_keeps_its_own_hook_and_its_wait_is_timed(probe: Probe) -> None:
     model = DDP(_net())
-    _train(model)
+    _train(model, steps=4)
     assert model._comm_hooks == []  # torch's C++ all-reduce, no Python hook per bucket
     steps = _steps(probe)
-    assert [t.counts[COMM] for t in steps] == [1, 1]  # each backward: DDP's wait
-    assert probe.spans == []  # DDP's own buckets are not spans: in flight not measured
-    assert all(t.collective_s is None for t in steps)
+    assert [t.counts[COMM] for t in steps] == [1, 1, 1, 1]  # each backward: DDP's wait
+    # In flight from its first bucket's launch to the end of its wait, once DDP has
+    # rebuilt its buckets (first backward) and recorded them (the next one).
+    assert [t.collective_s is None for t in steps] == [True, True, False, False]
+    for step in steps[2:]:
+        exposed, backward = step.phase_s[COMM], step.phase_s[phases.code("backward")]
+        assert step.collective_s is not None
+        assert exposed <= step.collective_s <= exposed + backward
+
+
+def test_in_flight_comes_from_a_hook_on_each_parameter_of_ddps_first_bucket(
+        probe: Probe) -> None:
+    # DDP caps its first bucket at 1 MiB: the last layer and the 600 x 600 one
+    # before it (1.4 MB in all) fill it.
+    net = nn.Sequential(nn.Linear(16, 600), nn.Linear(600, 600), nn.Linear(600, 1))
+    model = DDP(net)
+    for _ in range(3):
+        model(torch.randn(4, 16)).sum().backward()
+    hooked = [name for name, p in net.named_parameters() if p._post_accumulate_grad_hooks]
+    assert hooked == ["1.weight", "1.bias", "2.weight", "2.bias"]
+    probe.spans.clear()
+    with model.no_sync():  # no all-reduce launched: no span
+        model(torch.randn(4, 16)).sum().backward()
+    assert probe.spans == []
+    model(torch.randn(4, 16)).sum().backward()
+    assert len(probe.spans) == 1
+
+
+def test_ddps_first_bucket_record_is_read_as_ddp_writes_it() -> None:
+    assert first_bucket({"rebuilt_per_bucket_param_indices": "9 8 7 6, 5 4 2 3 1 0"}) == [
+        9, 8, 7, 6]
+    assert first_bucket({"rebuilt_per_bucket_param_indices": "3 2 1 0"}) == [3, 2, 1, 0]
+    for record in ({}, {"rebuilt_per_bucket_param_indices": ""}, None,
+                   {"rebuilt_per_bucket_param_indices": "a b, 1"}):
+        assert first_bucket(record) == []
+
+
+def test_a_first_bucket_of_many_tiny_parameters_gets_a_bounded_number_of_hooks(
+        probe: Probe) -> None:
+    net = nn.Sequential(*(nn.LayerNorm(8) for _ in range(20)))
+    model = DDP(net)
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+    num_hooked = sum(bool(p._post_accumulate_grad_hooks) for p in net.parameters())
+    assert num_hooked == MAX_HOOKED_PARAMS
+    assert len(probe.spans) == 1
 
 
 def test_the_wait_at_the_end_of_backward_is_communication_not_backward(probe: Probe) -> None:
@@ -94,10 +138,13 @@ def test_the_wait_at_the_end_of_backward_is_communication_not_backward(probe: Pr
     steps = _steps(probe)
     assert len(steps) == 2
     for step in steps:
-        # The bucket is late by 50 ms from its hook, inside backward: what backward
-        # computed after the hook is all that may shorten the wait.
+        # The bucket is late by 50 ms from its hook's call, inside backward: what
+        # the hook and backward did after that call is all that may shorten the
+        # wait (the hook's own time is communication too, `hook`).
         backward = step.phase_s[phases.code("backward")]
-        assert step.phase_s[COMM] >= 0.05 - backward
+        hook = step.phase_s[phases.code("hook")]
+        assert 0 < hook < 0.01
+        assert step.phase_s[COMM] >= 0.05 - backward - hook
         assert backward < 0.04 and step.phase_s[COMM] > backward
         assert step.collective_s is not None and step.collective_s >= step.phase_s[COMM] * 0.9
 
@@ -208,6 +255,19 @@ def test_a_collective_on_another_thread_is_not_the_trainings(probe: Probe) -> No
     worker.start()
     worker.join()
     assert probe.streams[COMM] == [] and probe.spans == []
+
+
+def test_uninstall_takes_the_first_bucket_hooks_off(group: None) -> None:
+    probe = Probe(time.perf_counter, lambda exc: (_ for _ in ()).throw(exc))
+    inst = Instrumentation(probe)
+    inst.install()
+    net = _net()
+    model = DDP(net)
+    for _ in range(3):
+        model(torch.randn(4, 16)).sum().backward()
+    assert any(p._post_accumulate_grad_hooks for p in net.parameters())
+    inst.uninstall()
+    assert not any(p._post_accumulate_grad_hooks for p in net.parameters())
 
 
 def test_uninstall_puts_every_function_back(group: None) -> None:

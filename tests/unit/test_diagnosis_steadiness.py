@@ -168,3 +168,17 @@ def test_the_step_reference_is_the_median_of_the_other_ranks() -> None:
     assert series.excesses(5, ("backward",)) == pytest.approx([10.0] * 9)
     held = series.consistency(Excess(5, "backward", 53.0, 43.0))
     assert held.holds and held.slower_pct == (100.0, 100.0) and held.noise_ms == 0.0
+
+
+@pytest.mark.parametrize(("forward_extra", "named_as"),
+                         [(5.0, "forward and backward"), (2.0, "backward")])
+def test_a_smaller_forward_excess_is_named_with_the_backward_one(
+        forward_extra: float, named_as: str) -> None:
+    # r1's backward is 15 ms slower (past the limit, 10 % of a ~88 ms step); its
+    # forward 5 ms slower is past half the limit and named with it, 2 ms is not.
+    def parts(rank: int, step: int) -> dict[str, float]:
+        extra = (forward_extra, 15.0) if rank == 1 else (0.0, 0.0)
+        return {"forward": 20.0 + extra[0], "backward": 40.0 + extra[1]}
+    found = stragglers(window(2, parts))
+    assert [(f.kind, f.ranks) for f in found] == [("COMPUTE_STRAGGLER", (1,))]
+    assert found[0].why.startswith(f"r1 {named_as} w"), found[0].why

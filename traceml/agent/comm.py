@@ -21,8 +21,10 @@ all-reduces: that opens the exposed phase, and a callback queued from it,
 run after DDP's, closes it.  One prehook and two callbacks per backward,
 nothing per bucket.  A hook the script registers (Python already) is wrapped
 to log each bucket's span too; it still runs, and its result is used.
-DDP's own buckets are not spans, so a DDP step's in-flight time is null
-unless the script registered a hook.
+DDP's own buckets are not spans one by one: its in-flight span is DDP's own
+"backward communication time", from its first bucket's launch (one
+post-accumulate-grad hook per parameter of that bucket,
+`traceml.agent.ddp_buckets`) to the end of its wait.
 
 Python collectives (``torch.distributed.all_reduce`` and the others in
 ``COLLECTIVES``), as the script or FSDP calls them, are wrapped at module
@@ -50,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from traceml import phases
+from traceml.agent.ddp_buckets import FirstBucket
 from traceml.agent.probe import Probe
 from traceml.protocol import END
 
@@ -75,6 +78,7 @@ class CommTiming:
         self._works: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
         self._originals: list[tuple[Any, str, Any]] = []
         self._handle: Any = None  # the prehook on the running backward's root
+        self._first_buckets: list[FirstBucket] = []  # each host DDP model's (in flight)
         self._opens = self._exposed_callbacks()
 
     def install(self) -> None:
@@ -113,6 +117,9 @@ class CommTiming:
             setattr(owner, name, original)
         self._originals = []
         self.probe.on_backward = None
+        for first in self._first_buckets:
+            first.remove()
+        self._first_buckets = []
 
     def _takes_part(self, args: tuple[Any, ...] = (), kwargs: Any = None) -> bool:
         """Whether a collective call here is the training's and can be timed: on
@@ -129,21 +136,31 @@ class CommTiming:
     # -- DDP -------------------------------------------------------------------
 
     def _wrap_ddp_init(self, orig: Any) -> Any:
-        probe, mark = self.probe, self.mark_exposed
+        probe, mark, firsts = self.probe, self.mark_exposed, self._first_buckets
 
         @functools.wraps(orig)
-        def _ddp_init_helper(ddp: Any, *args: Any, **kwargs: Any) -> None:
-            orig(ddp, *args, **kwargs)
+        def _ddp_init_helper(ddp: Any, parameters: Any, *args: Any, **kwargs: Any) -> None:
+            orig(ddp, parameters, *args, **kwargs)
             # From now on each backward marks where its compute ends (DDP waits
             # from there): one prehook per backward, nothing per bucket.  On
             # CUDA DDP's reducer makes streams wait, not the host: not measured.
             if _on_host(ddp):
                 probe.on_backward = mark
+                for first in [f for f in firsts if f.model is ddp]:  # set up again
+                    first.remove()
+                    firsts.remove(first)
+                firsts.append(FirstBucket(ddp, list(parameters), probe.clock))
         return _ddp_init_helper
 
     def mark_exposed(self, tensors: Any) -> None:
         """Backward begins (training thread): a prehook on the graph's root queues,
-        once the engine runs, the callbacks that time DDP's wait at its end."""
+        once the engine runs, the callbacks that time DDP's wait at its end; each
+        DDP model's first bucket is hooked once its buckets are rebuilt."""
+        for first in self._first_buckets:
+            try:
+                first.arm()
+            except Exception:  # DDP internals changed: no in-flight span, nothing else
+                first.remove()
         root = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
         node = getattr(root, "grad_fn", None)
         if node is not None:
@@ -162,9 +179,15 @@ class CommTiming:
     def _exposed_callbacks(self) -> Callable[[], None]:
         probe, clock, engine = self.probe, self.probe.clock, _engine()
         begins, ends = probe.appenders[COMM], probe.appenders[END]
+        spans, firsts = probe.spans.append, self._first_buckets
 
         def closes() -> None:  # after DDP's reducer finalised backward
-            ends(clock())
+            now = clock()
+            ends(now)
+            for first in firsts:  # DDP's all-reduce: first launch to the end of its wait
+                launched = first.take()
+                if launched is not None:
+                    spans((launched, now))
 
         def opens() -> None:  # backward's compute is done: DDP waits from here
             try:

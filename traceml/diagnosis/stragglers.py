@@ -118,7 +118,7 @@ class StepSeries:
 
     times: Mapping[int, RankTimes]
     _sorted: dict[tuple[str, ...], dict[int, list[float]]] = field(default_factory=dict)
-    _spread: dict[tuple[str, ...], dict[int, float]] = field(default_factory=dict)
+    _noise: dict[tuple[str, ...], dict[int, float]] = field(default_factory=dict)
 
     def values(self, rank: int, parts: tuple[str, ...]) -> dict[int, float]:
         """One rank's time in ``parts`` (added up) at each of its typical steps."""
@@ -146,11 +146,12 @@ class StepSeries:
     def own_noise_ms(self, rank: int, parts: tuple[str, ...]) -> float:
         """The median over the *other* ranks of their own step-to-step spread in
         ``parts``: how much a rank's time there moves by itself."""
-        spread = self._spread.get(parts)
-        if spread is None:
+        noise = self._noise.get(parts)
+        if noise is None:
             spread = {r: spread_sd(list(self.values(r, parts).values())) for r in self.times}
-            self._spread[parts] = spread
-        return medians_of_others(spread)[rank] if len(spread) >= 2 else 0.0
+            noise = medians_of_others(spread) if len(spread) >= 2 else {}
+            self._noise[parts] = noise
+        return noise.get(rank, 0.0)
 
     def consistency(self, excess: Excess) -> Consistency:
         """How steadily ``excess`` held over the window.  Its noise is the smaller
@@ -243,7 +244,10 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
     standing, explained = attribute(every, limit_ms, comm_measured)
     seen = {e.rank for e in standing + explained}
     standing += _combined(every, sorted(set(times) - seen), limit_ms, comm_measured)
-    held, unsteady = _steady(_together(standing), StepSeries(times))
+    siblings = [e for e in every.values() if e.part in COMPUTE_PARTS
+                and e.excess_ms >= thresholds.STRAGGLER_SIBLING_FRACTION * limit_ms
+                and (e.rank, e.part) not in _keys(explained)]
+    held, unsteady = _steady(_together(standing, siblings), StepSeries(times))
     named = sorted(held, key=lambda e: -e.excess_ms)
     by_kind: dict[tuple[str, str], list[Excess]] = {}
     for excess in named:
@@ -277,10 +281,13 @@ def _steady(candidates: list[tuple[Excess, list[Excess]]], series: StepSeries
     return held, unsteady
 
 
-def _together(found: list[Excess]) -> list[tuple[Excess, list[Excess]]]:
-    """The candidates to test, each with the parts to fall back on: a rank's
-    standing compute phases are one candidate ("forward and backward"), since
-    the rank does more of the same work (a larger shard, a busier core)."""
+def _together(found: list[Excess], siblings: list[Excess]
+              ) -> list[tuple[Excess, list[Excess]]]:
+    """The candidates to test, each with the parts to fall back on: a rank with a
+    standing compute phase is one candidate with its ``siblings`` (its other
+    compute phases at least `STRAGGLER_SIBLING_FRACTION` of the limit slower:
+    "forward and backward"), since the rank does more of the same work (a
+    larger shard, a busier core)."""
     compute: dict[int, list[Excess]] = {}
     out: list[tuple[Excess, list[Excess]]] = []
     for excess in found:
@@ -288,17 +295,18 @@ def _together(found: list[Excess]) -> list[tuple[Excess, list[Excess]]]:
             compute.setdefault(excess.rank, []).append(excess)
         else:
             out.append((excess, []))
-    for rank, group in compute.items():
+    for rank, standing in compute.items():
+        group = sorted({*standing, *(e for e in siblings if e.rank == rank)},
+                       key=lambda e: COMPUTE_PARTS.index(e.part))
         if len(group) == 1:
             out.append((group[0], []))
             continue
-        group.sort(key=lambda e: COMPUTE_PARTS.index(e.part))
         names = tuple(e.part for e in group)
         together = Excess(rank, phases.describe(tuple(p for p in phases.PHASES
                                                       if p.name in names)),
                           sum(e.value_ms for e in group), sum(e.reference_ms for e in group),
                           names)
-        out.append((together, group))
+        out.append((together, standing))
     return out
 
 

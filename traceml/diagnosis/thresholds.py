@@ -60,6 +60,11 @@ that interquartile range). On 2-rank gloo DDP sharing 2 cores, ranks taking turn
 read 0.0-1.0 (10 runs); a rank with twice the rows or a busy process on its core
 reads 1.9-24 (20 runs), a sleep-injected one far more."""
 
+STRAGGLER_SIBLING_FRACTION = 0.5
+"""traceml: a straggler's other compute phases at least this fraction of the
+straggler limit slower are named with it ("r1 forward and backward"), and tested
+step by step together (a rank with more rows is slower in both)."""
+
 STRAGGLER_MIN_STEPS = 6
 """traceml: fewer window steps than this (3 per half) cannot show an excess holding
 step by step; the rule then says it cannot tell rather than name a rank."""
