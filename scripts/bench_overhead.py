@@ -27,9 +27,10 @@ nothing.
 
 ``--ddp`` times communication timing instead: 2 gloo ranks (processes) train
 a DDP model in alternating blocks with the agent's communication timing on and
-off (the rest of the agent on in both); prints its added time per step and per
-gradient bucket, wall and CPU time of the training thread (paired, with the
-run's A/A floor).
+off (the rest of the agent on in both): DDP's exposed wait and its in-flight
+span (the hooks on its first bucket's parameters); prints its added time per
+step and per gradient bucket, wall and CPU time of the training thread
+(paired, with the run's A/A floor).
 """
 
 from __future__ import annotations
@@ -275,6 +276,8 @@ def ddp_rank(rank: int, port: int, blocks: int) -> None:
 
     def block(timed: bool, steps: int = 50) -> tuple[float, float]:
         probe.on_backward = timing if timed else None
+        for first in inst.comm.first_buckets:  # in flight: hooks on the first bucket
+            first.attach() if timed else first.detach()
         dist.barrier()
         wall, cpu = time.perf_counter(), time.thread_time()
         for _ in range(steps):

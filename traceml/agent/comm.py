@@ -78,7 +78,7 @@ class CommTiming:
         self._works: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
         self._originals: list[tuple[Any, str, Any]] = []
         self._handle: Any = None  # the prehook on the running backward's root
-        self._first_buckets: list[FirstBucket] = []  # each host DDP model's (in flight)
+        self.first_buckets: list[FirstBucket] = []  # each host DDP model's (in flight)
         self._opens = self._exposed_callbacks()
 
     def install(self) -> None:
@@ -117,9 +117,9 @@ class CommTiming:
             setattr(owner, name, original)
         self._originals = []
         self.probe.on_backward = None
-        for first in self._first_buckets:
+        for first in self.first_buckets:
             first.remove()
-        self._first_buckets = []
+        self.first_buckets.clear()  # the same list: the callbacks hold it
 
     def _takes_part(self, args: tuple[Any, ...] = (), kwargs: Any = None) -> bool:
         """Whether a collective call here is the training's and can be timed: on
@@ -136,7 +136,7 @@ class CommTiming:
     # -- DDP -------------------------------------------------------------------
 
     def _wrap_ddp_init(self, orig: Any) -> Any:
-        probe, mark, firsts = self.probe, self.mark_exposed, self._first_buckets
+        probe, mark, firsts = self.probe, self.mark_exposed, self.first_buckets
 
         @functools.wraps(orig)
         def _ddp_init_helper(ddp: Any, parameters: Any, *args: Any, **kwargs: Any) -> None:
@@ -156,7 +156,7 @@ class CommTiming:
         """Backward begins (training thread): a prehook on the graph's root queues,
         once the engine runs, the callbacks that time DDP's wait at its end; each
         DDP model's first bucket is hooked once its buckets are rebuilt."""
-        for first in self._first_buckets:
+        for first in self.first_buckets:
             try:
                 first.arm()
             except Exception:  # DDP internals changed: no in-flight span, nothing else
@@ -179,7 +179,7 @@ class CommTiming:
     def _exposed_callbacks(self) -> Callable[[], None]:
         probe, clock, engine = self.probe, self.probe.clock, _engine()
         begins, ends = probe.appenders[COMM], probe.appenders[END]
-        spans, firsts = probe.spans.append, self._first_buckets
+        spans, firsts = probe.spans.append, self.first_buckets
 
         def closes() -> None:  # after DDP's reducer finalised backward
             now = clock()

@@ -41,6 +41,7 @@ class FirstBucket:
         self._parameters = [weakref.ref(p) for p in parameters]
         self._clock = clock
         self._handles: list[Any] = []
+        self._hooked: list[Any] = []  # the parameters hooked (the first bucket's)
         self._reads = 0
         self.launched: float | None = None  # the running backward's first-bucket launch
 
@@ -54,7 +55,7 @@ class FirstBucket:
         and hook the first bucket once DDP has rebuilt its buckets (at most
         `MAX_READS` tries)."""
         self.launched = None
-        if self._handles or self._reads >= MAX_READS:
+        if self._hooked or self._reads >= MAX_READS:
             return
         ddp = self._ddp()
         if ddp is None or not getattr(ddp, "_has_rebuilt_buckets", False):
@@ -68,9 +69,21 @@ class FirstBucket:
         if len(params) != len(indices):
             self._reads = MAX_READS  # the record does not match the model: give up
             return
-        stamp = self._stamp
-        self._handles = [p.register_post_accumulate_grad_hook(stamp)
-                         for p in params[-MAX_HOOKED_PARAMS:]]
+        self._hooked = params[-MAX_HOOKED_PARAMS:]
+        self.attach()
+
+    def attach(self) -> None:
+        """Hook the first bucket's parameters (again, after `detach`)."""
+        if not self._handles:
+            self._handles = [p.register_post_accumulate_grad_hook(self._stamp)
+                             for p in self._hooked]
+
+    def detach(self) -> None:
+        """Take the hooks off, keeping what to hook (`scripts/bench_overhead.py --ddp`
+        times blocks without them)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _stamp(self, param: Any) -> None:
         ddp = self._ddp()
@@ -83,9 +96,9 @@ class FirstBucket:
         return launched
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Take the hooks off for good."""
+        self.detach()
+        self._hooked = []
         self._reads = MAX_READS
 
 
