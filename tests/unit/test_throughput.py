@@ -17,6 +17,7 @@ from tests.unit.test_compare_verdict import compare, summary, tight
 from traceml.agent.flops import _counter_class, dominant
 from traceml.diagnosis.peaks import ACCELERATORS, peak_for
 from traceml.diagnosis.samples import FlopCount, NodeInfo, RunData, RunMeta
+from traceml.diagnosis.throughput import LOW_MFU_NEXT, low_mfu
 from traceml.report import build_report
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -147,6 +148,15 @@ def test_low_mfu_advice_follows_step_time(world: int) -> None:
     assert "INPUT-BOUND" in starved.next
     near = throughput(run(world, flops=1.9e13)).diagnosis  # 19.2 %
     assert (near.label, near.severity) == ("BORDERLINE LOW MFU", "info")
+
+
+@pytest.mark.parametrize(("kind", "cause"), [
+    ("HOST_STRAGGLER", "host"), ("WAIT_HEAVY", "host"), ("INPUT_STRAGGLER", "input"),
+    ("COMMUNICATION_BOUND", "communication"), ("COMPUTE_STRAGGLER", "compute")])
+def test_low_mfu_advice_names_every_step_time_cause(kind: str, cause: str) -> None:
+    job = throughput(run(1, flops=5e12)).job
+    (found,) = low_mfu(job, [kind])
+    assert found.next == LOW_MFU_NEXT[cause]
 
 
 def test_no_count_says_why() -> None:

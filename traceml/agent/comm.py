@@ -9,7 +9,7 @@ Two numbers per step (SPEC R-COMM-1):
   (``async_op=True``); FSDP waits inside forward and backward.
 * **in flight**: every collective's launch-to-completion interval, logged as a
   span; the collector takes their union per step, so the part that backward
-  compute hid is ``in flight - exposed``.
+  compute hid is ``in flight - exposed - hook``.
 
 DDP keeps torch's own C++ all-reduce: a Python communication hook costs
 10-25 µs per gradient bucket on the training thread, more than the rest of the
@@ -22,8 +22,8 @@ run after DDP's, closes it.  One prehook and two callbacks per backward,
 nothing per bucket.  A hook the script registers (Python already) is wrapped
 to log each bucket's span too; it still runs, and its result is used.
 DDP's own buckets are not spans one by one: its in-flight span is DDP's own
-"backward communication time", from its first bucket's launch (one
-post-accumulate-grad hook per parameter of that bucket,
+"backward communication time", from its first bucket's launch (a
+post-accumulate-grad hook on each parameter of that bucket, at most eight,
 `traceml.agent.ddp_buckets`) to the end of its wait.
 
 Python collectives (``torch.distributed.all_reduce`` and the others in
@@ -146,10 +146,13 @@ class CommTiming:
             # CUDA DDP's reducer makes streams wait, not the host: not measured.
             if _on_host(ddp):
                 probe.on_backward = mark
-                for first in [f for f in firsts if f.model is ddp]:  # set up again
-                    first.remove()
-                    firsts.remove(first)
-                firsts.append(FirstBucket(ddp, list(parameters), probe.clock))
+                try:
+                    for first in [f for f in firsts if f.model in (ddp, None)]:  # set up
+                        first.remove()  # again, or its model is gone
+                        firsts.remove(first)
+                    firsts.append(FirstBucket(ddp, list(parameters), probe.clock))
+                except Exception as exc:
+                    probe.on_error(exc)
         return _ddp_init_helper
 
     def mark_exposed(self, tensors: Any) -> None:
@@ -157,10 +160,7 @@ class CommTiming:
         once the engine runs, the callbacks that time DDP's wait at its end; each
         DDP model's first bucket is hooked once its buckets are rebuilt."""
         for first in self.first_buckets:
-            try:
-                first.arm()
-            except Exception:  # DDP internals changed: no in-flight span, nothing else
-                first.remove()
+            first.arm()
         root = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
         node = getattr(root, "grad_fn", None)
         if node is not None:

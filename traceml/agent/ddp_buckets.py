@@ -13,9 +13,11 @@ The first bucket is launched when the last of its gradients is accumulated.  Onc
 DDP has rebuilt its buckets in gradient-ready order (after its first backward),
 its logging record says which parameters the first bucket holds; a
 post-accumulate-grad hook on each of them (a handful: the first bucket is capped
-at 1 MiB) stamps the time, and the latest stamp of a backward is the launch.  A
-backward under ``no_sync()`` launches nothing and stamps nothing.  Anything
-unexpected leaves the span out (in flight not measured), never the training.
+at 1 MiB; at most `MAX_HOOKED_PARAMS` hooks) stamps the time, and the latest
+stamp of a backward is the launch.  A backward under ``no_sync()`` launches
+nothing and stamps nothing; a model with a comm hook of the script's own has its
+buckets timed one by one instead.  A record that does not match the model
+leaves the span out (in flight not measured).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class FirstBucket:
         self._parameters = [weakref.ref(p) for p in parameters]
         self._clock = clock
         self._handles: list[Any] = []
-        self._hooked: list[Any] = []  # the parameters hooked (the first bucket's)
+        # The first bucket's parameters, hooked; weakly: a deleted model frees them.
+        self._hooked: list[weakref.ref[Any]] = []
         self._reads = 0
         self.launched: float | None = None  # the running backward's first-bucket launch
 
@@ -58,8 +61,9 @@ class FirstBucket:
         if self._hooked or self._reads >= MAX_READS:
             return
         ddp = self._ddp()
-        if ddp is None or not getattr(ddp, "_has_rebuilt_buckets", False):
-            return
+        if (ddp is None or not getattr(ddp, "_has_rebuilt_buckets", False)
+                or not getattr(ddp, "require_backward_grad_sync", True)):
+            return  # no record yet, or a no_sync() backward (it would not have one either)
         self._reads += 1
         indices = first_bucket(ddp._get_ddp_logging_data())
         if not indices:
@@ -69,14 +73,14 @@ class FirstBucket:
         if len(params) != len(indices):
             self._reads = MAX_READS  # the record does not match the model: give up
             return
-        self._hooked = params[-MAX_HOOKED_PARAMS:]
+        self._hooked = [weakref.ref(p) for p in params[-MAX_HOOKED_PARAMS:]]
         self.attach()
 
     def attach(self) -> None:
         """Hook the first bucket's parameters (again, after `detach`)."""
         if not self._handles:
             self._handles = [p.register_post_accumulate_grad_hook(self._stamp)
-                             for p in self._hooked]
+                             for ref in self._hooked if (p := ref()) is not None]
 
     def detach(self) -> None:
         """Take the hooks off, keeping what to hook (`scripts/bench_overhead.py --ddp`
@@ -86,8 +90,11 @@ class FirstBucket:
         self._handles = []
 
     def _stamp(self, param: Any) -> None:
+        # Not under no_sync() (nothing is launched), nor with a comm hook the
+        # script registered: its buckets are spans one by one (`comm.timed_hook`).
         ddp = self._ddp()
-        if ddp is not None and ddp.require_backward_grad_sync:
+        if (ddp is not None and getattr(ddp, "require_backward_grad_sync", False)
+                and not getattr(ddp, "_comm_hooks", None)):
             self.launched = self._clock()
 
     def take(self) -> float | None:

@@ -49,6 +49,7 @@ RAM_LOOKBACK_S = 15.0
 STATES = ("running", "completed", "interrupted", "stalled", "crashed", "failed", "no_steps")
 _HEADLINED = frozenset({"stalled", "crashed", "failed", "no_steps"})
 _COLLECTIVE = frozenset(p.name for p in phases.PHASES if p.collective)
+_LABELS = {p.name: p.label.lower() for p in phases.PHASES}  # "in comm hook", "in forward"
 
 
 @dataclass(frozen=True)
@@ -141,9 +142,10 @@ def where_phase(i: Incident) -> str:
     all-reduce)``."""
     if i.phase is None:
         return "outside every phase"
+    name = _LABELS.get(i.phase, i.phase)
     if i.phase in _COLLECTIVE and "backward" in i.open_phases:
-        return f"in {i.phase} (backward's gradient all-reduce)"
-    return f"in {i.phase}"
+        return f"in {name} (backward's gradient all-reduce)"
+    return f"in {name}"
 
 
 def _at_step(i: Incident, run: RunData) -> str:

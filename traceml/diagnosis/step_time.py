@@ -16,6 +16,7 @@ collective for another rank (`traceml.diagnosis.stragglers`).
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from traceml.diagnosis.finding import (
     grade,
     not_measured,
     order_findings,
+    severity_rank,
 )
 from traceml.diagnosis.outliers import RankOutliers, find_outliers, outlier_steps
 from traceml.diagnosis.samples import StepRow, ms_column
@@ -248,37 +250,59 @@ HOOK_NEXT = ("Most of it is comm hooks' own work before they launch their collec
 
 def communication_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
     """COMMUNICATION-BOUND: communication (blocked on collectives, and comm hooks'
-    own work) >= 10 % (crit >= 20 %) of the step on the rank that waits least.
+    own work) >= 10 % (crit >= 20 %) of the typical step, read at each step from
+    the rank that waited least.
 
     A slow rank makes the others wait in their collectives while it waits on
-    nobody: its communication is the collectives' own cost.  So the share is read
-    from the rank that waits least (the straggler, when there is one; the least of
-    all ranks otherwise): a straggler never hides a communication-bound job, and
-    its victims never make one up (SPEC R-COMM-3)."""
-    shares = {r: s for r, t in times.items() if (s := t.communication_share_pct()) is not None}
-    if not shares:
+    nobody: its communication is the collectives' own cost.  So at each step the
+    least of the ranks' communication is taken (the straggler's, when there is
+    one; whichever rank came last, when ranks take turns), and averaged over the
+    steps: a straggler never hides a communication-bound job, and its victims
+    never make one up (SPEC R-COMM-3)."""
+    least = least_communication(times)
+    step = median_mean_ms(times, "total")
+    if least is None or step <= 0:
         return []
-    least = min(shares, key=lambda r: (shares[r], r))
-    share, levels = shares[least], (thresholds.COMM_SHARE_WARN_PCT, thresholds.COMM_SHARE_CRIT_PCT)
+    ms, hook, rank = least
+    share, levels = 100.0 * ms / step, (thresholds.COMM_SHARE_WARN_PCT, thresholds.COMM_SHARE_CRIT_PCT)
     near = borderline(share, levels[0])
     severity = grade(share, *levels)
     if severity is None and not near:
         return []
-    rank = times[least]
-    ms, step, hook = rank.communication_ms, rank.total_ms.mean, rank.mean("hook")
     hooks = f", {hook:.1f} ms of it in comm hooks" if hook >= HOOK_SHOWN_FRACTION * ms else ""
     where = ("" if len(times) < 2 else
-             f" on r{least}, the rank that waits least: the collectives' own cost, not "
-             "waiting for a slower rank")
+             f" on the rank that waited least at each step (mostly r{rank}): the "
+             "collectives' own cost, not waiting for a slower rank")
     why = f"Communication took {share:.1f}% of step time ({ms:.1f} of {step:.1f} ms{hooks}){where}."
     next_step = HOOK_NEXT if hook >= 0.5 * ms else COMMUNICATION_NEXT
     low = levels[0] * (1.0 - thresholds.BORDERLINE_MARGIN) if near else levels[0]
+    shares = {r: s for r, t in times.items() if (s := t.communication_share_pct()) is not None}
     ranks = sorted((r for r, v in shares.items() if v >= low), key=lambda r: -shares[r])
     evidence = {"communication_share_pct": share, "communication_ms": ms, "hook_ms": hook,
-                "step_ms": step, "rank": least}
+                "step_ms": step, "rank": rank}
     found = Finding("COMMUNICATION_BOUND", "COMMUNICATION-BOUND", severity or "warn", why,
                     next_step, tuple(ranks), evidence)
     return [as_borderline(found, levels[0]) if near else found]
+
+
+def least_communication(times: Mapping[int, RankStepTimes]) -> tuple[float, float, int] | None:
+    """Communication (ms, blocked and hooks' own work) of the rank that waited least
+    at each typical step, averaged over the steps; the comm hooks' part of it; and
+    the rank that waited least most often.  None without steps."""
+    columns = {r: [t.per_step(name) for name in phases.collective_names()]
+               for r, t in times.items()}
+    hooks = {r: t.per_step("hook") for r, t in times.items()}
+    steps = sorted({s for cols in columns.values() for s in cols[0]})
+    totals, hook_ms, wins = [], [], Counter[int]()
+    for step in steps:
+        at = {r: sum(c[step] for c in cols) for r, cols in columns.items() if step in cols[0]}
+        rank = min(at, key=lambda r: (at[r], r))
+        totals.append(at[rank])
+        hook_ms.append(hooks[rank].get(step, 0.0))
+        wins[rank] += 1
+    if not totals:
+        return None
+    return statistics.fmean(totals), statistics.fmean(hook_ms), wins.most_common(1)[0][0]
 
 
 HOOK_SHOWN_FRACTION = 0.25
@@ -304,8 +328,9 @@ def diagnose_step_time(
     unmeasured_why: str = "No step was completed by every rank after warm-up.",
     device: str = "cpu",
 ) -> tuple[Finding, ...]:
-    """The Step Time findings, diagnosis first: stragglers, input-bound and wait-heavy
-    (most severe first); else COMPUTE-BOUND; else BALANCED."""
+    """The Step Time findings, diagnosis first: stragglers, input-bound, wait-heavy and
+    communication-bound (the most wall time to win back first); else COMPUTE-BOUND;
+    else BALANCED."""
     if not times:
         return (not_measured("STEP TIME", unmeasured_why),)
     measured = comm_measured(times)
@@ -318,7 +343,7 @@ def diagnose_step_time(
             "read as its own compute."))
     if not any(f.measured for f in found):
         found += compute_bound(times, device)
-    typical = order_findings(found, balanced(times))
+    typical = by_win_back(order_findings(found, balanced(times)), times)
     outliers = outlier_steps({r: t.outliers for r, t in times.items() if t.outliers})
     if not outliers:
         return typical
@@ -326,6 +351,15 @@ def diagnose_step_time(
     if outliers[0].actionable and gain > win_back_ms(typical[0], times):
         return (*outliers, *typical)
     return (typical[0], *outliers, *typical[1:])
+
+
+def by_win_back(findings: tuple[Finding, ...], times: Mapping[int, RankStepTimes]
+                ) -> tuple[Finding, ...]:
+    """The actionable findings first, the one with the most wall time to win back
+    first (severity breaks ties), then the rest as they were."""
+    actionable = sorted((f for f in findings if f.actionable),
+                        key=lambda f: (-win_back_ms(f, times), severity_rank(f.severity)))
+    return (*actionable, *(f for f in findings if not f.actionable))
 
 
 def win_back_ms(finding: Finding, times: Mapping[int, RankStepTimes]) -> float:

@@ -23,15 +23,8 @@ candidate's time may itself be waiting for that rank:
 * input never holds waiting.
 
 An excess explains another when it is at least ``STRAGGLER_EXPLAINS_FRACTION``
-of it.  What remains must also **hold step by step** (SPEC R-COMM-4), since a
-mean can come from a coin toss: at each window step the rank's time in the part
-is compared with the median of the other ranks' at that step, and the rank is
-named only when it was slower in at least ``STRAGGLER_MIN_SLOWER_PCT`` of the
-steps of each half of the window, and its median per-step excess is at least
-``STRAGGLER_MIN_SIGNAL_TO_NOISE`` times that excess's step-to-step noise (the
-standard deviation its interquartile range implies).  Two ranks on two shared cores take turns being slow
-(their communication threads compete with their compute): their means differ,
-but the difference moves from rank to rank, and no rank is named.
+of it.  What remains must also **hold step by step**, since a mean can come
+from a coin toss (`traceml.diagnosis.steadiness`, SPEC R-COMM-4).
 
 What remains names the rank, the part (a rank slow in several compute phases has
 them named together: "forward and backward") and the excess in ms.  When a
@@ -40,15 +33,15 @@ candidate was dropped and nothing remains, the rule says it cannot tell, and why
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from traceml import phases
 from traceml.diagnosis import thresholds
 from traceml.diagnosis.finding import Finding, as_borderline, borderline, format_ranks, grade
-from traceml.diagnosis.stats import median_without, medians_of_others, spread_sd
+from traceml.diagnosis.stats import medians_of_others
+from traceml.diagnosis.steadiness import Consistency, StepSeries
 
 OWN_PARTS = (*(p.name for p in phases.PHASES if not p.collective), phases.WAIT.name)
 """The parts of a step that are a rank's own work: every non-collective phase, and wait."""
@@ -85,87 +78,6 @@ class Excess:
     def parts(self) -> tuple[str, ...]:
         """The OWN_PARTS whose time this is."""
         return self.members or (self.part,)
-
-
-@dataclass(frozen=True)
-class Consistency:
-    """How steadily one rank's excess held over the window's steps."""
-
-    num_steps: int  # steps compared (the rank's typical steps other ranks also had)
-    slower_pct: tuple[float, float]  # % of steps it was slower, in each half of the window
-    median_excess_ms: float  # its typical per-step excess
-    noise_ms: float  # the step-to-step noise it is held against (`StepSeries.consistency`)
-
-    @property
-    def decided(self) -> bool:
-        """Enough steps to tell."""
-        return self.num_steps >= thresholds.STRAGGLER_MIN_STEPS
-
-    @property
-    def holds(self) -> bool:
-        """Slower in a clear majority of each half, by more than the noise."""
-        return (self.decided and min(self.slower_pct) >= thresholds.STRAGGLER_MIN_SLOWER_PCT
-                and self.median_excess_ms > 0.0
-                and self.median_excess_ms
-                >= thresholds.STRAGGLER_MIN_SIGNAL_TO_NOISE * self.noise_ms)
-
-
-@dataclass
-class StepSeries:
-    """Every rank's per-step times, for testing an excess step by step: per part (or
-    parts added up), each window step's values over the ranks, sorted once, so each
-    rank's per-step reference (the median of the others) is a bisection."""
-
-    times: Mapping[int, RankTimes]
-    _sorted: dict[tuple[str, ...], dict[int, list[float]]] = field(default_factory=dict)
-    _noise: dict[tuple[str, ...], dict[int, float]] = field(default_factory=dict)
-
-    def values(self, rank: int, parts: tuple[str, ...]) -> dict[int, float]:
-        """One rank's time in ``parts`` (added up) at each of its typical steps."""
-        columns = [self.times[rank].per_step(part) for part in parts]
-        if len(columns) == 1:
-            return dict(columns[0])
-        return {step: sum(c[step] for c in columns) for step in columns[0]
-                if all(step in c for c in columns)}
-
-    def excesses(self, rank: int, parts: tuple[str, ...]) -> list[float]:
-        """The rank's per-step excess over the other ranks' median, in step order."""
-        table = self._sorted.get(parts)
-        if table is None:
-            table = {}
-            for other in self.times:
-                for step, value in self.values(other, parts).items():
-                    table.setdefault(step, []).append(value)
-            for column in table.values():
-                column.sort()
-            self._sorted[parts] = table
-        return [value - median_without(table[step], value)
-                for step, value in sorted(self.values(rank, parts).items())
-                if len(table[step]) >= 2]
-
-    def own_noise_ms(self, rank: int, parts: tuple[str, ...]) -> float:
-        """The median over the *other* ranks of their own step-to-step spread in
-        ``parts``: how much a rank's time there moves by itself."""
-        noise = self._noise.get(parts)
-        if noise is None:
-            spread = {r: spread_sd(list(self.values(r, parts).values())) for r in self.times}
-            noise = medians_of_others(spread) if len(spread) >= 2 else {}
-            self._noise[parts] = noise
-        return noise.get(rank, 0.0)
-
-    def consistency(self, excess: Excess) -> Consistency:
-        """How steadily ``excess`` held over the window.  Its noise is the smaller
-        of two spreads: of its own per-step excess (a steady offset between ranks
-        that swing together stands out from it) and of the other ranks' own times
-        (an erratic rank whose excess never dips into the others' range stands out
-        from that).  Ranks taking turns stand out from neither."""
-        per_step = self.excesses(excess.rank, excess.parts)
-        half = len(per_step) // 2
-        halves = (per_step[:half], per_step[half:])
-        slower = tuple(100.0 * sum(d > 0.0 for d in h) / len(h) if h else 0.0 for h in halves)
-        noise = min(spread_sd(per_step), self.own_noise_ms(excess.rank, excess.parts))
-        return Consistency(len(per_step), (slower[0], slower[1]),
-                           statistics.median(per_step) if per_step else 0.0, noise)
 
 
 def excesses(times: Mapping[int, RankTimes]) -> dict[tuple[int, str], Excess]:
@@ -244,9 +156,7 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
     standing, explained = attribute(every, limit_ms, comm_measured)
     seen = {e.rank for e in standing + explained}
     standing += _combined(every, sorted(set(times) - seen), limit_ms, comm_measured)
-    siblings = [e for e in every.values() if e.part in COMPUTE_PARTS
-                and e.excess_ms >= thresholds.STRAGGLER_SIBLING_FRACTION * limit_ms
-                and (e.rank, e.part) not in _keys(explained)]
+    siblings = _siblings(every, limit_ms, comm_measured)
     held, unsteady = _steady(_together(standing, siblings), StepSeries(times))
     named = sorted(held, key=lambda e: -e.excess_ms)
     by_kind: dict[tuple[str, str], list[Excess]] = {}
@@ -269,16 +179,29 @@ def _steady(candidates: list[tuple[Excess, list[Excess]]], series: StepSeries
     held: dict[Excess, Consistency] = {}
     unsteady = []
     for excess, parts in candidates:
-        tried = series.consistency(excess)
+        tried = series.consistency(excess.rank, excess.parts)
         if tried.holds:
             held[excess] = tried
             continue
         unsteady.append((excess, tried))
         for part in parts:
-            alone = series.consistency(part)
+            alone = series.consistency(part.rank, part.parts)
             if alone.holds:
                 held[part] = alone
     return held, unsteady
+
+
+def _siblings(every: Mapping[tuple[int, str], Excess], limit_ms: float,
+              comm_measured: bool) -> list[Excess]:
+    """Compute excesses at least `STRAGGLER_SIBLING_FRACTION` of the limit, less any
+    another rank's input or untraced excess may explain (communication not
+    measured: the phase may hold waiting), as in `_combined`."""
+    found = [e for e in every.values() if e.part in COMPUTE_PARTS
+             and e.excess_ms >= thresholds.STRAGGLER_SIBLING_FRACTION * limit_ms]
+    if comm_measured:
+        return found
+    by_wait = _explainer([e for e in every.values() if e.part in (INPUT_PART, UNTRACED_PART)])
+    return [e for e in found if not by_wait(e)]
 
 
 def _together(found: list[Excess], siblings: list[Excess]

@@ -196,7 +196,7 @@ LOW_MFU_NEXT = {
 
 _CAUSE_OF = {"INPUT_BOUND": "input", "INPUT_STRAGGLER": "input",
              "COMMUNICATION_BOUND": "communication", "WAIT_HEAVY": "host",
-             "HOST_WORK_STRAGGLER": "host"}
+             "HOST_STRAGGLER": "host"}
 
 
 def low_mfu(job: JobThroughput, step_time_kinds: Sequence[str], num_ranks: int = 1

@@ -12,11 +12,12 @@ from traceml import phases
 from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS
 
 STORE_FILENAME = "telemetry.sqlite"
-SCHEMA_VERSION = 4  # 2: a column per phase (communication), collective_ms
+SCHEMA_VERSION = 5  # 2: a column per phase (communication), collective_ms
 # 3: samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval per step; the
 # flop_counts and incidents tables
 # 4: indexes on process(t) and system(t), for the summary's bounded read (a store
 # without them reads the same, scanning those tables)
+# 5: the hook phase's columns (hook_ms, num_hook); a store without them reads 0
 JOIN_ERROR_PREFIX = "join_error/"
 
 

@@ -75,8 +75,10 @@ class Compressor:
 
 
 def spin_on(core: int) -> subprocess.Popen[bytes]:
-    """A process that keeps one core busy (another job on this rank's core)."""
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    """A process that keeps one core busy (another job on this rank's core), until
+    this rank ends, however it ends."""
+    spin = f"import os\nwhile os.getppid() == {os.getpid()}: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
     os.sched_setaffinity(spinner.pid, {core})
     return spinner
 
@@ -101,6 +103,22 @@ def main() -> None:
         os.sched_setaffinity(0, {core})
         if slowed:
             spinner = spin_on(core)
+    try:
+        steps, compressor = train(args, rank, slowed)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+    out_dir = os.environ.get("EVIDENCE_DIR")
+    if out_dir:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "steps": steps,
+                       "hook_ms": [1e3 * s for s in compressor.step_s[:steps]]}, f)
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, rank: int, slowed: bool) -> tuple[int, Compressor]:
+    """The case's DDP training loop; its step count and the hook (timed or unused)."""
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     heavy = args.case in ("heavy", "hook", "large")
@@ -116,23 +134,13 @@ def main() -> None:
     torch.manual_seed(1 + rank)
     data = TensorDataset(torch.randn(args.steps * batch, width), torch.randn(args.steps * batch, 1))
     steps = 0
-    try:
-        for x, y in DataLoader(data, batch_size=batch):
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            steps += 1
-            compressor.step_s.append(0.0)
-    finally:
-        if spinner is not None:
-            spinner.kill()
-            spinner.wait()
-    out_dir = os.environ.get("EVIDENCE_DIR")
-    if out_dir:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "steps": steps,
-                       "hook_ms": [1e3 * s for s in compressor.step_s[:steps]]}, f)
-    dist.destroy_process_group()
+    for x, y in DataLoader(data, batch_size=batch):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        steps += 1
+        compressor.step_s.append(0.0)
+    return steps, compressor
 
 
 if __name__ == "__main__":
