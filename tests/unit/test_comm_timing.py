@@ -4,8 +4,10 @@ timed, everything put back on uninstall."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -255,6 +257,47 @@ def test_a_collective_on_another_thread_is_not_the_trainings(probe: Probe) -> No
     worker.start()
     worker.join()
     assert probe.streams[COMM] == [] and probe.spans == []
+
+
+def test_accumulation_under_no_sync_still_gets_its_in_flight_span(probe: Probe) -> None:
+    model = DDP(_net())
+    for _ in range(4):  # 6 micro-batches a step, the last one synced
+        for micro in range(6):
+            loss = model(torch.randn(4, 16)).sum()
+            if micro < 5:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+    assert len(probe.spans) >= 2  # the record is read at synced backwards only
+
+
+def test_a_deleted_model_frees_what_its_first_bucket_hooked(probe: Probe) -> None:
+    net = _net()
+    model = DDP(net)
+    _train(model, steps=3)
+    hooked = next(p for p in net.parameters() if p._post_accumulate_grad_hooks)
+    gone = weakref.ref(hooked)
+    del model, net, hooked
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_model_with_the_scripts_hook_has_its_buckets_in_flight_one_by_one(
+        probe: Probe) -> None:
+    def passing(state, bucket):  # type: ignore[no-untyped-def]
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    net = nn.Sequential(nn.Linear(16, 600), nn.Linear(600, 600), nn.Linear(600, 1))
+    model = DDP(net, bucket_cap_mb=1)
+    model.register_comm_hook(None, passing)
+    for _ in range(3):
+        model(torch.randn(4, 16)).sum().backward()
+    probe.spans.clear()
+    model(torch.randn(4, 16)).sum().backward()
+    assert len(probe.spans) == 2  # its two buckets, no first-bucket span over them
 
 
 def test_uninstall_takes_the_first_bucket_hooks_off(group: None) -> None:
