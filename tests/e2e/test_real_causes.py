@@ -36,12 +36,12 @@ def test_heavy_gradients_and_a_tiny_batch_are_communication_bound(tmp_path: Any)
     assert diagnosis["kind"] == "COMMUNICATION_BOUND", step_time["findings"]
     assert diagnosis["severity"] == "crit" and diagnosis["evidence"]["communication_share_pct"] > 20
     assert _named({"step_time": step_time}) == []
-    # The share comes from the rank that waits least, and says so.
-    least = diagnosis["evidence"]["rank"]
-    rows = {row["rank"]: row for row in step_time["ranks"]}
-    assert rows[least]["communication_ms"]["mean"] == min(
-        row["communication_ms"]["mean"] for row in rows.values())
-    assert f"on r{least:.0f}, the rank that waits least" in diagnosis["why"]
+    # The share comes from the rank that waited least at each step, and says so:
+    # never more than any rank's own communication.
+    rows = step_time["ranks"]
+    assert diagnosis["evidence"]["communication_ms"] <= min(
+        row["communication_ms"]["mean"] for row in rows) + 1e-9
+    assert "on the rank that waited least at each step (mostly r" in diagnosis["why"]
 
 
 def test_a_comm_hooks_own_work_is_communication_not_backward(tmp_path: Any) -> None:
