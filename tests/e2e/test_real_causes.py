@@ -37,10 +37,10 @@ def test_heavy_gradients_and_a_tiny_batch_are_communication_bound(tmp_path: Any)
     assert diagnosis["severity"] == "crit" and diagnosis["evidence"]["communication_share_pct"] > 20
     assert _named({"step_time": step_time}) == []
     # The share comes from the rank that waited least at each step, and says so:
-    # never more than any rank's own communication.
+    # not more than any rank's own communication (each over its typical steps).
     rows = step_time["ranks"]
-    assert diagnosis["evidence"]["communication_ms"] <= min(
-        row["communication_ms"]["mean"] for row in rows) + 1e-9
+    assert diagnosis["evidence"]["communication_ms"] <= 1.05 * min(
+        row["communication_ms"]["mean"] for row in rows)
     assert "on the rank that waited least at each step (mostly r" in diagnosis["why"]
 
 
