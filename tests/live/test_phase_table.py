@@ -58,8 +58,8 @@ def test_the_page_draws_it(outputs: Path, browser: Any) -> None:
     page.goto((outputs / "slow" / "final_summary.html").as_uri())
     wait_for(lambda: chart_facts(page)["renders"], 20, "the page to render")
     legend = page.inner_text("#legend").split()
-    assert legend == ["input", "forward", "backward", "optimizer", "communication", "h2d",
-                      "wait"]
+    assert legend == ["input", "forward", "backward", "optimizer", "communication", "hook",
+                      "h2d", "wait"]
     assert page.locator('[data-chart=phases] path[data-phase="h2d"]').count() == 2
     page.select_option("#heat-phase", "h2d_ms")
     assert page.eval_on_selector("#heatmap", "c => c.dataset.ranks") == "0,1"

@@ -34,7 +34,8 @@ r0       11  5.00/6.00  30.0/30.0  56.0/56.0  10.0/10.0  0.00/0.00  101/102
 r1       11  41.0/42.0  30.0/30.0  20.0/20.0  10.0/10.0  0.00/0.00  101/102
 worst               r1         r0         r0         r0         r0       r0
 Diagnosis: INPUT STRAGGLER [crit] (Step Time, r1)
-  r1 input was 41.1 ms vs 5.1 ms on the other ranks (+36.0 ms, 35.6% of the 101.1 ms typical step).
+  r1 input was 41.1 ms vs 5.1 ms on the other ranks (+36.0 ms, 35.6% of the 101.1 ms typical step;
+  slower in 100% of the steps).
   Next: Check r1's data path: its shard size, DataLoader num_workers, and storage or preprocessing
   load on its node; every rank should load alike.
   Step Time INPUT STRAGGLER | Step Memory BALANCED | Process NORMAL | System NORMAL
@@ -65,7 +66,7 @@ r1       11  41.0/42.0  30.0/30.0  20.0/20.0  10.0/10.0  0.00/0.00  101/102
 worst               r1         r0         r0         r0         r0       r0
 Diagnosis: INPUT STRAGGLER [crit] (Step Time, r1)
   r1 input was 41.1 ms vs 5.1 ms on the other ranks (+36.0 ms, 35.6% of the
-  101.1 ms typical step).
+  101.1 ms typical step; slower in 100% of the steps).
   Next: Check r1's data path: its shard size, DataLoader num_workers, and
   storage or preprocessing load on its node; every rank should load alike.
   Step Time INPUT STRAGGLER | Step Memory BALANCED | Process NORMAL | System
@@ -143,7 +144,8 @@ total      r0 130  r1 130  r2 130  r3 130  r4 130  r5 130  r6 130  r7 130
 Newest step: median 11, lowest 11 (r0)
 Throughput: 15,754 samples/s
 Diagnosis: INPUT STRAGGLER [crit] (Step Time, r37)
-  r37 input was 32.2 ms vs 2.2 ms on the other ranks (+30.0 ms, 23.1% of the 130.0 ms typical step).
+  r37 input was 32.2 ms vs 2.2 ms on the other ranks (+30.0 ms, 23.1% of the 130.0 ms typical step;
+  slower in 100% of the steps).
   Next: Check r37's data path: its shard size, DataLoader num_workers, and storage or preprocessing
   load on its node; every rank should load alike.
   Step Time INPUT STRAGGLER | Step Memory BALANCED | Process NORMAL | System NORMAL

@@ -341,8 +341,9 @@ def diagnose_step_time(
             "COMMUNICATION", "Collectives were not timed end to end (CUDA/NCCL, a hook or "
             "backend traceml cannot time, or none ran), so a rank waiting for another may "
             "read as its own compute."))
-    if not any(f.measured for f in found):
-        found += compute_bound(times, device)
+    if not any(f.measured and f.kind != attribution.UNSTEADY_KIND for f in found):
+        # Ranks that differ without a cause do not make a compute-bound job less so.
+        found = compute_bound(times, device) + found
     typical = by_win_back(order_findings(found, balanced(times)), times)
     outliers = outlier_steps({r: t.outliers for r, t in times.items() if t.outliers})
     if not outliers:

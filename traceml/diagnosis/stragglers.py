@@ -130,6 +130,14 @@ def _keys(excesses: Sequence[Excess]) -> set[tuple[int, str]]:
     return {(e.rank, e.part) for e in excesses}
 
 
+UNCLEAR_KIND = "STRAGGLER_UNCLEAR"
+"""UNCLEAR STRAGGLER (info): a rank's excess another rank's may explain (collectives
+not timed): which rank is slow cannot be told."""
+
+UNSTEADY_KIND = "STRAGGLER_UNSTEADY"
+"""UNCLEAR STRAGGLER (info): ranks differ on the mean, but no rank's excess holds
+step by step: no single rank is the cause, and none is named."""
+
 _KINDS = {INPUT_PART: ("INPUT_STRAGGLER", "INPUT STRAGGLER"),
           UNTRACED_PART: ("HOST_STRAGGLER", "HOST-WORK STRAGGLER")}
 _COMPUTE_KIND = ("COMPUTE_STRAGGLER", "COMPUTE STRAGGLER")
@@ -328,7 +336,7 @@ def _unsteady(excess: Excess, held: Consistency, step_ms: float) -> Finding:
                 "excess_pct": excess_pct, "num_steps": held.num_steps,
                 "slower_pct_first_half": first, "slower_pct_second_half": second,
                 "median_excess_ms": held.median_excess_ms, "noise_ms": held.noise_ms}
-    return Finding("STRAGGLER_UNCLEAR", "UNCLEAR STRAGGLER", "info", why, next_step, (),
+    return Finding(UNSTEADY_KIND, "UNCLEAR STRAGGLER", "info", why, next_step, (),
                    evidence)
 
 
@@ -339,7 +347,7 @@ def _unclear(explained: list[Excess], step_ms: float) -> Finding:
            f"{step_ms:.1f} ms typical step), but another rank's slower input or host work "
            f"may explain it (r{worst.rank} may be waiting for that rank in a collective "
            "traceml did not time), so which rank is slow cannot be told.")
-    return Finding("STRAGGLER_UNCLEAR", "UNCLEAR STRAGGLER", "info", why,
+    return Finding(UNCLEAR_KIND, "UNCLEAR STRAGGLER", "info", why,
                    "Run with a backend whose collectives traceml times (gloo, or NCCL with "
                    "DDP/FSDP), or profile the ranks side by side with torch.profiler.",
                    (worst.rank,), {"excess_ms": worst.excess_ms, "step_ms": step_ms})
