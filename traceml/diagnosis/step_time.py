@@ -6,9 +6,10 @@ the step window's typical steps (the parts of `traceml.phases`): outlier steps
 (`traceml.diagnosis.outliers`) are left out and reported on their own, and the
 section's diagnosis is the finding with the most wall time to win back. Shares
 are the median over ranks of part mean / step mean over the typical steps;
-COMMUNICATION-BOUND reads the rank that waits least instead (its communication is
-the collectives' own cost: a slow rank makes every other rank wait in theirs), and
-holds beside a straggler: the verdict is the one with more to win back.
+COMMUNICATION-BOUND reads, at each step, the rank that waited least instead (its
+communication is the collectives' own cost: a slow rank makes every other rank wait
+in theirs), and holds beside a straggler: the verdict is the actionable finding
+with the most wall time to win back.
 Stragglers are found from each rank's own work, never from time it waited in a
 collective for another rank (`traceml.diagnosis.stragglers`).
 """
