@@ -19,8 +19,9 @@ From real causes, no sleep anywhere (tests/e2e/scripts/ddp_real.py):
   heavy      67 MB of gradients, 2 rows per batch, plain DDP: the all-reduce is
              most of the step -> COMMUNICATION-BOUND diagnosis, no rank named
   hook       the same with a compression-style comm hook that works before it
-             launches -> COMMUNICATION-BOUND; its hook_ms (each rank's median)
-             within +-(1 ms + 10 %) of the hook's own timing of itself
+             launches -> COMMUNICATION-BOUND; each rank's stored hook_ms within
+             +-(0.5 ms + 5 %) of the hook's own timing of itself in the same step
+             (the median step)
   uneven     r1 gets twice the rows per batch -> COMPUTE STRAGGLER naming r1,
              forward and backward
   shared     r1 shares its core with a spinning process -> COMPUTE STRAGGLER
@@ -50,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from accuracy_runs import run_summary
+
+from traceml.store import STORE_FILENAME, StoreReader
 
 ROOT = Path(__file__).resolve().parent.parent
 SLEEPS = ROOT / "tests" / "e2e" / "scripts" / "ddp_cases.py"
@@ -96,9 +99,12 @@ def named(summary: Summary) -> list[tuple[str, list[int]]]:
     return [(f["kind"], f["ranks"]) for f in stragglers(summary) if f["ranks"]]
 
 
-def straggler_check(kind: str, why_prefix: str) -> Callable[[Summary, Evidence], str]:
+Check = Callable[[Summary, Evidence, Path], str]
+
+
+def straggler_check(kind: str, why_prefix: str) -> Check:
     """A check that exactly one straggler finding, ``kind``, names r1 alone."""
-    def check(summary: Summary, evidence: Evidence) -> str:
+    def check(summary: Summary, evidence: Evidence, session: Path) -> str:
         found = named(summary)
         if found != [(kind, [1])]:
             return f"stragglers {found}"
@@ -107,9 +113,9 @@ def straggler_check(kind: str, why_prefix: str) -> Callable[[Summary, Evidence],
     return check
 
 
-def diagnosis_check(kind: str) -> Callable[[Summary, Evidence], str]:
+def diagnosis_check(kind: str) -> Check:
     """A check that Step Time's diagnosis is ``kind`` and no rank is named."""
-    def check(summary: Summary, evidence: Evidence) -> str:
+    def check(summary: Summary, evidence: Evidence, session: Path | None = None) -> str:
         diagnosis = summary["step_time"]["diagnosis"]["kind"]
         found = named(summary)
         if diagnosis != kind or found:
@@ -118,27 +124,53 @@ def diagnosis_check(kind: str) -> Callable[[Summary, Evidence], str]:
     return check
 
 
-def balanced_check(summary: Summary, evidence: Evidence) -> str:
+def balanced_check(summary: Summary, evidence: Evidence, session: Path) -> str:
     found = named(summary)
     return f"stragglers {found}" if found else ""
 
 
-def hook_check(summary: Summary, evidence: Evidence) -> str:
-    """COMMUNICATION-BOUND, and every rank's hook_ms (median) within +-(1 ms + 10 %)
-    of the hook's own timing of itself (its median step, after warm-up)."""
-    miss = diagnosis_check("COMMUNICATION_BOUND")(summary, evidence)
+def hook_check(summary: Summary, evidence: Evidence, session: Path) -> str:
+    """COMMUNICATION-BOUND, and each rank's hook_ms step by step (the stored steps,
+    after warm-up, the FLOP-counting step left out) within +-(0.5 ms + 5 %) of the
+    hook's own timing of itself in the same step, for the median step."""
+    miss = diagnosis_check("COMMUNICATION_BOUND")(summary, evidence, session)
     if miss:
         return miss
-    rows = {row["rank"]: row for row in summary["step_time"]["ranks"]}
-    for rank in evidence:
-        truth = statistics.median(rank["hook_ms"][5:])
-        measured = rows[rank["rank"]]["hook_ms"]["p50"]
-        if abs(measured - truth) > 1.0 + 0.1 * truth:
-            return f"r{rank['rank']} hook_ms {measured:.1f} vs its own {truth:.1f}"
+    for rank, (error, truth) in hook_errors(evidence, session).items():
+        if error is None or error > 0.5 + 0.05 * truth:
+            return f"r{rank} hook_ms off its own timing by {error} ms (median step)"
     return ""
 
 
-CHECKS: dict[str, Callable[[Summary, Evidence], str]] = {
+def hook_errors(evidence: Evidence, session: Path) -> dict[int, tuple[float | None, float]]:
+    """Per rank: the median step's |stored hook_ms - the hook's own timing|, and the
+    hook's own median ms per step."""
+    stored = stored_steps(session)
+    out: dict[int, tuple[float | None, float]] = {}
+    for rank in evidence:
+        own = rank["hook_ms"]
+        errors = [abs(row.phase_ms["hook"] - own[row.step]) for row in stored
+                  if row.rank == rank["rank"] and WARMUP <= row.step < len(own)
+                  and not row.flops_counted]
+        out[rank["rank"]] = (statistics.median(errors) if errors else None,
+                             statistics.median(own[WARMUP:]))
+    return out
+
+
+WARMUP = 5
+"""Steps of the hook case left out of its check: the first ones are slow."""
+
+
+def stored_steps(session: Path) -> list[Any]:
+    """Every step row a session's store holds."""
+    reader = StoreReader(session / STORE_FILENAME)
+    try:
+        return [s.row for s in reader.steps_after(0, 1_000_000).rows]
+    finally:
+        reader.close()
+
+
+CHECKS: dict[str, Check] = {
     "backward": straggler_check("COMPUTE_STRAGGLER", "r1 backward"),
     "between": straggler_check("HOST_STRAGGLER", "r1 untraced host work"),
     "network": diagnosis_check("COMMUNICATION_BOUND"),
@@ -182,12 +214,16 @@ def main() -> int:
                 summary, evidence = run_case(case, args.delay_ms, args.steps, Path(tmp), n)
                 tally = tallies[case]
                 tally.runs += 1
-                miss = CHECKS[case](summary, evidence)
+                miss = CHECKS[case](summary, evidence, Path(tmp) / f"{case}-{n}")
                 found = named(summary)
                 if found and case in ("backward", "between"):
                     tally.excess_ms.append(float(stragglers(summary)[0]["evidence"]["excess_ms"]))
                 elif case not in INJECTED:
                     tally.figures.append(figure(case, summary))
+                if case == "hook":
+                    errors = hook_errors(evidence, Path(tmp) / f"{case}-{n}").values()
+                    worst = max((e for e, _ in errors if e is not None), default=None)
+                    tally.figures[-1] += f" ({worst:.2f} ms off)" if worst is not None else ""
                 exposed[case].append(exposed_ms(summary))
                 if miss:
                     tally.misses.append(f"run {n}: {miss}")

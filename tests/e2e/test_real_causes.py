@@ -51,13 +51,18 @@ def test_a_comm_hooks_own_work_is_communication_not_backward(tmp_path: Any) -> N
     assert diagnosis["kind"] == "COMMUNICATION_BOUND", step_time["findings"]
     assert "in comm hooks" in diagnosis["why"], diagnosis
     assert "comm hooks' own work" in diagnosis["next"], diagnosis
-    rows = {row["rank"]: row for row in step_time["ranks"]}
     for rank, evidence in res.evidence().items():
-        # The hook timed itself: traceml's hook phase is that time, not backward's.
-        truth = statistics.median(evidence["hook_ms"][4:])
-        hook, backward = rows[rank]["hook_ms"]["p50"], rows[rank]["backward_ms"]["p50"]
-        assert hook == pytest.approx(truth, rel=0.1, abs=1.0), (rank, hook, evidence["hook_ms"])
-        assert backward < 0.5 * truth, (rank, backward, truth)
+        # The hook timed itself: at every stored step traceml's hook phase is that
+        # time (the wrapper's own cost aside), and backward no longer holds it.
+        own = evidence["hook_ms"]
+        steps = [s for s in res.steps_of(rank) if 2 <= s["step"] < len(own)]
+        errors = [abs(s["hook_ms"] - own[s["step"]]) for s in steps]
+        typical = statistics.median(own[2:])
+        assert len(errors) >= 10, steps
+        # A step's error is the wrapper's own cost, or a GIL switch at its edges.
+        assert statistics.median(errors) < 0.5 + 0.05 * typical, (rank, errors)
+        assert max(errors) < 0.2 * typical, (rank, errors)
+        assert statistics.median(s["backward_ms"] for s in steps) < 0.5 * typical, (rank, steps)
     card = " ".join(line.strip("|+- ") for line in
                     (res.session_dir / "final_summary.txt").read_text().splitlines())
     assert re.search(r"\| hook \d+\.\d/\d+\.\d \|", " ".join(card.split())), card
