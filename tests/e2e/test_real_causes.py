@@ -9,8 +9,6 @@ import re
 import statistics
 from typing import Any
 
-import pytest
-
 from tests.conftest import RunResult, run_traceml, script
 
 
