@@ -30,7 +30,8 @@ a DDP model in alternating blocks with the agent's communication timing on and
 off (the rest of the agent on in both): DDP's exposed wait and its in-flight
 span (the hooks on its first bucket's parameters); prints its added time per
 step and per gradient bucket, wall and CPU time of the training thread
-(paired, with the run's A/A floor).
+(paired, with the run's A/A floor); then the in-flight hooks' cost alone, in
+this process, without gloo's noise.
 """
 
 from __future__ import annotations
@@ -316,6 +317,48 @@ def ddp(blocks: int) -> None:
     print(f"torch {torch.__version__}, 2 gloo ranks, 1 thread each: communication timing "
           "on against off, the rest of the agent on")
     mp.spawn(ddp_rank, args=(free_port(), blocks), nprocs=2, join=True)
+    in_flight_hooks(blocks * 5)
+
+
+def in_flight_hooks(blocks: int, steps: int = 200) -> None:
+    """What DDP's in-flight span adds alone, without gloo's noise: the post-accumulate-
+    grad hooks on a first bucket of 2 parameters (`traceml.agent.ddp_buckets`), on
+    and off in alternating blocks of backwards of a small model in this process;
+    the attributes the hooks read of a DDP model are stood in."""
+    import weakref
+
+    from traceml.agent.ddp_buckets import FirstBucket
+
+    class StandIn:  # what the hooks read of a DDP model
+        require_backward_grad_sync = True
+        _comm_hooks: list[Any] = []
+
+    torch.set_num_threads(1)
+    net = nn.Linear(4, 4)
+    stand_in = StandIn()
+    first = FirstBucket(stand_in, list(net.parameters()), time.perf_counter)
+    first._hooked = [weakref.ref(p) for p in net.parameters()]
+    x = torch.randn(2, 4)
+
+    def block(hooked: bool) -> float:
+        first.attach() if hooked else first.detach()
+        cpu = time.thread_time()
+        for _ in range(steps):
+            net(x).sum().backward()
+        return (time.thread_time() - cpu) / steps
+
+    for hooked in (True, False) * 5:  # warm-up
+        block(hooked)
+    diffs, plain = [], []
+    for _ in range(blocks):
+        before, hooked, after = block(False), block(True), block(False)
+        diffs.append(hooked - (before + after) / 2)
+        plain.append(before - after)
+    lo, mid, hi = median_interval(sorted(diffs))
+    print(f"ddp in flight  cpu added {mid * 1e6:6.2f} µs/backward (2 first-bucket hooks, none "
+          f"per bucket), 95% interval {lo * 1e6:.2f} to {hi * 1e6:.2f}; A/A "
+          f"{median_interval(sorted(plain))[1] * 1e6:.2f} µs; backward "
+          f"{statistics.median(block(False) for _ in range(9)) * 1e6:.1f} µs")
 
 
 def main() -> None:
