@@ -26,6 +26,7 @@ class Phase:
     colour: str  # the page's charts
     compute: bool = False  # part of ``compute`` (forward+backward+optimizer)
     collective: bool = False  # communication: blocked on collectives, or a comm hook's own work
+    waits: bool = False  # blocked waiting for other ranks (exposed communication)
     gpu_timed: bool = False  # CUDA events time it too (``gpu_<name>_ms``)
     pending: bool = False  # its time waits to learn what it was for (a fetch: training
     # or evaluation?), so it never begins a step itself
@@ -51,7 +52,7 @@ PHASES: tuple[Phase, ...] = (
     Phase("forward", "Forward", "#59a14f", compute=True, gpu_timed=True),
     Phase("backward", "Backward", "#f28e2b", compute=True, gpu_timed=True),
     Phase("optimizer", "Optimizer", "#b07aa1", compute=True, gpu_timed=True),
-    Phase("communication", "Communication", "#edc948", collective=True),
+    Phase("communication", "Communication", "#edc948", collective=True, waits=True),
     Phase("hook", "Comm hook", "#9c755f", collective=True),
 )
 """The measured phases in step order; a phase's wire code is its position."""

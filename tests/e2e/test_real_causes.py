@@ -72,7 +72,7 @@ def test_twice_the_rows_on_one_rank_is_that_ranks_forward_and_backward(tmp_path:
     found = summary["step_time"]["diagnosis"]
     assert found["kind"] == "COMPUTE_STRAGGLER"
     assert found["why"].startswith("r1 forward and backward were "), found["why"]
-    assert found["evidence"]["slower_pct"] >= 75
+    assert found["evidence"]["slower_pct"] >= 90  # nearly every step, in each half
 
 
 def test_a_busy_process_on_one_ranks_core_names_that_rank(tmp_path: Any) -> None:

@@ -23,15 +23,16 @@ BASE = {"input": 1.0, "forward": 20.0, "backward": 40.0, "optimizer": 6.0, "wait
 Parts = Callable[[int, int], dict[str, float]]
 
 
-def window(world: int, parts: Parts, num_steps: int = 40) -> dict[int, RankStepTimes]:
+def window(world: int, parts: Parts, num_steps: int = 40,
+           comm_ms: float = 5.0) -> dict[int, RankStepTimes]:
     """Every rank's steps under DDP: the ranks wait for the slowest one's own work
-    at each step in their all-reduce (5 ms of it is the all-reduce itself)."""
+    at each step in their all-reduce (``comm_ms`` of it is the all-reduce itself)."""
     own = {(r, s): BASE | parts(r, s) for r in range(world) for s in range(num_steps)}
     rows = []
     for s in range(num_steps):
         slowest = max(sum(own[r, s].values()) for r in range(world))
         for r in range(world):
-            p = own[r, s] | {"communication": 5.0 + slowest - sum(own[r, s].values())}
+            p = own[r, s] | {"communication": comm_ms + slowest - sum(own[r, s].values())}
             phase_ms = {ph.name: p.get(ph.name, 0.0) for ph in phases.PHASES}
             rows.append(StepRow(r, s, phase_ms, sum(p.values()), p["wait"],
                                 collective_ms=p["communication"] + 2.0))
@@ -208,3 +209,15 @@ def test_ranks_that_differ_without_a_cause_leave_a_compute_bound_job_compute_bou
         return {"forward": 80.0 if first else 20.0, "backward": 40.0 if first else 100.0}
     findings = diagnose_step_time(window(2, parts))
     assert [f.kind for f in findings if f.measured] == ["COMPUTE_BOUND", "STRAGGLER_UNSTEADY"]
+
+
+def test_outlier_steps_come_after_every_actionable_finding_of_the_typical_step() -> None:
+    # r1 computes 15 ms more in backward (a straggler) while every all-reduce costs
+    # 30 ms (communication-bound); two steps of 40 take 3x as long on every rank:
+    # 480 ms to win back, less than either typical finding (30 and 15 ms a step).
+    def parts(rank: int, step: int) -> dict[str, float]:
+        slow = 15.0 if rank == 1 else 0.0
+        return {"backward": 40.0 + slow, "wait": 1.0 + (240.0 if step in (12, 30) else 0.0)}
+    kinds = [(f.kind, f.severity) for f in diagnose_step_time(window(2, parts, comm_ms=30.0))]
+    assert kinds[:3] == [("COMMUNICATION_BOUND", "crit"), ("COMPUTE_STRAGGLER", "warn"),
+                         ("OUTLIER_STEPS", "warn")], kinds

@@ -11,7 +11,14 @@ import pytest
 from traceml import phases
 from traceml.diagnosis.finding import Finding
 from traceml.diagnosis.samples import StepRow
-from traceml.diagnosis.step_time import RankStepTimes, diagnose_step_time, rank_step_times
+from traceml.diagnosis.stats import distribution
+from traceml.diagnosis.step_time import (
+    RankStepTimes,
+    communication_bound,
+    diagnose_step_time,
+    least_communication,
+    rank_step_times,
+)
 from traceml.diagnosis.stragglers import COMPUTE_PARTS, OWN_PARTS, Excess, attribute
 from traceml.diagnosis.thresholds import STRAGGLER_EXPLAINS_FRACTION
 from traceml.diagnosis.window import select_window
@@ -237,3 +244,34 @@ def test_the_verdict_is_the_finding_with_more_to_win_back(comm_ms: float, first:
     findings = [f for f in diagnose_step_time(times_of(2, parts)) if f.actionable]
     assert sorted(f.severity for f in findings) == ["warn", "warn"]
     assert findings[0].kind == first
+
+
+def _rank_times(rank: int, comm_by_step: dict[int, float]) -> RankStepTimes:
+    """A rank whose typical steps are ``comm_by_step``'s (80 ms, communication as given)."""
+    rows = tuple(StepRow(rank, s, {"forward": 20.0, "backward": 40.0, "communication": c},
+                         80.0, 80.0 - 60.0 - c) for s, c in sorted(comm_by_step.items()))
+    dists = {p: distribution([r.ms(p) for r in rows]) for p in ("total", *OWN_PARTS,
+                                                                  "communication", "hook")}
+    return RankStepTimes(rank, 0, len(rows), dists, rows=rows)
+
+
+def test_communication_is_read_only_at_steps_every_rank_kept() -> None:
+    # r1 came last at every step (5 ms: the all-reduce's own cost); at step 3 its
+    # row was left out as an outlier, where r0 waited 40 ms for it: that step is
+    # not read, or r0's wait would count as the collectives' cost.
+    r0 = {s: 40.0 if s == 3 else 15.0 for s in range(10)}
+    r1 = {s: 5.0 for s in range(10) if s != 3}
+    least = least_communication({0: _rank_times(0, r0), 1: _rank_times(1, r1)})
+    assert least is not None
+    assert (least.ms, least.rank, least.rank_pct) == (5.0, 1, 100.0)
+
+
+def test_ranks_taking_turns_at_waiting_least_are_not_said_to_be_mostly_one() -> None:
+    r0 = {s: 20.0 if s % 2 else 22.0 for s in range(10)}
+    r1 = {s: 22.0 if s % 2 else 20.0 for s in range(10)}
+    (found,) = communication_bound({0: _rank_times(0, r0), 1: _rank_times(1, r1)})
+    assert found.evidence["rank_pct"] == 50.0 and found.evidence["communication_ms"] == 20.0
+    assert "on the rank that waited least at each step: " in found.why
+    r1 = {s: 19.0 for s in range(10)}
+    (found,) = communication_bound({0: _rank_times(0, r0), 1: _rank_times(1, r1)})
+    assert "at each step (mostly r1): " in found.why

@@ -80,8 +80,9 @@ CREEP_KINDS = {"MEMORY_CREEP": "device memory creep", "RSS_CREEP": "host RSS cre
 ATTRIBUTION_PHASES = tuple(p.name for p in phases.stacked())
 """Phases the why line can name as the main part of a step-time change."""
 
-COLLECTIVE_PHASES = frozenset(p.name for p in phases.PHASES if p.collective)
-"""Of those, the time blocked on collectives: waiting for other ranks."""
+WAITING_PHASES = frozenset(p.name for p in phases.PHASES if p.waits)
+"""Of those, the time blocked on collectives: waiting for other ranks (a comm hook's
+own work is not)."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def leading_phase(a_stats: Mapping[str, float | None], b_stats: Mapping[str, flo
                   delta_ms: float) -> tuple[str | None, float | None]:
     """The phase whose mean moved most in the direction of ``delta_ms``, and by how much.
 
-    A collective phase is named only when no phase of the ranks' own work moved by
+    A waiting phase is named only when no phase of the ranks' own work moved by
     at least ``STRAGGLER_EXPLAINS_FRACTION`` of it: time waiting in a collective
     mirrors other ranks' own work (a slow rank's input is its peers' communication),
     so fixing a straggler moves both, and the cause is the own-work phase."""
@@ -174,8 +175,8 @@ def leading_phase(a_stats: Mapping[str, float | None], b_stats: Mapping[str, flo
     if not moves:
         return None, None
     best = max(moves, key=lambda p: abs(moves[p]))
-    own = [p for p in moves if p not in COLLECTIVE_PHASES]
-    if best in COLLECTIVE_PHASES and own:
+    own = [p for p in moves if p not in WAITING_PHASES]
+    if best in WAITING_PHASES and own:
         own_best = max(own, key=lambda p: abs(moves[p]))
         if abs(moves[own_best]) >= thresholds.STRAGGLER_EXPLAINS_FRACTION * abs(moves[best]):
             best = own_best

@@ -213,7 +213,8 @@ COMPUTE_NEXT = {
 def compute_bound(times: Mapping[int, RankStepTimes], device: str = "cpu") -> list[Finding]:
     """COMPUTE-BOUND (info): forward+backward+optimizer share >= 85 %.
 
-    The caller uses it only when no other Step Time rule fired."""
+    The caller uses it only when no other Step Time rule fired but an UNCLEAR
+    STRAGGLER that names no rank (ranks that differ without a cause)."""
     share = median_share_pct(times, "compute")
     if share is None or share < thresholds.COMPUTE_SHARE_PCT:
         return []
@@ -261,49 +262,63 @@ def communication_bound(times: Mapping[int, RankStepTimes]) -> list[Finding]:
     steps: a straggler never hides a communication-bound job, and its victims
     never make one up (SPEC R-COMM-3)."""
     least = least_communication(times)
-    step = median_mean_ms(times, "total")
-    if least is None or step <= 0:
+    if least is None:
         return []
-    ms, hook, rank = least
-    share, levels = 100.0 * ms / step, (thresholds.COMM_SHARE_WARN_PCT, thresholds.COMM_SHARE_CRIT_PCT)
+    step = median_mean_ms(times, "total")
+    share = 100.0 * least.ms / step if step > 0 else 0.0
+    levels = (thresholds.COMM_SHARE_WARN_PCT, thresholds.COMM_SHARE_CRIT_PCT)
     near = borderline(share, levels[0])
     severity = grade(share, *levels)
     if severity is None and not near:
         return []
+    ms, hook = least.ms, least.hook_ms
     hooks = f", {hook:.1f} ms of it in comm hooks" if hook >= HOOK_SHOWN_FRACTION * ms else ""
+    mostly = f" (mostly r{least.rank})" if least.rank_pct > 50.0 else ""
     where = ("" if len(times) < 2 else
-             f" on the rank that waited least at each step (mostly r{rank}): the "
-             "collectives' own cost, not waiting for a slower rank")
+             f" on the rank that waited least at each step{mostly}: the collectives' own "
+             "cost, not waiting for a slower rank")
     why = f"Communication took {share:.1f}% of step time ({ms:.1f} of {step:.1f} ms{hooks}){where}."
     next_step = HOOK_NEXT if hook >= 0.5 * ms else COMMUNICATION_NEXT
     low = levels[0] * (1.0 - thresholds.BORDERLINE_MARGIN) if near else levels[0]
     shares = {r: s for r, t in times.items() if (s := t.communication_share_pct()) is not None}
     ranks = sorted((r for r, v in shares.items() if v >= low), key=lambda r: -shares[r])
     evidence = {"communication_share_pct": share, "communication_ms": ms, "hook_ms": hook,
-                "step_ms": step, "rank": rank}
+                "step_ms": step, "rank": least.rank, "rank_pct": least.rank_pct}
     found = Finding("COMMUNICATION_BOUND", "COMMUNICATION-BOUND", severity or "warn", why,
                     next_step, tuple(ranks), evidence)
     return [as_borderline(found, levels[0]) if near else found]
 
 
-def least_communication(times: Mapping[int, RankStepTimes]) -> tuple[float, float, int] | None:
-    """Communication (ms, blocked and hooks' own work) of the rank that waited least
-    at each typical step, averaged over the steps; the comm hooks' part of it; and
-    the rank that waited least most often.  None without steps."""
+@dataclass(frozen=True)
+class LeastCommunication:
+    """Communication of the rank that waited least at each step, over the steps."""
+
+    ms: float  # mean over the steps (blocked on collectives, and comm hooks' own work)
+    hook_ms: float  # ...of which comm hooks' own work
+    rank: int  # the rank that waited least most often
+    rank_pct: float  # ...at this % of the steps
+
+
+def least_communication(times: Mapping[int, RankStepTimes]) -> LeastCommunication | None:
+    """At each typical step every rank had (a step some rank left out as an outlier
+    would leave its victims to pick from), the communication of the rank that
+    waited least; None without such steps."""
     columns = {r: [t.per_step(name) for name in phases.collective_names()]
                for r, t in times.items()}
     hooks = {r: t.per_step("hook") for r, t in times.items()}
-    steps = sorted({s for cols in columns.values() for s in cols[0]})
+    common = set.intersection(*(set(cols[0]) for cols in columns.values())) if columns else set()
     totals, hook_ms, wins = [], [], Counter[int]()
-    for step in steps:
-        at = {r: sum(c[step] for c in cols) for r, cols in columns.items() if step in cols[0]}
+    for step in sorted(common):
+        at = {r: sum(c[step] for c in cols) for r, cols in columns.items()}
         rank = min(at, key=lambda r: (at[r], r))
         totals.append(at[rank])
-        hook_ms.append(hooks[rank].get(step, 0.0))
+        hook_ms.append(hooks[rank][step])
         wins[rank] += 1
     if not totals:
         return None
-    return statistics.fmean(totals), statistics.fmean(hook_ms), wins.most_common(1)[0][0]
+    rank, num = wins.most_common(1)[0]
+    return LeastCommunication(statistics.fmean(totals), statistics.fmean(hook_ms), rank,
+                              100.0 * num / len(totals))
 
 
 HOOK_SHOWN_FRACTION = 0.25
@@ -330,8 +345,10 @@ def diagnose_step_time(
     device: str = "cpu",
 ) -> tuple[Finding, ...]:
     """The Step Time findings, diagnosis first: stragglers, input-bound, wait-heavy and
-    communication-bound (the most wall time to win back first); else COMPUTE-BOUND;
-    else BALANCED."""
+    communication-bound (the most wall time to win back first); else COMPUTE-BOUND
+    (also beside an UNCLEAR STRAGGLER that names no rank); else BALANCED.  OUTLIER
+    STEPS, when actionable, takes its place among them by the wall time it would win
+    back (its ``win_back_ms``)."""
     if not times:
         return (not_measured("STEP TIME", unmeasured_why),)
     measured = comm_measured(times)
@@ -349,10 +366,13 @@ def diagnose_step_time(
     outliers = outlier_steps({r: t.outliers for r, t in times.items() if t.outliers})
     if not outliers:
         return typical
-    gain = outliers[0].evidence.get("win_back_ms") or 0.0
-    if outliers[0].actionable and gain > win_back_ms(typical[0], times):
-        return (*outliers, *typical)
-    return (typical[0], *outliers, *typical[1:])
+    # Every actionable finding by the wall time it would win back; the rest after.
+    def gain(f: Finding) -> float:
+        return (f.evidence.get("win_back_ms") or 0.0) if f in outliers else win_back_ms(f, times)
+    head = sorted((f for f in (*typical, *outliers) if f.actionable), key=lambda f: -gain(f))
+    if not head:
+        return (typical[0], *outliers, *typical[1:])
+    return (*head, *(f for f in (*typical, *outliers) if not f.actionable))
 
 
 def by_win_back(findings: tuple[Finding, ...], times: Mapping[int, RankStepTimes]

@@ -6,7 +6,10 @@ step totals equalise and the waiting must never read as the waiting rank's own
 slowness.  A rank's **own work** is each phase outside communication (input,
 forward, backward compute, optimizer) and its untraced host work (``wait``);
 exposed communication, measured as a phase of its own, is time spent waiting
-for others and is never anyone's own work.
+for others and is never anyone's own work.  A comm hook's own work (``hook``)
+is left out too, though it is mostly the rank's: a hook may block in a
+collective, and a wait must never be blamed; a slower hook shows in
+COMMUNICATION-BOUND instead.
 
 For each rank and part, the **excess** is the rank's mean minus the median of
 the other ranks' means (with 2 ranks: the other rank).  A part whose excess
@@ -27,8 +30,10 @@ of it.  What remains must also **hold step by step**, since a mean can come
 from a coin toss (`traceml.diagnosis.steadiness`, SPEC R-COMM-4).
 
 What remains names the rank, the part (a rank slow in several compute phases has
-them named together: "forward and backward") and the excess in ms.  When a
-candidate was dropped and nothing remains, the rule says it cannot tell, and why.
+them named together: "forward and backward") and the excess in ms.  When nothing
+remains, the rule says it cannot tell, and why: UNCLEAR STRAGGLER, either
+``STRAGGLER_UNSTEADY`` (an excess that does not hold step by step; no rank is
+named) or ``STRAGGLER_UNCLEAR`` (an excess another rank's may explain).
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def throughput_section(run: RunData, window: StepWindow, node_of: Mapping[int, i
     window_rows = [row for rank_rows in window.by_rank.values() for row in rank_rows]
     job = job_throughput(per_rank, window_rows, run.flop_counts, run.meta)
     stats = {key: _rank_stat(rows, _field(key), worst="min") for key in THROUGHPUT_STATS}
-    kinds = [f.kind for f in step_time.findings]
+    kinds = [f.kind for f in step_time.findings if f.actionable]  # a borderline one is no cause
     findings = diagnose_throughput(per_rank, job, kinds, _unmeasured_steps_why(run))
     return Section("throughput", findings, window.scope(node_of, _num_nodes(run)), stats,
                    tuple(rows), job)

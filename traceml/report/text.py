@@ -265,7 +265,7 @@ def _in_flight(part: phases.Phase, section: Section) -> str:
     """`` (in flight 8.1ms)`` after communication: collectives' whole time, the
     part backward hid included."""
     stat = section.stats.get("collective_ms")
-    return f" (in flight {stat.median:.1f})" if part.name == "communication" and stat else ""
+    return f" (in flight {stat.median:.1f})" if part.waits and stat else ""
 
 
 def _stats_text(section: Section) -> str:
