@@ -23,7 +23,11 @@ node 0's collector CPU % (its cpu_times over the window), its peak RSS, how
 long after the last send the store held every row, and the wall time of
 ``traceml report`` on the store at the end.
 
+A simulating process that fails ends the benchmark with exit 1 and its error;
+so does the whole run lasting past ``--time-limit``.
+
     python scripts/bench_collector_scale.py [--ranks 1024 4096 8192] [--mode relay]
+        [--quick] [--time-limit S]
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import socket
 import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,6 +50,7 @@ from typing import Any
 
 import psutil
 import zmq
+from bench_options import parse
 
 from traceml import phases, protocol
 from traceml.collector.relay import SEND_HWM as RELAY_SEND_HWM
@@ -177,6 +184,14 @@ def step_record(step: int, t_begin: float) -> StepRecord:
                       rss_bytes=300 << 20, boundary="optimizer")
 
 
+@dataclass
+class Unsent:
+    """The upstream of a simulated relay's `Outbox`: its identity (the node is known,
+    so nothing is learned from the ranks), and nothing is ever sent through it."""
+
+    identity: Sender
+
+
 def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
     """A simulated node's relay: one batch per `RELAY_INTERVAL_S` of its ranks' step
     rows and samples.  The batches are built by the relay's own `Outbox` (once per
@@ -194,7 +209,7 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
     every = max(1, round(RELAY_INTERVAL_S / FLUSH_S))  # ticks per batch
 
     def template(num_ticks: int, with_samples: bool, last: bool) -> protocol.RelayBatch:
-        outbox = Outbox(upstream=None)  # type: ignore[arg-type]  # only take() is used
+        outbox = Outbox(Unsent(relay))  # type: ignore[arg-type]  # only take() is used
         for who in ranks:
             outbox.add_steps(who, [step_record(i, start) for i in range(per_flush * num_ticks)])
             if with_samples:
@@ -234,22 +249,48 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
 
 
 def simulate(endpoint: str, keys: Any, make: list[tuple[str, tuple[Any, ...]]],
-             start_at: float, duration_s: float, out: mp.Queue[Tally]) -> None:
+             start_at: float, duration_s: float, out: mp.Queue[Tally | str]) -> None:
     """One sender process: several simulated senders, each with its own socket, paced."""
-    context = zmq.Context()
-    makers = {"rank": rank_sender, "relay": relay_sender}
-    senders = [makers[kind](*args) for kind, args in make]
-    for s in senders:
-        s.sock = context.socket(zmq.PUSH)
-        s.sock.setsockopt(zmq.SNDHWM, SEND_HWM if s.rows_kind == "rank" else RELAY_SEND_HWM)
-        s.sock.setsockopt(zmq.LINGER, 5000)
-        secure_client(s.sock, keys)
-        s.sock.connect(endpoint)
-    tally = run_paced(senders, start_at, duration_s)
-    for s in senders:
-        s.sock.close()
-    context.term()
+    try:
+        context = zmq.Context()
+        makers: dict[str, Callable[..., Paced]] = {"rank": rank_sender, "relay": relay_sender}
+        senders = [makers[kind](*args) for kind, args in make]
+        for s in senders:
+            s.sock = context.socket(zmq.PUSH)
+            s.sock.setsockopt(zmq.SNDHWM, SEND_HWM if s.rows_kind == "rank" else RELAY_SEND_HWM)
+            s.sock.setsockopt(zmq.LINGER, 5000)
+            secure_client(s.sock, keys)
+            s.sock.connect(endpoint)
+        tally = run_paced(senders, start_at, duration_s)
+        for s in senders:
+            s.sock.close()
+        context.term()
+    except BaseException:
+        out.put(traceback.format_exc())  # the parent ends the benchmark with it
+        raise
     out.put(tally)
+
+
+def gather(workers: list[mp.Process], out: mp.Queue[Tally | str], deadline: float) -> Tally:
+    """Every sender process's tally.  One that failed ends the benchmark with its
+    error (or its exit code, when it died without a word), as does ``deadline``."""
+    tally, num_done = Tally(), 0
+    while num_done < len(workers):
+        try:
+            got = out.get(timeout=0.5)
+        except queue.Empty:
+            dead = [w for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"a simulating process died (exit {dead[0].exitcode})") from None
+            if time.time() > deadline:
+                raise SystemExit(f"{len(workers) - num_done} simulating processes never "
+                                 "reported") from None
+            continue
+        if isinstance(got, str):
+            raise SystemExit(f"a simulating process failed:\n{got}")
+        tally.add(got)
+        num_done += 1
+    return tally
 
 
 @dataclass
@@ -349,27 +390,31 @@ def bench(n: int, args: argparse.Namespace) -> str:
         else:
             plan = plan_direct(n, collector.port, secret, args.steps_per_s, args.senders)
         proc = psutil.Process(collector.proc.pid)
-        out: mp.Queue[Tally] = mp.Queue()
+        out: mp.Queue[Tally | str] = mp.Queue()
         start_at = time.time() + START_DELAY_S + 0.1 * len(plan.processes)
+        # daemons: a benchmark that stops early (an error, --time-limit) leaves none behind
         workers = [mp.Process(target=simulate, args=(endpoint, keys, make, start_at,
-                                                     args.duration, out))
+                                                     args.duration, out), daemon=True)
                    for endpoint, keys, make in plan.processes]
-        for w in workers:
-            w.start()
-        time.sleep(max(0.0, start_at - time.time()))
-        cpu0, wall0 = cpu_s(proc), time.time()
-        peak_rss = 0
-        while time.time() < start_at + args.duration:
-            peak_rss = max(peak_rss, proc.memory_info().rss)
-            time.sleep(0.5)
-        cpu1, wall1 = cpu_s(proc), time.time()
-        tally = Tally()
-        for _ in workers:
-            tally.add(out.get())
-        for w in workers:
-            w.join()
-        for relay in plan.relays:
-            relay.stop()
+        try:
+            for w in workers:
+                w.start()
+            time.sleep(max(0.0, start_at - time.time()))
+            cpu0, wall0 = cpu_s(proc), time.time()
+            peak_rss = 0
+            while time.time() < start_at + args.duration:
+                peak_rss = max(peak_rss, proc.memory_info().rss)
+                time.sleep(0.5)
+            cpu1, wall1 = cpu_s(proc), time.time()
+            tally = gather(workers, out, deadline=time.time() + 60.0)
+            for w in workers:
+                w.join()
+        finally:
+            for w in workers:
+                if w.is_alive():
+                    w.kill()
+            for relay in plan.relays:
+                relay.stop()
         caught_up = wait_stored(db_path, tally.rows, tally.last)
         peak_rss = max(peak_rss, proc.memory_info().rss)
         collector.record(RunEnd(ended_at=time.time(), exit_code=0))
@@ -413,7 +458,8 @@ def main() -> None:
     parser.add_argument("--senders", type=int, default=3, help="simulating processes")
     parser.add_argument("--real-relays", type=int, default=2,
                         help="relay processes that run (relay mode)")
-    args = parser.parse_args()
+    args = parse(parser, quick={"ranks": [64], "duration": 3.0, "senders": 1, "real_relays": 1},
+                 limit_s=3600.0)
     print(f"{args.steps_per_s:g} steps/s per rank for {args.duration:g} s, mode {args.mode}, "
           f"{os.cpu_count()} CPUs", flush=True)
     for n in args.ranks:

@@ -29,6 +29,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench_options import parse as parse_options
+
 from traceml.compare.build import compare_runs
 from traceml.compare.load import load_side
 from traceml.compare.model import Comparison
@@ -50,7 +52,7 @@ def parse() -> argparse.Namespace:
                    help="input slowdown of the second group, in %% of the baseline step")
     p.add_argument("--threshold-pct", type=float, default=5.0, help="compare's threshold")
     p.add_argument("--logs-dir", default=None, help="keep the sessions here (default: temp)")
-    a = p.parse_args()
+    a = parse_options(p, quick={"runs": 2, "steps": 20}, limit_s=3600.0)
     if a.runs < 2:
         p.error("--runs must be at least 2")
     return a

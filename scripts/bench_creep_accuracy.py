@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from accuracy_runs import run_summary
+from bench_options import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "creep_cases.py"
@@ -45,7 +46,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=10, help="runs per case (default 10)")
     p.add_argument("--steps", type=int, default=300, help="training steps per run")
-    args = p.parse_args()
+    args = parse(p, quick={"runs": 1}, limit_s=7200.0)
     hits = {case: 0 for case in CASES}
     growth_mb: list[float] = []
     misses: list[str] = []

@@ -9,7 +9,7 @@ of many alternating blocks.  Prints the added cost per step (µs) and the traced
 untraced ratio for a short (~1 ms) and a long (~20 ms) step, then times
 ``traceml run`` against ``torchrun`` on an empty script.
 
-    python scripts/bench_overhead.py [--blocks 40] [--startup-runs 5] [--dashboard]
+    python scripts/bench_overhead.py [--blocks 40] [--startup-runs 5] [--dashboard] [--quick]
                                      [--device cuda [--cuda-timing both] [--long-ms 20]]
 
 ``--device cuda`` runs the loop on the GPU: the short step is launch-bound
@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_options import parse
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -377,7 +378,7 @@ def main() -> None:
                         help="collector with the live dashboard, polled once a second")
     parser.add_argument("--ddp", action="store_true",
                         help="the cost of communication timing on 2-rank gloo DDP")
-    args = parser.parse_args()
+    args = parse(parser, quick={"blocks": 2, "startup_runs": 1}, limit_s=3600.0)
     if args.ddp:
         ddp(args.blocks)
         return

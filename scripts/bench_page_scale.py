@@ -10,7 +10,7 @@ Builds a hand-made run of N ranks (nodes of 8, one slow loader: tests/live/conft
   html_ms     Chromium, navigation to the page's first render, final_summary.html
   live_ms     ...the live document (embedded, as the dashboard's poll delivers it)
 
-    python scripts/bench_page_scale.py [--ranks 1024 8192] [--steps 40]
+    python scripts/bench_page_scale.py [--ranks 1024 8192] [--steps 40] [--quick]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from bench_options import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -73,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--steps", type=int, default=40, help="steps per rank (default 40)")
-    args = parser.parse_args()
+    args = parse(parser, quick={"ranks": [64], "steps": 10}, limit_s=1800.0)
     from playwright.sync_api import sync_playwright
 
     print(f"{'ranks':>6} {'steps':>5} {'report_s':>9} {'snapshot_s':>10} {'html_MB':>8} "

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_options import parse
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "stall_cases.py"
 STALL_TIMEOUT_S = 3
@@ -100,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    args = parser.parse_args()
+    args = parse(parser, quick={"runs": 1, "cases": ["raise"]}, limit_s=3600.0)
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:
             results = [hit(case, run_case(case, Path(tmp))) for _ in range(args.runs)]

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from accuracy_runs import run_summary
+from bench_options import parse
 
 from traceml.store import STORE_FILENAME, StoreReader
 
@@ -205,7 +206,8 @@ def main() -> int:
     p.add_argument("--delay-ms", type=float, default=15.0, help="injected delay (default 15)")
     p.add_argument("--steps", type=int, default=30, help="training steps per injected run")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
-    args = p.parse_args()
+    args = parse(p, quick={"runs": 1, "cases": ["backward", "hook"], "steps": 20},
+                 limit_s=7200.0)
     tallies = {case: Tally() for case in args.cases}
     exposed: dict[str, list[float]] = {case: [] for case in args.cases}
     with tempfile.TemporaryDirectory() as tmp:

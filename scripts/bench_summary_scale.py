@@ -11,7 +11,7 @@ stores named with ``--full-on``.  Stores are kept in ``--cache`` and reused
 when their shape matches, since the 20 M-row one takes minutes to write.
 
     python scripts/bench_summary_scale.py [--shapes 8x250000 8x2500000 8192x100]
-        [--cache /tmp/traceml-bench-summary] [--full-on 8x250000]
+        [--cache /tmp/traceml-bench-summary] [--full-on 8x250000] [--quick]
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_options import parse
 
 from traceml import phases
 from traceml.protocol import RunEnd, RunStart, Sender
@@ -141,7 +143,8 @@ def main() -> None:
     parser.add_argument("--full-on", nargs="*", default=["8x250000"],
                         help="shapes also timed with the full read")
     parser.add_argument("--fresh", action="store_true", help="rebuild the cached stores")
-    args = parser.parse_args()
+    args = parse(parser, quick={"shapes": ["8x2000", "64x50"], "full_on": ["8x2000"]},
+                 limit_s=7200.0)
     print(f"{'store':>12} {'rows':>11} {'MB':>7} {'path':>8} {'wall s':>7} {'CPU s':>6} "
           f"{'peak RSS MB':>11}  verdict")
     for text in args.shapes:

@@ -30,6 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench_options import parse
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "throughput.py"
 CASES = {"mlp": 2, "lm": 1, "noloader": 1}  # case -> ranks
@@ -93,7 +95,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
-    args = parser.parse_args()
+    args = parse(parser, quick={"runs": 1, "cases": ["noloader"]}, limit_s=3600.0)
     print(f"throughput accuracy: rates within {100 * TOLERANCE:.0f}% of the script's own "
           "count over its own timer, FLOPs per step within 2% of the hand count")
     missed = 0

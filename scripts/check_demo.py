@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench_options import parse
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -61,7 +63,7 @@ def expected(slow: dict[str, Any], fixed: dict[str, Any], comparison: dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
-    args = parser.parse_args()
+    args = parse(parser, quick={"runs": 1}, limit_s=3600.0)
     misses = 0
     for n in range(1, args.runs + 1):
         with tempfile.TemporaryDirectory(prefix="traceml-demo-") as tmp:

@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 import psutil
 import zmq
+from bench_options import parse
 
 from traceml import protocol
 from traceml.protocol import Envelope, RunEnd, RunStart, Sender
@@ -250,7 +251,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", type=int, default=10_000, help="mutated messages to send")
     parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
+    args = parse(parser, quick={"n": 300}, limit_s=1800.0)
     random.seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
