@@ -67,7 +67,7 @@ def test_a_comm_hooks_own_work_is_communication_not_backward(tmp_path: Any) -> N
 
 
 def test_twice_the_rows_on_one_rank_is_that_ranks_forward_and_backward(tmp_path: Any) -> None:
-    summary = _run(tmp_path, "uneven", 25).summary
+    summary = _run(tmp_path, "uneven", 40).summary
     assert _named(summary) == [("COMPUTE_STRAGGLER", [1])], summary["step_time"]["findings"]
     found = summary["step_time"]["diagnosis"]
     assert found["kind"] == "COMPUTE_STRAGGLER"
