@@ -348,9 +348,9 @@ def plan_relay(n: int, port: int, secret: str, steps: float, senders: int,
     return plan
 
 
-def store_counts(db_path: Path) -> tuple[int, int, int] | None:
-    """Step rows stored, sequence gaps and drops the senders reported (in-band); None
-    while the store cannot be read."""
+def store_counts(db_path: Path) -> tuple[int, int, int, dict[str, int]] | None:
+    """Step rows stored, sequence gaps, drops the senders reported (in-band) and what
+    the collector rejected, by reason; None while the store cannot be read."""
     try:
         db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
         try:
@@ -358,7 +358,8 @@ def store_counts(db_path: Path) -> tuple[int, int, int] | None:
             gaps, dropped = db.execute(
                 "SELECT COALESCE(SUM(num_gaps), 0), COALESCE(SUM(num_dropped), 0) "
                 "FROM senders").fetchone()
-            return int(steps), int(gaps), int(dropped)
+            rejected = dict(db.execute("SELECT reason, count FROM rejected").fetchall())
+            return int(steps), int(gaps), int(dropped), rejected
         finally:
             db.close()
     except sqlite3.Error:
@@ -419,7 +420,7 @@ def bench(n: int, args: argparse.Namespace) -> str:
         peak_rss = max(peak_rss, proc.memory_info().rss)
         collector.record(RunEnd(ended_at=time.time(), exit_code=0))
         collector.stop()
-        stored, gaps, reported = store_counts(db_path) or (0, 0, 0)
+        stored, gaps, reported, rejected = store_counts(db_path) or (0, 0, 0, {})
         t0 = time.monotonic()
         report = subprocess.run([sys.executable, "-m", "traceml", "report", str(session_dir)],
                                 capture_output=True, text=True)
@@ -432,7 +433,8 @@ def bench(n: int, args: argparse.Namespace) -> str:
             f"{gaps} gaps  node 0 collector CPU {cpu_pct:3.0f}%  RSS {peak_rss / 2**20:4.0f} MiB  "
             f"all stored {caught_up:4.1f} s after the last send  final summary "
             f"{summary_s:5.1f} s{failed}\n       {plan.note}"
-            + (f"; {reported} drops reported in-band" if reported else ""))
+            + (f"; {reported} drops reported in-band" if reported else "")
+            + (f"\n       rejected by node 0: {rejected}" if rejected else ""))
 
 
 def wait_stored(db_path: Path, rows: int, last_send: float) -> float:

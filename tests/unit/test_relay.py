@@ -20,7 +20,7 @@ from traceml import protocol
 from traceml.collector.dispatch import Collector
 from traceml.collector.rank_steps import RankSteps
 from traceml.collector.relay import Outbox, open_outbox
-from traceml.collector.server import CollectorConfig, Listener
+from traceml.collector.server import DRAIN_CHECK_EVERY, CollectorConfig, Listener
 from traceml.diagnosis.samples import Incident
 from traceml.protocol import Envelope, IncidentReport, Sender
 from traceml.security import derive_keys, relay_keys, secure_client
@@ -330,3 +330,28 @@ def test_a_batch_node_0_did_not_take_gives_its_states_to_the_next(tmp_path: Path
     finally:
         outbox.upstream.sock.close(0)
         outbox.upstream.context.term()
+
+
+def test_node_0_under_a_flood_returns_to_commit_on_time(nodes: Nodes) -> None:
+    # A poll handles what arrived for its budget at most (checking the clock every
+    # DRAIN_CHECK_EVERY messages), so a collector that cannot keep up still commits
+    # what it took every interval, and nothing waiting in the socket is lost.
+    context = zmq.Context()
+    sock = context.socket(zmq.PUSH)
+    secure_client(sock, nodes.keys)
+    sock.connect(f"tcp://127.0.0.1:{nodes.listener0.port}")
+    flood = Agent(sock, Sender("rank", HOST, 20_100, 0, rank=0, local_rank=0, world_size=16))
+    num = 60  # under the receive high-water mark: all of them wait in the socket at once
+    for _ in range(num):
+        flood.send(protocol.KIND_PROCESS, protocol.rows_payload(
+            protocol.PROCESS_FIELDS, [(time.time(), 50.0, 1 << 28, 1 << 34, 2, None, None, None)]))
+    sock.close(linger=-1)
+    context.term()  # returns once every message went out
+    handled: list[int] = []
+    deadline = time.monotonic() + 10
+    while sum(handled) < num and time.monotonic() < deadline:
+        n = nodes.listener0.poll(10, nodes.collector0, budget_s=0.0)
+        handled += [n] if n else []
+        nodes.collector0.flush()
+    assert handled[0] == DRAIN_CHECK_EVERY and max(handled) == DRAIN_CHECK_EVERY, handled
+    assert nodes.rows("SELECT COUNT(*) FROM process") == [(num,)], handled
