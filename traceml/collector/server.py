@@ -47,6 +47,7 @@ POLL_MS = 100
 DRAIN_IDLE_S = 0.3
 DRAIN_MAX_S = 5.0
 DRAIN_CHECK_EVERY = 16  # messages handled between looks at the clock in one poll
+BEHIND_COMMIT_S = 1.0  # node 0's commit interval while messages wait in its socket
 # What one sender may queue in the receive buffer: messages x the largest message
 # bounds its bytes (64 x 8 MiB); a sender over it waits, then drops and counts.
 RECEIVE_HWM = 64
@@ -130,6 +131,7 @@ class Listener:
         self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILURES)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.join: Any = None
+        self.behind = False  # the last poll left messages waiting (its budget ran out)
         try:
             self.port = _bind(self.sock, config.bind_host, config.port)
             if config.join_port is not None:
@@ -159,10 +161,12 @@ class Listener:
         until = time.monotonic() + budget_s
         while True:
             if n and n % DRAIN_CHECK_EVERY == 0 and time.monotonic() >= until:
+                self.behind = True
                 return n
             try:
                 frame = self.sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self.behind = False
                 return n
             user = frame.get("User-Id")
             collector.handle(frame.bytes, bool(self.launcher_id) and user == self.launcher_id,
@@ -299,7 +303,10 @@ def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> 
         if listener.poll(POLL_MS, collector, interval_s):
             last_data = time.monotonic()
         now = time.monotonic()
-        if now - last_commit >= interval_s:
+        # Behind (the poll stopped on its budget): commit less often, as each commit
+        # writes every page it touched, but never less than once a second.
+        due_s = max(interval_s, BEHIND_COMMIT_S) if listener.behind else interval_s
+        if now - last_commit >= due_s:
             collector.flush()
             last_commit = now
         if drain_since is None and (collector.ended or os.getppid() != config.parent_pid):
