@@ -88,12 +88,23 @@ def test_file_or_folder_writes_base_json_and_txt(runs: dict[str, Path], tmp_path
     assert f"wrote {base}.json and {base}.txt" in err
 
 
-def test_default_base_is_compare_a_vs_b_in_the_current_folder(
-        runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
+def test_default_base_is_compare_a_vs_b_beside_run_b_never_the_current_folder(
+        runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    here = tmp_path / "repo"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    logs = runs["fast"].parent  # the folder that holds the session folders
     assert main([str(runs["base"]), str(runs["fast"]) + "/"]) == 0
-    assert sorted(p.name for p in tmp_path.glob("compare_*")) == [
+    assert list(here.iterdir()) == []
+    assert sorted(p.name for p in logs.glob("compare_*")) == [
         "compare_base_vs_fast.json", "compare_base_vs_fast.txt"]
+    assert f"wrote {logs / 'compare_base_vs_fast'}.json" in capsys.readouterr().err
+    # B given as its summary file: beside that file; a relative B resolves from here
+    monkeypatch.chdir(logs)
+    assert main(["base", "slow/final_summary.json"]) == 0
+    assert sorted(p.name for p in (logs / "slow").glob("compare_*")) == [
+        "compare_base_vs_slow.json", "compare_base_vs_slow.txt"]
 
 
 def test_json_is_strict_and_names_every_section(runs: dict[str, Path], tmp_path: Path) -> None:

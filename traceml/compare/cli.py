@@ -54,7 +54,7 @@ class CompareOptions:
 
     a: str
     b: str
-    output: str | None  # BASE; None: compare_<A>_vs_<B> in the current folder
+    output: str | None  # BASE; None: compare_<A>_vs_<B> beside run B (`default_base`)
     fail_on_regression: bool
     threshold_pct: float
 
@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("a", metavar="A", help="baseline: final_summary.json or session folder")
     parser.add_argument("b", metavar="B", help="new run: final_summary.json or session folder")
     parser.add_argument("--output", metavar="BASE",
-                        help="write BASE.json and BASE.txt (default: compare_<A>_vs_<B> in the "
-                             "current folder, <A> and <B> the session folder names)")
+                        help="write BASE.json and BASE.txt (default: compare_<A>_vs_<B> "
+                             "beside run B: in the folder that holds B's session folder, "
+                             "<A> and <B> the session folder names)")
     parser.add_argument("--fail-on", "--fail_on", choices=["regression"], dest="fail_on",
                         help="exit 1 when the verdict is REGRESSION (for CI gates)")
     parser.add_argument("--threshold-pct", "--threshold_pct", type=_threshold,
@@ -116,13 +117,20 @@ def run(options: CompareOptions) -> tuple[Comparison, str]:
     a, b = load_side("A", options.a), load_side("B", options.b)
     comparison = compare_runs(a, b, options.threshold_pct)
     text = render_text(comparison)
-    base = options.output or f"compare_{a.label}_vs_{b.label}"
+    base = options.output or default_base(options.b, a.label, b.label)
     data = json.dumps(comparison_to_json(comparison), indent=2, allow_nan=False) + "\n"
     json_path, text_path = Path(base + ".json"), Path(base + ".txt")
     write_atomic(json_path, data)
     write_atomic(text_path, text)
     print(f"traceml compare: wrote {json_path} and {text_path}", file=sys.stderr)
     return comparison, text
+
+
+def default_base(b: str, a_label: str, b_label: str) -> str:
+    """``compare_<A>_vs_<B>`` beside run B: in the folder holding B's session folder
+    (the logs folder), or B's summary file; never the current folder by default."""
+    given = Path(b).resolve()
+    return str(given.parent / f"compare_{a_label}_vs_{b_label}")
 
 
 def write_atomic(path: Path, text: str) -> None:
