@@ -78,6 +78,8 @@ class RunConfig:
     torch_args: argparse.Namespace  # torch's, for torch: see launcher.args.torch_namespace
     count_flops: bool = True  # --no-flops turns it off
     peak_tflops: float = 0.0  # --peak-tflops; 0: the peak table's
+    # traceml's or torchrun's options given after the script (they went to the script)
+    late_options: tuple[str, ...] = ()
 
     @property
     def multi_node(self) -> bool:

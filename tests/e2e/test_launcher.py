@@ -239,3 +239,16 @@ def test_port_in_use_is_one_line_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "aggregator-port" in lines[0], proc.stderr
+
+
+def test_traceml_options_after_the_script_are_named_when_the_script_refuses_them(
+        tmp_path: Path) -> None:
+    # As with torchrun, what follows the script goes to the script: argparse refuses
+    # --html (exit 2), and the launcher says which options belonged before the script.
+    res = run_traceml(tmp_path, "run", LOOP, "--steps", "2", "--html", "--nproc-per-node=2")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "unrecognized arguments: --html --nproc-per-node=2" in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last == ("traceml run: --html --nproc-per-node came after loop.py, so loop.py got "
+                    "them, as with torchrun; traceml's and torchrun's options go before the "
+                    "script: traceml run [options] loop.py [script arguments]"), res.stderr

@@ -134,9 +134,18 @@ def new_session_id() -> str:
     return f"{now}-{secrets.token_hex(3)}"
 
 
+def late_options(parser: argparse.ArgumentParser, script_args: Sequence[str]) -> tuple[str, ...]:
+    """The script's arguments that are options of ``parser`` (traceml's or torchrun's):
+    given after the script, they went to the script, as torchrun would pass them."""
+    known = set(parser._option_string_actions)  # every spelling of every option
+    return tuple(dict.fromkeys(a.split("=", 1)[0] for a in script_args
+                               if a.startswith("--") and a.split("=", 1)[0] in known))
+
+
 def parse(command: str, argv: Sequence[str]) -> RunConfig:
     """Parse ``traceml run|watch`` arguments into a RunConfig (UsageError on bad input)."""
-    ns = build_parser(f"traceml {command}").parse_args(list(argv))
+    parser = build_parser(f"traceml {command}")
+    ns = parser.parse_args(list(argv))
     try:
         min_nodes, max_nodes = torchrun.parse_min_max_nnodes(ns.nnodes)
     except (ValueError, RuntimeError) as exc:
@@ -178,6 +187,7 @@ def parse(command: str, argv: Sequence[str]) -> RunConfig:
         torch_args=torch_ns,
         count_flops=not ns.no_flops,
         peak_tflops=ns.peak_tflops or 0.0,
+        late_options=late_options(parser, ns.training_script_args),
     )
 
 

@@ -258,7 +258,27 @@ def run(cfg: RunConfig) -> int:
     agent_env = agent_env_for(cfg, endpoint, session_dir, topo, secret)
     if cfg.command == "run":
         inject(agent_env)  # watch injects nothing: the launcher samples from outside
-    return _supervise(cfg, topo, agent_env, collector, session_dir, relay)
+    exit_code = _supervise(cfg, topo, agent_env, collector, session_dir, relay)
+    hint = late_options_hint(cfg, exit_code)
+    if hint:
+        print(hint, file=sys.stderr)
+    return exit_code
+
+
+USAGE_EXIT = 2  # argparse's exit status for arguments it does not know
+
+
+def late_options_hint(cfg: RunConfig, exit_code: int) -> str | None:
+    """What to say when the script exited as argparse does on unknown arguments and
+    some of its arguments are traceml's or torchrun's own options."""
+    if exit_code != USAGE_EXIT or not cfg.late_options:
+        return None
+    names = " ".join(cfg.late_options)
+    script = Path(cfg.training_script).name
+    them = "them" if len(cfg.late_options) > 1 else "it"
+    return (f"traceml {cfg.command}: {names} came after {script}, so {script} got {them}, "
+            f"as with torchrun; traceml's and torchrun's options go before the script: "
+            f"traceml {cfg.command} [options] {script} [script arguments]")
 
 
 def start_relay(cfg: RunConfig, topo: Topology, upstream: str,
