@@ -92,9 +92,19 @@ def test_high_cpu_counts_ranks_per_node() -> None:
 
 
 def test_normal_and_not_measured() -> None:
-    findings = diagnose_process(rank_process(samples(2, device=(GIB, GIB))))
+    findings = diagnose_process(rank_process(samples(2, device=(GIB, 2 * GIB))))
     assert labels(findings) == ["NORMAL"]
+    assert findings[0].why.startswith("CPU, RSS and device memory looked normal")
+    assert findings[0].why.endswith(", device memory reserved peak 2.0 GiB (r0).")
     assert labels(diagnose_process({})) == ["PROCESS NOT MEASURED"]
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_normal_says_only_what_was_measured(world: int) -> None:
+    # No device memory sampled (a CPU job): the card must not call it normal.
+    found = diagnose_process(rank_process(samples(world)))[0]
+    assert found.why.startswith("CPU and RSS looked normal: "), found.why
+    assert "device" not in found.why
 
 
 def test_crit_rss_comes_before_warn_cpu() -> None:

@@ -82,7 +82,8 @@ def test_high_gpu_temp_threshold(temp: float, flagged: bool) -> None:
 def test_normal_and_abstentions_come_last() -> None:
     findings = diagnose_system(nodes_of((10.0, 10.0, ())))
     assert labels(findings) == ["NORMAL", "GPU TEMP NOT MEASURED", "GPU UTIL NOT MEASURED"]
-    assert findings[0].why.endswith("; no GPU in this job.")
+    assert findings[0].why.startswith("CPU and RAM showed no system pressure")
+    assert findings[0].why.endswith(" (no GPU was sampled).")
     assert labels(diagnose_system(nodes_of((10.0, 10.0, (gpu(0),))))) == ["NORMAL"]
 
 

@@ -84,7 +84,7 @@ EXPECTED = """\
 |  - Stats: CPU avg med/worst 100.0%/100.0% r0 | RSS peak med/worst 2.0/2.0  |
 |    GiB r0 | GPU reserved med/worst 6.2%/6.2% r0                            |
 |  - Why: CPU, RSS and device memory looked normal: CPU avg worst 100%       |
-|    (r0), RSS peak 2.0 GiB (r0).                                            |
+|    (r0), RSS peak 2.0 GiB (r0), device memory reserved peak 5.0 GiB (r0).  |
 |                                                                            |
 |  Step Time                                                                 |
 |  - Diagnosis: INPUT STRAGGLER [crit]                                       |

@@ -164,8 +164,15 @@ def normal(procs: Mapping[int, RankProcess]) -> Finding:
     """NORMAL: no Process rule fired."""
     cpu = max(procs.values(), key=lambda p: p.cpu_avg_pct)
     rss = max(procs.values(), key=lambda p: p.rss_peak_bytes)
-    why = (f"CPU, RSS and device memory looked normal: CPU avg worst {cpu.cpu_avg_pct:.0f}% "
-           f"(r{cpu.rank}), RSS peak {format_bytes(rss.rss_peak_bytes)} (r{rss.rank}).")
+    device = [p for p in procs.values() if p.device_reserved_peak_bytes is not None]
+    measured = "CPU, RSS and device memory" if device else "CPU and RSS"
+    why = (f"{measured} looked normal: CPU avg worst {cpu.cpu_avg_pct:.0f}% "
+           f"(r{cpu.rank}), RSS peak {format_bytes(rss.rss_peak_bytes)} (r{rss.rank})")
+    if device:
+        top = max(device, key=lambda p: p.device_reserved_peak_bytes or 0)
+        why += (f", device memory reserved peak "
+                f"{format_bytes(top.device_reserved_peak_bytes or 0)} (r{top.rank})")
+    why += "."
     return Finding("NORMAL", "NORMAL", "info", why, "Nothing to fix in the processes.")
 
 

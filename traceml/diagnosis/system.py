@@ -193,8 +193,9 @@ def normal(nodes: Mapping[int, NodeSystem]) -> Finding:
     cpu = max(s.cpu_avg_pct for s in nodes.values())
     ram = max(s.ram_peak_pct for s in nodes.values())
     utils = [g.util_avg_pct for s in nodes.values() for g in s.gpus if g.util_avg_pct is not None]
-    why = f"CPU, RAM and GPU showed no system pressure: CPU avg {cpu:.1f}%, RAM peak {ram:.1f}%"
-    why += f", lowest GPU util {min(utils):.1f}%." if utils else "; no GPU in this job."
+    measured = "CPU, RAM and GPU" if utils else "CPU and RAM"
+    why = f"{measured} showed no system pressure: CPU avg {cpu:.1f}%, RAM peak {ram:.1f}%"
+    why += f", lowest GPU util {min(utils):.1f}%." if utils else " (no GPU was sampled)."
     return Finding("NORMAL", "NORMAL", "info", why, "Nothing to fix on the hosts.")
 
 
