@@ -15,6 +15,12 @@ from traceml.compare.cli import main
 from traceml.report.model import SCHEMA_VERSION
 
 
+def unboxed(card: str) -> str:
+    """The card's text without its frame, wrapped lines joined by single spaces."""
+    inner = (line.strip("|").strip() for line in card.splitlines() if line.startswith("|"))
+    return " ".join(" ".join(inner).split())
+
+
 def write(folder: Path, doc: Any) -> Path:
     """``folder/final_summary.json`` holding ``doc``; returns the folder."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -144,7 +150,7 @@ def test_summary_not_matching_its_schema_is_stated(runs: dict[str, Path], tmp_pa
     doc = summary(tight(100.0), session="b")
     del doc["system"]
     main([str(runs["base"]), str(write(tmp_path / "b", doc)), "--output", str(tmp_path / "c")])
-    out = capsys.readouterr().out
+    out = unboxed(capsys.readouterr().out)
     assert (f"B does not fully match summary schema {SCHEMA_VERSION} (1 problems, first: $: "
             "missing key") in out
 
@@ -259,59 +265,60 @@ def test_mangled_summaries_never_crash(seed: int, runs: dict[str, Path], tmp_pat
 # --- the exact text ---------------------------------------------------------------------
 
 EXPECTED_TEXT = """\
-+--------------------------------------------------------------------------------------+
-|  TraceML Compare                                                                     |
-+--------------------------------------------------------------------------------------+
-|                                                                                      |
-|  Verdict: MIXED                                                                      |
-|  Why: Step time rose 10.0% (100.0 -> 110.0 ms per step), beyond the 5% threshold     |
-|    and the runs' step-to-step noise (0.5 ms); most of it is input time (+10.0 ms)    |
-|    but peak host RSS fell 50.0% (2.0 GiB -> 1.0 GiB).                                |
-|                                                                                      |
-|  A: base (1 rank, cpu)                                                               |
-|  B: slow (2 ranks, cpu, session slow-2)                                              |
-|  Delta: B - A (values: median over ranks of each rank's mean or peak)                |
-|  Note: World sizes differ (A 1 rank, B 2 ranks); values are medians over ranks.      |
-|                                                                                      |
-|  Step Time                                                                           |
-|  Metric              A              B                Delta             %             |
-|  Diagnosis           COMPUTE-BOUND  INPUT-BOUND      changed                         |
-|  Total step          100.0 ms       110.0 ms         +10.0 ms          +10.0%        |
-|  Input               5.0 ms         15.0 ms          +10.0 ms          +200.0%       |
-|  Forward             28.5 ms        28.5 ms          +0.0 ms           +0.0%         |
-|  Backward            57.0 ms        57.0 ms          +0.0 ms           +0.0%         |
-|  Optimizer           9.5 ms         9.5 ms           +0.0 ms           +0.0%         |
-|  Wait                0.0 ms         0.0 ms           +0.0 ms           -             |
-|  Compute             95.0 ms        95.0 ms          +0.0 ms           +0.0%         |
-|  Median step (p50)   100.0 ms       110.0 ms         +10.0 ms          +10.0%        |
-|  Step spread (IQR)   1.0 ms         1.0 ms           +0.0 ms           +0.0%         |
-|                                                                                      |
-|  Step Memory                                                                         |
-|  Metric              A              B                Delta             %             |
-|  Diagnosis           BALANCED       BALANCED         same                            |
-|  Host RSS peak       2.0 GiB        1.0 GiB          -1.0 GiB          -50.0%        |
-|  Host RSS growth     0 B            0 B              +0 B              -             |
-|                                                                                      |
-|  Process                                                                             |
-|  Metric              A              B                Delta             %             |
-|  Diagnosis           NORMAL         NORMAL           same                            |
-|  CPU avg             90.0%          90.0%            +0.0 pp           +0.0%         |
-|  CPU share of cores  11.2%          22.5%            +11.2 pp          +100.0%       |
-|  RSS peak            2.0 GiB        1.0 GiB          -1.0 GiB          -50.0%        |
-|  RSS of host RAM     3.1%           1.6%             -1.6 pp           -50.0%        |
-|                                                                                      |
-|  System                                                                              |
-|  Metric              A              B                Delta             %             |
-|  Diagnosis           NORMAL         NORMAL           same                            |
-|  Host CPU avg        40.0%          40.0%            +0.0 pp           +0.0%         |
-|  Host RAM peak       30.0%          30.0%            +0.0 pp           +0.0%         |
-|                                                                                      |
-|  Throughput                                                                          |
-|  Metric              A              B                Delta             %             |
-|  Diagnosis           THROUGHPUT     THROUGHPUT       same                            |
-|  Samples per step    32 samples     32 samples       +0 samples        +0.0%         |
-|  Samples/s           320 samples/s  290.9 samples/s  -29.09 samples/s  -9.1%         |
-+--------------------------------------------------------------------------------------+
++------------------------------------------------------------------------------+
+|  TraceML Compare                                                             |
++------------------------------------------------------------------------------+
+|                                                                              |
+|  Verdict: MIXED                                                              |
+|  Why: Step time rose 10.0% (100.0 -> 110.0 ms per step), beyond the 5%       |
+|    threshold and the runs' step-to-step noise (0.5 ms); most of it is input  |
+|    time (+10.0 ms) but peak host RSS fell 50.0% (2.0 GiB -> 1.0 GiB).        |
+|                                                                              |
+|  A: base (1 rank, cpu)                                                       |
+|  B: slow (2 ranks, cpu, session slow-2)                                      |
+|  Delta: B - A (values: median over ranks of each rank's mean or peak)        |
+|  Note: World sizes differ (A 1 rank, B 2 ranks); values are medians over     |
+|    ranks.                                                                    |
+|                                                                              |
+|  Step Time                                                                   |
+|  Diagnosis: A COMPUTE-BOUND, B INPUT-BOUND (changed)                         |
+|  Metric              A         B         Delta     %                         |
+|  Total step          100.0 ms  110.0 ms  +10.0 ms  +10.0%                    |
+|  Input               5.0 ms    15.0 ms   +10.0 ms  +200.0%                   |
+|  Forward             28.5 ms   28.5 ms   +0.0 ms   +0.0%                     |
+|  Backward            57.0 ms   57.0 ms   +0.0 ms   +0.0%                     |
+|  Optimizer           9.5 ms    9.5 ms    +0.0 ms   +0.0%                     |
+|  Wait                0.0 ms    0.0 ms    +0.0 ms   -                         |
+|  Compute             95.0 ms   95.0 ms   +0.0 ms   +0.0%                     |
+|  Median step (p50)   100.0 ms  110.0 ms  +10.0 ms  +10.0%                    |
+|  Step spread (IQR)   1.0 ms    1.0 ms    +0.0 ms   +0.0%                     |
+|                                                                              |
+|  Step Memory                                                                 |
+|  Diagnosis: BALANCED in both (same)                                          |
+|  Metric              A         B         Delta     %                         |
+|  Host RSS peak       2.0 GiB   1.0 GiB   -1.0 GiB  -50.0%                    |
+|  Host RSS growth     0 B       0 B       +0 B      -                         |
+|                                                                              |
+|  Process                                                                     |
+|  Diagnosis: NORMAL in both (same)                                            |
+|  Metric              A         B         Delta     %                         |
+|  CPU avg             90.0%     90.0%     +0.0 pp   +0.0%                     |
+|  CPU share of cores  11.2%     22.5%     +11.2 pp  +100.0%                   |
+|  RSS peak            2.0 GiB   1.0 GiB   -1.0 GiB  -50.0%                    |
+|  RSS of host RAM     3.1%      1.6%      -1.6 pp   -50.0%                    |
+|                                                                              |
+|  System                                                                      |
+|  Diagnosis: NORMAL in both (same)                                            |
+|  Metric              A         B         Delta     %                         |
+|  Host CPU avg        40.0%     40.0%     +0.0 pp   +0.0%                     |
+|  Host RAM peak       30.0%     30.0%     +0.0 pp   +0.0%                     |
+|                                                                              |
+|  Throughput                                                                  |
+|  Diagnosis: THROUGHPUT in both (same)                                        |
+|  Metric              A         B         Delta     %                         |
+|  Samples per step    32        32        +0        +0.0%                     |
+|  Samples/s           320       290.9     -29.09    -9.1%                     |
++------------------------------------------------------------------------------+
 """
 
 
@@ -344,3 +351,23 @@ def test_files_that_are_no_summary_are_one_line(runs: dict[str, Path], tmp_path:
     assert main([str(path), str(runs["base"])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("traceml compare: A:"), err
+
+
+def test_the_card_fits_80_columns_with_the_longest_labels_and_values(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The longest diagnosis labels, four-digit milliseconds and large rates: a narrower
+    # layout (diagnoses on their own line, a rate's unit in its name), never "...".
+    docs = []
+    for name, label, scale in (("a", "BORDERLINE COMMUNICATION-BOUND", 1.0),
+                               ("b", "HOST-WORK STRAGGLER", 1.3)):
+        doc = summary(tight(4321.0 * scale), session=name, rss_bytes=900 * GIB)
+        for section in ("step_time", "step_memory", "process", "system"):
+            doc[section]["diagnosis"]["label"] = label
+        docs.append(write(tmp_path / name, doc))
+    assert main([str(docs[0]), str(docs[1]), "--output", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) == 80, out
+    assert "..." not in out and "…" not in out
+    assert ("Diagnosis: A BORDERLINE COMMUNICATION-BOUND, B HOST-WORK STRAGGLER (changed)"
+            in unboxed(out))
+    assert "4321.0 ms" in out and "5617.3 ms" in out

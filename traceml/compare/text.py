@@ -1,9 +1,12 @@
 """The compare report as boxed text, the layout of the seed README (offline analysis).
 
 Runs in the offline-analysis process. Verdict first with its one-line why,
-then the two runs and any notes (schema, topology, partial runs), then one
-table per section (Step Time, Step Memory, Process, System): metric, A, B,
-delta (B - A) and % of A. All tables share column widths. ASCII only.
+then the two runs and any notes (schema, topology, partial runs), then per
+section (Step Time, Step Memory, Process, System, Throughput) its two diagnoses
+on one line and a table: metric, A, B, delta (B - A) and % of A.  All tables
+share column widths, and the card fits 80 columns: the diagnoses (labels up to
+30 characters) stay out of the table, and a rate's unit is in its metric's name,
+not in every cell.  ASCII only.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from collections.abc import Sequence
 from traceml.compare.model import Comparison, MetricRow, RunInfo, SectionCompare
 from traceml.diagnosis.finding import format_bytes
 
-MIN_WIDTH = 88
-"""The box is this wide, or wider when a table row needs it."""
+MIN_WIDTH = 80
+"""The box is this wide, or wider when a table row needs it (none does today)."""
 
 HEADER = ("Metric", "A", "B", "Delta", "%")
 MISSING = "-"
@@ -74,19 +77,18 @@ def run_line(run: RunInfo) -> str:
 def section_lines(section: SectionCompare, cells: list[tuple[str, ...]],
                   widths: Sequence[int]) -> list[str]:
     """A section's title, its INCONCLUSIVE line if any, and its table."""
-    lines = [section.title]
-    if section.inconclusive_why:  # only the diagnosis row: the other side has no numbers
-        lines.append(f"INCONCLUSIVE: {section.title} {section.inconclusive_why}.")
-        cells = cells[:1]
+    diag = section.diagnosis
+    a, b = diag.a or MISSING, diag.b or MISSING
+    said = f"A {a}, B {b} (changed)" if diag.changed else f"{a} in both (same)"
+    lines = [section.title, f"Diagnosis: {said}"]
+    if section.inconclusive_why:  # only the diagnoses: the other side has no numbers
+        return [*lines, f"INCONCLUSIVE: {section.title} {section.inconclusive_why}."]
     return lines + [format_row(row, widths) for row in [HEADER, *cells]]
 
 
 def table_cells(section: SectionCompare) -> list[tuple[str, ...]]:
-    """The diagnosis row, then one row per metric, as text cells."""
-    diag = section.diagnosis
-    rows = [("Diagnosis", diag.a or MISSING, diag.b or MISSING,
-             "changed" if diag.changed else "same", "")]
-    return rows + [metric_cells(row) for row in section.rows]
+    """One row per metric, as text cells."""
+    return [metric_cells(row) for row in section.rows]
 
 
 def metric_cells(row: MetricRow) -> tuple[str, ...]:
@@ -111,16 +113,16 @@ def format_value(key: str, value: float | None) -> str:
         return f"{value:.1f}%"
     if key.endswith("_w"):
         return f"{value:.0f} W"
-    if key in RATE_UNITS:
-        return f"{value:,.4g} {RATE_UNITS[key]}"
+    if key in RATE_KEYS:  # the metric's name says the unit
+        return f"{value:,.4g}"
     unit = " C" if key.endswith("_c") else " ms"
     return f"{value:.1f}{unit}"
 
 
-RATE_UNITS = {"samples_per_s": "samples/s", "tokens_per_s": "tokens/s",
-              "samples_per_step": "samples", "tokens_per_step": "tokens",
-              "achieved_tflops": "TFLOP/s"}
-"""Throughput keys and the unit each is shown in."""
+RATE_KEYS = frozenset({"samples_per_s", "tokens_per_s", "samples_per_step",
+                       "tokens_per_step", "achieved_tflops"})
+"""Throughput keys, shown as bare numbers: their metric names carry the unit
+(Samples/s, Tokens per step, Achieved TFLOP/s)."""
 
 
 def format_delta(key: str, delta: float) -> str:
@@ -131,8 +133,8 @@ def format_delta(key: str, delta: float) -> str:
         return f"{delta:+.1f} pp"
     if key.endswith("_w"):
         return f"{delta:+.0f} W"
-    if key in RATE_UNITS:
-        return f"{delta:+,.4g} {RATE_UNITS[key]}"
+    if key in RATE_KEYS:
+        return f"{delta:+,.4g}"
     unit = " C" if key.endswith("_c") else " ms"
     return f"{delta:+.1f}{unit}"
 
