@@ -30,7 +30,11 @@ def compare(tmp_path: Path, a: Path, b: Path, name: str) -> tuple[int, str, Any]
         check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode in (0, 1), proc.stderr
     assert (base.with_suffix(".txt")).read_text() == proc.stdout
-    return proc.returncode, proc.stdout, json.loads(base.with_suffix(".json").read_text())
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 80, proc.stdout
+    # the card's prose without its frame, wrapped lines joined
+    text = " ".join(line.strip("|+- ") for line in proc.stdout.splitlines())
+    return proc.returncode, " ".join(text.split()), json.loads(
+        base.with_suffix(".json").read_text())
 
 
 def test_slow_input_against_fast_input_both_ways(tmp_path: Path) -> None:
