@@ -233,3 +233,34 @@ def test_throughput_line_and_status_once_measured() -> None:
     low = render(render_view(live_snapshot(run(2, flops=5e12), 10000, now=T0 + 65)))
     assert "Throughput: 1,280 samples/s | 100 TFLOP/s | MFU 5.1%  LOW MFU\n" in low
     assert "Throughput:" not in render(render_view(live_snapshot(fixed_run(), 10000, now=T0)))
+
+
+EXPECTED_NARROW_TABLE = """\
+Step time, ms: median, worst below; last 11 aligned steps
+rank   step  input   fwd   bwd  optim  comm  hook  wait  total
+──────────────────────────────────────────────────────────────
+r0       11   5.00  30.0  56.0   10.0  6.10  1.25  0.00    101
+              6.00  30.0  56.0   10.0  6.10  1.25  0.00    102
+r1       11   41.0  30.0  20.0   10.0  11.1  1.25  0.00    101
+              42.0  30.0  20.0   10.0  11.1  1.25  0.00    102
+worst           r1    r0    r0     r0    r1    r0    r0     r0
+"""
+
+
+def test_an_80_column_terminal_gets_every_figure_whole() -> None:
+    # DDP with a comm hook: ten columns of median/worst do not fit 80 columns, so the
+    # headers shorten and each rank takes two lines (median, then worst): no "…".
+    run = fixed_run()
+    run = dataclasses.replace(run, steps=tuple(dataclasses.replace(
+        s, phase_ms={**s.phase_ms, "communication": 6.1 + 5 * s.rank, "hook": 1.25},
+        collective_ms=12.0) for s in run.steps))
+    snap = live_snapshot(run, 10000, now=T0 + 65)
+    narrow = render(render_view(snap, (), None), width=80, height=60)
+    assert all(len(line) <= 80 for line in narrow.splitlines())
+    assert "…" not in narrow
+    assert "\n".join(narrow.splitlines()[1:9]) + "\n" == EXPECTED_NARROW_TABLE
+    wide = render(render_view(snap, (), None), width=120, height=60).splitlines()
+    assert wide[2].split() == ["rank", "step", "input", "forward", "backward", "optimizer",
+                               "communication", "hook", "wait", "total"]
+    assert wide[4].split()[2:] == ["5.00/6.00", "30.0/30.0", "56.0/56.0", "10.0/10.0",
+                                   "6.10/6.10", "1.25/1.25", "0.00/0.00", "101/102"]
