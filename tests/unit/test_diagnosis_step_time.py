@@ -209,3 +209,17 @@ def test_distributions_keep_quantiles_per_phase() -> None:
         (24.5, 62.5, 100.5))
     assert times.dist("compute").mean == pytest.approx(9.0)
     assert times.node_rank == 0
+
+
+@pytest.mark.parametrize(("world", "said"), [
+    (1, "(25.0 of 100.0 ms)."),
+    (2, "(30.0 of 100.0 ms, the median of r0 10.0 and r1 50.0 ms)."),
+    (8, "(30.0 of 100.0 ms, the median over 8 ranks, which range 10.0 to 50.0 ms)."),
+])
+def test_a_median_over_ranks_says_what_it_is_made_of(world: int, said: str) -> None:
+    # With two ranks the median is no rank's value: the why names each rank's own.
+    def phases(rank: int) -> Phases:
+        inp = 25.0 if world == 1 else (10.0 if rank < world // 2 else 50.0)
+        return (inp, 30.0, 60.0 - inp, 10.0, 0.0)
+    (found,) = input_bound(times_of(world, phases))
+    assert found.why.endswith(said), found.why

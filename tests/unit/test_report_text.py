@@ -104,7 +104,7 @@ EXPECTED = """\
 |    and storage or preprocessing load on its node; every rank should load   |
 |    alike.                                                                  |
 |  - Also: INPUT-BOUND [crit]: Input (data loading) took 22.0% of step time  |
-|    (22.0 of 100.0 ms, median rank).                                        |
+|    (22.0 of 100.0 ms, the median of r0 4.0 and r1 40.0 ms).                |
 |  - Not measured: COMMUNICATION                                             |
 |                                                                            |
 |  Throughput                                                                |

@@ -140,6 +140,24 @@ def median_mean_ms(times: Mapping[int, RankStepTimes], phase: str) -> float:
     return statistics.median(t.mean(phase) for t in times.values())
 
 
+NAMED_RANKS = 4
+"""Up to this many ranks, a median over ranks names each rank's own value."""
+
+
+def over_ranks(times: Mapping[int, RankStepTimes], phase: str) -> str:
+    """What a median over ranks of ``phase`` is made of, since with an even number of
+    ranks it is no rank's own value: ``, the median of r0 0.6 and r1 11.0 ms``, or
+    the range over many ranks; nothing for one rank."""
+    means = {r: t.mean(phase) for r, t in sorted(times.items())}
+    if len(means) <= 1:
+        return ""
+    if len(means) <= NAMED_RANKS:
+        said = [f"r{r} {ms:.1f}" for r, ms in means.items()]
+        return f", the median of {', '.join(said[:-1])} and {said[-1]} ms"
+    return (f", the median over {len(means)} ranks, which range "
+            f"{min(means.values()):.1f} to {max(means.values()):.1f} ms")
+
+
 INPUT_NEXT = {
     "cuda": ("Feed the GPU faster: raise DataLoader num_workers, set pin_memory=True and "
              "persistent_workers=True, or move preprocessing out of the training loop."),
@@ -155,8 +173,8 @@ def input_bound(times: Mapping[int, RankStepTimes], device: str = "cpu") -> list
     return _share_rule(
         times, "input", "INPUT_BOUND", "INPUT-BOUND",
         (thresholds.INPUT_SHARE_WARN_PCT, thresholds.INPUT_SHARE_CRIT_PCT),
-        "Input (data loading) took {share:.1f}% of step time ({ms:.1f} of {step:.1f} ms, "
-        "median rank).",
+        "Input (data loading) took {share:.1f}% of step time ({ms:.1f} of {step:.1f} ms"
+        "{ranks}).",
         INPUT_NEXT.get(device, INPUT_NEXT["cpu"]),
     )
 
@@ -167,7 +185,7 @@ def wait_heavy(times: Mapping[int, RankStepTimes]) -> list[Finding]:
         times, "wait", "WAIT_HEAVY", "WAIT-HEAVY",
         (thresholds.WAIT_SHARE_WARN_PCT, thresholds.WAIT_SHARE_CRIT_PCT),
         f"Time outside {phases.describe(phases.PHASES)} took {{share:.1f}}% of step "
-        "time ({ms:.1f} of {step:.1f} ms, median rank).",
+        "time ({ms:.1f} of {step:.1f} ms{ranks}).",
         "Look for work between steps: host syncs (.item(), .cpu(), printing tensors), "
         "logging, checkpointing or evaluation inside the loop; profile one step with "
         "torch.profiler.",
@@ -196,8 +214,8 @@ def _share_rule(
     ranks.sort(key=lambda r: -(times[r].share_pct(phase) or 0.0))
     ms, step = median_mean_ms(times, phase), median_mean_ms(times, "total")
     evidence = {f"{phase}_share_pct": share, f"{phase}_ms": ms, "step_ms": step}
-    found = Finding(kind, label, severity or "warn", why.format(share=share, ms=ms, step=step),
-                    next_step, tuple(ranks), evidence)
+    said = why.format(share=share, ms=ms, step=step, ranks=over_ranks(times, phase))
+    found = Finding(kind, label, severity or "warn", said, next_step, tuple(ranks), evidence)
     return [as_borderline(found, levels[0]) if near else found]
 
 
@@ -221,8 +239,8 @@ def compute_bound(times: Mapping[int, RankStepTimes], device: str = "cpu") -> li
     compute = phases.describe(tuple(p for p in phases.PHASES if p.compute))
     why = (
         f"{compute.capitalize()} took {share:.1f}% of step time "
-        f"({median_mean_ms(times, 'compute'):.1f} of {median_mean_ms(times, 'total'):.1f} ms, "
-        "median rank); the rest is small."
+        f"({median_mean_ms(times, 'compute'):.1f} of {median_mean_ms(times, 'total'):.1f} ms"
+        f"{over_ranks(times, 'compute')}); the rest is small."
     )
     next_step = COMPUTE_NEXT.get(device, COMPUTE_NEXT["cpu"])
     return [Finding("COMPUTE_BOUND", "COMPUTE-BOUND", "info", why, next_step, (),
