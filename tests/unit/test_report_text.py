@@ -93,8 +93,7 @@ EXPECTED = """\
 |  - Typical step, ms (a rank's mean step without outlier steps;             |
 |    median/worst rank) | total 100.0/100.0 | input 22.0/40.0 | compute      |
 |    78.0/96.0 | wait 0.0/0.0                                                |
-|  - Ranks: the median/worst rank | total r0/r0 | input r0/r1 | compute      |
-|    r1/r0 | wait r0/r0                                                      |
+|  - Most time, by part: total r0, input r1, compute r0, wait r0             |
 |  - Input: DataLoader fetches and host-to-device copies                     |
 |  - GPU time: median/worst 72.5/90.0ms r0 (forward+backward+optimizer),     |
 |    from 2-4 of 17 steps (those timed)                                      |

@@ -188,9 +188,8 @@ def _step_time_stats(section: Section) -> list[str]:
     lines = [f"- Typical step, ms (a rank's mean step without outlier steps; median/worst "
              f"rank) | {stats}"]
     if len(section.scope.ranks) > 1:
-        ranks = " | ".join(f"{p.name} r{stat.median_rank}/r{stat.worst_rank}"
-                           for p, stat in shown)
-        lines.append(f"- Ranks: the median/worst rank | {ranks}")
+        ranks = ", ".join(f"{p.name} r{stat.worst_rank}" for p, stat in shown)
+        lines.append(f"- Most time, by part: {ranks}")
     if section.scope.input_source:
         lines.append(f"- Input: {INPUT_TEXT[section.scope.input_source]}")
     evals, num = section.stats.get("eval_total_ms"), section.stats.get("num_eval")
