@@ -46,7 +46,8 @@ RELAY_INTERVAL_S = 1.0
 POLL_MS = 100
 DRAIN_IDLE_S = 0.3
 DRAIN_MAX_S = 5.0
-DRAIN_CHECK_EVERY = 16  # messages handled between looks at the clock in one poll
+DRAIN_BEHIND_MAX_S = 12.0  # ...and while messages still wait in the socket (under the
+# launcher's 15 s STOP_TIMEOUT_S: the collector commits and exits before it is killed)
 BEHIND_COMMIT_S = 1.0  # node 0's commit interval while messages wait in its socket
 # What one sender may queue in the receive buffer: messages x the largest message
 # bounds its bytes (64 x 8 MiB); a sender over it waits, then drops and counts.
@@ -147,9 +148,9 @@ class Listener:
 
     def poll(self, timeout_ms: int, collector: Collector,
              budget_s: float = COMMIT_INTERVAL_S) -> int:
-        """Handle what arrived, for ``budget_s`` at most (the rest waits in the socket:
-        under a flood the caller still commits on time); returns how many data
-        messages were handled."""
+        """Handle what arrived, for ``budget_s`` at most (at least one message; the rest
+        waits in the socket: under a flood the caller still commits on time); returns
+        how many data messages were handled."""
         events = dict(self.poller.poll(timeout_ms))
         if self.monitor in events:
             self._count_handshake_failures(collector)
@@ -160,7 +161,7 @@ class Listener:
         n = 0
         until = time.monotonic() + budget_s
         while True:
-            if n and n % DRAIN_CHECK_EVERY == 0 and time.monotonic() >= until:
+            if n and time.monotonic() >= until:  # a clock read is nothing beside handle()
                 self.behind = True
                 return n
             try:
@@ -311,8 +312,11 @@ def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> 
             last_commit = now
         if drain_since is None and (collector.ended or os.getppid() != config.parent_pid):
             drain_since = now
+        # Draining: until the senders are quiet or all said goodbye, DRAIN_MAX_S at most,
+        # or DRAIN_BEHIND_MAX_S while a backlog is still being worked through.
+        drain_max_s = DRAIN_BEHIND_MAX_S if listener.behind else DRAIN_MAX_S
         if drain_since is not None and (
-            now - last_data >= DRAIN_IDLE_S or now - drain_since >= DRAIN_MAX_S
+            now - last_data >= DRAIN_IDLE_S or now - drain_since >= drain_max_s
             or (collector.ended and collector.all_said_bye())
         ):
             return
