@@ -264,3 +264,17 @@ def test_an_80_column_terminal_gets_every_figure_whole() -> None:
                                "communication", "hook", "wait", "total"]
     assert wide[4].split()[2:] == ["5.00/6.00", "30.0/30.0", "56.0/56.0", "10.0/10.0",
                                    "6.10/6.10", "1.25/1.25", "0.00/0.00", "101/102"]
+
+
+def test_a_narrow_table_keeps_the_diagnosis_on_an_80x24_terminal() -> None:
+    # 8 DDP ranks at 80 columns: two lines a rank, so only the 4 slowest are shown
+    # (said in the caption), and the diagnosis still fits in 24 lines.
+    run = wide_run(8, 12, slow_rank=5)
+    run = dataclasses.replace(run, steps=tuple(dataclasses.replace(
+        s, phase_ms={**s.phase_ms, "communication": 3.0, "hook": 1.0}) for s in run.steps))
+    text = render(render_view(live_snapshot(run, 10000, now=T0 + 65), (), None),
+                  width=80, height=24)
+    lines = text.splitlines()
+    assert "4 slowest of 8 ranks shown" in text and "…" not in text
+    assert sum(line.startswith("r") and line.split()[1].isdigit() for line in lines) == 4
+    assert any(line.startswith("Diagnosis: ") for line in lines[:24]), text

@@ -90,10 +90,10 @@ def header(snap: Snapshot) -> Text:
     return text
 
 
-def _shown_ranks(rows: Sequence[RankPhases]) -> list[RankPhases]:
-    if len(rows) <= MAX_TABLE_RANKS:
+def _shown_ranks(rows: Sequence[RankPhases], most: int = MAX_TABLE_RANKS) -> list[RankPhases]:
+    if len(rows) <= most:
         return list(rows)
-    slowest = sorted(rows, key=lambda r: -r.median_ms.get("total_ms", 0.0))[:MAX_TABLE_RANKS]
+    slowest = sorted(rows, key=lambda r: -r.median_ms.get("total_ms", 0.0))[:most]
     return sorted(slowest, key=lambda r: r.rank)
 
 
@@ -101,6 +101,9 @@ SHORT_NAMES = {"communication": "comm", "optimizer": "optim", "backward": "bwd",
                "forward": "fwd"}
 """Column headers in the narrow layout (:class:`PhaseTable`)."""
 UNBOUNDED_WIDTH = 10_000  # wide enough to measure any table's natural width
+NARROW_TABLE_RANKS = 4
+"""Ranks in the narrow layout at most (the slowest): two lines each, so the
+diagnosis still shows on an 80x24 terminal."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ def phase_table(snap: Snapshot) -> RenderableType:
 
 def _rank_table(snap: Snapshot, narrow: bool) -> Table:
     rows = snap.phases
-    shown = _shown_ranks(rows)
+    shown = _shown_ranks(rows, NARROW_TABLE_RANKS if narrow else MAX_TABLE_RANKS)
     num = snap.report.step_time.scope.num_steps
     title = (f"Step time, ms: median, worst below; last {num} aligned steps" if narrow else
              f"Step time, ms: median / worst of the last {num} aligned steps")
