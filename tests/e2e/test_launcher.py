@@ -249,6 +249,7 @@ def test_traceml_options_after_the_script_are_named_when_the_script_refuses_them
     assert res.returncode == 2, res.stderr[-2000:]
     assert "unrecognized arguments: --html --nproc-per-node=2" in res.stderr
     last = res.stderr.strip().splitlines()[-1]
-    assert last == ("traceml run: --html --nproc-per-node came after loop.py, so loop.py got "
-                    "them, as with torchrun; traceml's and torchrun's options go before the "
-                    "script: traceml run [options] loop.py [script arguments]"), res.stderr
+    assert last == ("traceml run: loop.py exited 2 (argparse's status for arguments it does "
+                    "not take) and got --html --nproc-per-node, options of traceml run too; if "
+                    "they were meant for traceml or torchrun, put them before the script: "
+                    "traceml run [options] loop.py [script arguments]"), res.stderr

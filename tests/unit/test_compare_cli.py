@@ -371,3 +371,25 @@ def test_the_card_fits_80_columns_with_the_longest_labels_and_values(
     assert ("Diagnosis: A BORDERLINE COMMUNICATION-BOUND, B HOST-WORK STRAGGLER (changed)"
             in unboxed(out))
     assert "4321.0 ms" in out and "5617.3 ms" in out
+
+
+def test_rates_read_whole_without_exponents() -> None:
+    from traceml.compare.text import format_delta, format_value
+    assert format_value("tokens_per_s", 123456.0) == "123,456"
+    assert format_delta("tokens_per_s", -12345.4) == "-12,345"
+    assert format_value("samples_per_s", 290.91) == "290.9"
+    assert format_value("achieved_tflops", 4.062e-05) == "4.062e-05"
+    assert format_delta("samples_per_s", 750.44) == "+750.4"
+
+
+def test_default_base_beside_a_symlinked_session_stays_in_the_logs_folder(
+        runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    elsewhere = tmp_path / "archive" / "fast-2026"
+    elsewhere.parent.mkdir()
+    runs["fast"].rename(elsewhere)
+    (runs["base"].parent / "latest").symlink_to(elsewhere)
+    monkeypatch.chdir(tmp_path)
+    assert main([str(runs["base"]), "logs/latest"]) == 0
+    assert sorted(p.name for p in (tmp_path / "logs").glob("compare_*")) == [
+        "compare_base_vs_fast-2026.json", "compare_base_vs_fast-2026.txt"]  # its label
+    assert not list((tmp_path / "archive").glob("compare_*"))

@@ -85,6 +85,9 @@ def test_normal_and_abstentions_come_last() -> None:
     assert findings[0].why.startswith("CPU and RAM showed no system pressure")
     assert findings[0].why.endswith(" (no GPU was sampled).")
     assert labels(diagnose_system(nodes_of((10.0, 10.0, (gpu(0),))))) == ["NORMAL"]
+    # A MIG slice: memory and temperature sampled, utilization never reported.
+    mig = diagnose_system(nodes_of((10.0, 10.0, (gpu(0, util=None),))))
+    assert mig[0].why.endswith(" (GPUs sampled, but none reported utilization)."), mig[0].why
 
 
 def test_not_measured_without_samples() -> None:

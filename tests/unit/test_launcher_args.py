@@ -31,9 +31,10 @@ def test_late_options_are_the_scripts_arguments_that_are_ours(argv: list[str],
 def test_the_hint_needs_a_usage_exit_and_a_late_option() -> None:
     late = parse("run", ["train.py", "--html"])
     assert late_options_hint(late, 2) == (
-        "traceml run: --html came after train.py, so train.py got it, as with torchrun; "
-        "traceml's and torchrun's options go before the script: traceml run [options] "
-        "train.py [script arguments]")
+        "traceml run: train.py exited 2 (argparse's status for arguments it does not take) "
+        "and got --html, an option of traceml run too; if it was meant for traceml or "
+        "torchrun, put it before the script: traceml run [options] train.py "
+        "[script arguments]")
     assert late_options_hint(late, 0) is None  # the script took --html as its own
     assert late_options_hint(late, 1) is None  # it failed for some other reason
     assert late_options_hint(dataclasses.replace(late, late_options=()), 2) is None

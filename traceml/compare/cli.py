@@ -129,7 +129,7 @@ def run(options: CompareOptions) -> tuple[Comparison, str]:
 def default_base(b: str, a_label: str, b_label: str) -> str:
     """``compare_<A>_vs_<B>`` beside run B: in the folder holding B's session folder
     (the logs folder), or B's summary file; never the current folder by default."""
-    given = Path(b).resolve()
+    given = Path(os.path.abspath(b))  # '..' resolved, a symlinked session folder kept
     return str(given.parent / f"compare_{a_label}_vs_{b_label}")
 
 

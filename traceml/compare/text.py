@@ -114,7 +114,7 @@ def format_value(key: str, value: float | None) -> str:
     if key.endswith("_w"):
         return f"{value:.0f} W"
     if key in RATE_KEYS:  # the metric's name says the unit
-        return f"{value:,.4g}"
+        return _rate(value)
     unit = " C" if key.endswith("_c") else " ms"
     return f"{value:.1f}{unit}"
 
@@ -134,9 +134,15 @@ def format_delta(key: str, delta: float) -> str:
     if key.endswith("_w"):
         return f"{delta:+.0f} W"
     if key in RATE_KEYS:
-        return f"{delta:+,.4g}"
+        return ("+" if delta >= 0 else "-") + _rate(abs(delta))
     unit = " C" if key.endswith("_c") else " ms"
     return f"{delta:+.1f}{unit}"
+
+
+def _rate(value: float) -> str:
+    """4 significant digits below 1000 (``290.9``, ``4.062e-05`` for tiny TFLOP/s),
+    whole numbers with thousands separators above (``123,456``), never ``1.235e+05``."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
 def column_widths(rows: Sequence[Sequence[str]]) -> list[int]:

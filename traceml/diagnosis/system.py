@@ -193,9 +193,14 @@ def normal(nodes: Mapping[int, NodeSystem]) -> Finding:
     cpu = max(s.cpu_avg_pct for s in nodes.values())
     ram = max(s.ram_peak_pct for s in nodes.values())
     utils = [g.util_avg_pct for s in nodes.values() for g in s.gpus if g.util_avg_pct is not None]
+    sampled = any(s.gpus for s in nodes.values())
     measured = "CPU, RAM and GPU" if utils else "CPU and RAM"
     why = f"{measured} showed no system pressure: CPU avg {cpu:.1f}%, RAM peak {ram:.1f}%"
-    why += f", lowest GPU util {min(utils):.1f}%." if utils else " (no GPU was sampled)."
+    if utils:
+        why += f", lowest GPU util {min(utils):.1f}%."
+    else:  # MIG slices and some vGPUs report memory and temperature but no utilization
+        why += " (GPUs sampled, but none reported utilization)." if sampled else \
+            " (no GPU was sampled)."
     return Finding("NORMAL", "NORMAL", "info", why, "Nothing to fix on the hosts.")
 
 

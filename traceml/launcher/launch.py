@@ -275,9 +275,11 @@ def late_options_hint(cfg: RunConfig, exit_code: int) -> str | None:
         return None
     names = " ".join(cfg.late_options)
     script = Path(cfg.training_script).name
-    them = "them" if len(cfg.late_options) > 1 else "it"
-    return (f"traceml {cfg.command}: {names} came after {script}, so {script} got {them}, "
-            f"as with torchrun; traceml's and torchrun's options go before the script: "
+    one = len(cfg.late_options) == 1
+    return (f"traceml {cfg.command}: {script} exited 2 (argparse's status for arguments it "
+            f"does not take) and got {names}, {'an option' if one else 'options'} of "
+            f"traceml {cfg.command} too; if {'it was' if one else 'they were'} meant for "
+            f"traceml or torchrun, put {'it' if one else 'them'} before the script: "
             f"traceml {cfg.command} [options] {script} [script arguments]")
 
 
