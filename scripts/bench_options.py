@@ -12,6 +12,7 @@ and says so (a child process that never answers ends the run, never hangs it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import signal
 import sys
@@ -19,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+import psutil
 
 QUICK_LIMIT_S = 120.0  # --quick's own bound, when --time-limit is not given
 
@@ -47,10 +50,14 @@ def parse(parser: argparse.ArgumentParser, quick: Mapping[str, Any],
 
 def bound(limit_s: float) -> None:
     """End the script with exit 1 once ``limit_s`` seconds have passed (SIGALRM: the
-    main thread's blocking waits are interrupted; `subprocess.run` kills its child)."""
+    main thread's blocking waits are interrupted), killing every process it started
+    first, theirs too (a ``traceml run``'s ranks and collector)."""
     name = Path(sys.argv[0]).name
 
     def expire(signum: int, frame: FrameType | None) -> None:
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
         raise SystemExit(f"{name}: still running after {limit_s:g} s (--time-limit); stopped")
 
     signal.signal(signal.SIGALRM, expire)

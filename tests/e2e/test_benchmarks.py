@@ -6,6 +6,7 @@ or never answers, and the whole run's time limit each end it with exit 1."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
@@ -80,33 +81,47 @@ def test_quick_mode_runs_to_its_last_line(tmp_path: Path, name: str, options: li
         assert re.search(line, done.stdout, re.MULTILINE), (line, said)
 
 
-def test_time_limit_stops_a_benchmark_and_leaves_nothing_behind() -> None:
+@pytest.mark.parametrize("command", [
+    ["bench_collector_scale.py", "--quick", "--duration", "60", "--time-limit", "3"],
+    # demo.sh's traceml run (launcher, collector, ranks) under the script: all of it goes
+    ["check_demo.py", "--quick", "--time-limit", "5"],
+], ids=["collector-scale", "traceml-run-below-a-shell"])
+def test_time_limit_stops_a_benchmark_and_leaves_nothing_behind(command: list[str]) -> None:
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "bench_collector_scale.py"),
-                             "--quick", "--duration", "60", "--time-limit", "3"],
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / command[0]), *command[1:]],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, cwd=ROOT)
+    seen: dict[int, float] = {}  # every process it started, ranks in their own sessions too
     try:
-        out, err = proc.communicate(timeout=60)
+        while proc.poll() is None and time.monotonic() - started < 60:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        seen.setdefault(child.pid, child.create_time())
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=30)
     finally:
-        left = _session_processes(proc.pid)
-        os.killpg(proc.pid, signal.SIGKILL) if left else None
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1, (out, err)
-    assert "still running after 3 s (--time-limit); stopped" in err, err
+    assert f"still running after {command[-1]} s (--time-limit); stopped" in err, err
     assert time.monotonic() - started < 30
-    deadline = time.monotonic() + 15  # the collector and relays follow their parent out
-    while _session_processes(proc.pid) and time.monotonic() < deadline:
+    assert seen, "it started no process"
+    deadline = time.monotonic() + 3  # killed at once, not left to finish on their own
+    while _alive(seen) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _session_processes(proc.pid) == []
+    assert _alive(seen) == []
 
 
-def _session_processes(sid: int) -> list[int]:
+def _alive(seen: dict[int, float]) -> list[int]:
+    """Those of ``seen`` (pid: start time) still running, zombies aside."""
     alive = []
-    for p in psutil.process_iter(["pid", "status"]):
+    for pid, created in seen.items():
         try:
-            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                alive.append(p.pid)
-        except (ProcessLookupError, PermissionError, psutil.Error):
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.Error:
             continue
     return alive
 
