@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
-from rich.measure import Measurement
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
@@ -90,56 +89,26 @@ def header(snap: Snapshot) -> Text:
     return text
 
 
-def _shown_ranks(rows: Sequence[RankPhases], most: int = MAX_TABLE_RANKS) -> list[RankPhases]:
-    if len(rows) <= most:
+def _shown_ranks(rows: Sequence[RankPhases]) -> list[RankPhases]:
+    if len(rows) <= MAX_TABLE_RANKS:
         return list(rows)
-    slowest = sorted(rows, key=lambda r: -r.median_ms.get("total_ms", 0.0))[:most]
+    slowest = sorted(rows, key=lambda r: -r.median_ms.get("total_ms", 0.0))[:MAX_TABLE_RANKS]
     return sorted(slowest, key=lambda r: r.rank)
-
-
-SHORT_NAMES = {"communication": "comm", "optimizer": "optim", "backward": "bwd",
-               "forward": "fwd"}
-"""Column headers in the narrow layout (:class:`PhaseTable`)."""
-UNBOUNDED_WIDTH = 10_000  # wide enough to measure any table's natural width
-NARROW_TABLE_RANKS = 4
-"""Ranks in the narrow layout at most (the slowest): two lines each, so the
-diagnosis still shows on an 80x24 terminal."""
-
-
-@dataclass(frozen=True)
-class PhaseTable:
-    """The per-rank phase table, laid out for the console's width: ``median/worst``
-    cells when they fit, else short headers and each rank on two lines (its median
-    above its worst), so an 80-column terminal shows every figure whole."""
-
-    snap: Snapshot
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        table = _rank_table(self.snap, narrow=False)
-        unbounded = options.update(width=UNBOUNDED_WIDTH)  # a measure is clamped to its width
-        if Measurement.get(console, unbounded, table).maximum > options.max_width:
-            table = _rank_table(self.snap, narrow=True)
-        yield table
 
 
 def phase_table(snap: Snapshot) -> RenderableType:
     """Per rank, median / worst ms of each phase; the worst rank of each phase named.
     At many ranks, the spread across ranks and the worst ranks instead (:func:`spread_table`)."""
-    if not snap.phases:
+    rows = snap.phases
+    if not rows:
         if snap.report.meta.mode == "watch":
             return Text("traceml watch times no steps: System and Process only.", style="dim")
         return Text("Waiting for the first training steps...", style="dim")
     if snap.wide is not None:
         return spread_table(snap, snap.wide)
-    return PhaseTable(snap)
-
-
-def _rank_table(snap: Snapshot, narrow: bool) -> Table:
-    rows = snap.phases
-    shown = _shown_ranks(rows, NARROW_TABLE_RANKS if narrow else MAX_TABLE_RANKS)
-    num = snap.report.step_time.scope.num_steps
-    title = (f"Step time, ms: median, worst below; last {num} aligned steps" if narrow else
-             f"Step time, ms: median / worst of the last {num} aligned steps")
+    shown = _shown_ranks(rows)
+    title = (f"Step time, ms: median / worst of the last {snap.report.step_time.scope.num_steps}"
+             " aligned steps")
     caption = f"{len(shown)} slowest of {len(rows)} ranks shown" if len(shown) < len(rows) else None
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1),
@@ -149,12 +118,12 @@ def _rank_table(snap: Snapshot, narrow: bool) -> Table:
     names = ("rank", *(("node",) if with_node else ()), "step",
              *(p.removesuffix("_ms") for p in columns))
     for name in names:
-        table.add_column(SHORT_NAMES.get(name, name) if narrow else name,
-                         justify="left" if name in ("rank", "node") else "right", no_wrap=True)
+        table.add_column(name, justify="left" if name in ("rank", "node") else "right",
+                         no_wrap=True)
     for row in shown:
         node = ("-" if row.node_rank is None else f"n{row.node_rank}",) if with_node else ()
         table.add_row(f"r{row.rank}", *node, "-" if row.last_step is None else str(row.last_step),
-                      *(_cell(snap, row, p, narrow) for p in columns))
+                      *(_cell(snap, row, p) for p in columns))
     if len(rows) > 1:
         table.add_row("worst", *(("",) if with_node else ()), "",
                       *(f"r{snap.worst_ranks[p]}" if p in snap.worst_ranks else "-"
@@ -206,11 +175,10 @@ def shown_columns(snap: Snapshot) -> tuple[str, ...]:
     return tuple(p.column for p in phases.visible(TABLE_PARTS, spent))
 
 
-def _cell(snap: Snapshot, row: RankPhases, phase: str, narrow: bool = False) -> Text:
+def _cell(snap: Snapshot, row: RankPhases, phase: str) -> Text:
     if phase not in row.median_ms:
         return Text("-")
-    between = "\n" if narrow else "/"  # narrow: the worst on the line below
-    text = f"{format_ms(row.median_ms[phase])}{between}{format_ms(row.worst_ms[phase])}"
+    text = f"{format_ms(row.median_ms[phase])}/{format_ms(row.worst_ms[phase])}"
     hot = len(snap.phases) > 1 and snap.worst_ranks.get(phase) == row.rank
     return Text(text, style="bold red" if hot else "")
 
