@@ -1,20 +1,58 @@
 #!/usr/bin/env bash
-# Install traceml for development on a fresh machine: torch pinned to the
-# CPU build that is available locally, then traceml (editable) and the test
-# tools.  Safe to run again.
+# Install traceml into the project's own virtual environment, .venv in the
+# repository root (TRACEML_VENV to put it elsewhere), created with python3
+# (BASE_PYTHON to choose another).  A Python the system manages (Debian's, which
+# refuses pip with "externally-managed-environment") is only used to create it.
+#
+#   scripts/setup.sh          torch 2.13.0 (the CPU build on this disk) and the
+#                             runtime dependencies: what scripts/demo.sh needs
+#   scripts/setup.sh --dev    also the test tools, the framework extras the tests
+#                             in tests/frameworks/ run (SKIP_FRAMEWORK_EXTRAS=1
+#                             leaves them out), Chromium and tmux
+#
+# Safe to run again.  Use it afterwards with `. .venv/bin/activate`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
-# Live-view tests: Debian's Chromium driven by Playwright (Playwright's own
-# browser download is not reachable) and tmux for the terminal view.
-if { [ ! -x /usr/bin/chromium ] || ! command -v tmux >/dev/null; } && command -v apt-get >/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium tmux >/dev/null
+DEV=0
+case "${1:-}" in
+    --dev) DEV=1 ;;
+    "") ;;
+    *) echo "usage: scripts/setup.sh [--dev]" >&2; exit 2 ;;
+esac
+VENV="${TRACEML_VENV:-.venv}"
+BASE="${BASE_PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    if ! "$BASE" -m venv "$VENV" 2>/dev/null; then
+        rm -rf "$VENV"
+        # Debian and Ubuntu ship venv's pip bootstrap separately.
+        if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+            apt-get update -qq
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+        fi
+        "$BASE" -m venv "$VENV" || {
+            echo "scripts/setup.sh: $BASE cannot create a virtual environment" \
+                 "(on Debian or Ubuntu: apt-get install python3-venv)" >&2
+            exit 1
+        }
+    fi
 fi
-"$PY" -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
-# The framework extras the tests in tests/frameworks/ run (torch stays pinned).
-if [ "${SKIP_FRAMEWORK_EXTRAS:-0}" != "1" ]; then
-    "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" \
-        -r requirements-frameworks.txt
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+if [ "$DEV" = 1 ]; then
+    # Live-view tests: Debian's Chromium driven by Playwright (Playwright's own
+    # browser download is not reachable) and tmux for the terminal view.
+    if { [ ! -x /usr/bin/chromium ] || ! command -v tmux >/dev/null; } && command -v apt-get >/dev/null; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium tmux >/dev/null
+    fi
+    "${PIP[@]}" -r requirements-dev.txt
+    # The framework extras the tests in tests/frameworks/ run (torch stays pinned).
+    if [ "${SKIP_FRAMEWORK_EXTRAS:-0}" != "1" ]; then
+        "${PIP[@]}" "torch==2.13.0" -r requirements-frameworks.txt
+    fi
+else
+    "${PIP[@]}" "torch==2.13.0"
 fi
-"$PY" -m pip install --quiet --disable-pip-version-check --no-deps -e .
+# The runtime dependencies come from pyproject.toml (torch stays pinned).
+"${PIP[@]}" "torch==2.13.0" -e .

@@ -136,6 +136,6 @@ def table_json() -> list[dict[str, str | bool]]:
     return [
         {"name": p.name, "column": p.column, "label": p.label, "colour": p.colour,
          "kind": "phase" if p in PHASES else p.name, "compute": p.compute,
-         "collective": p.collective}
+         "collective": p.collective, "waits": p.waits}
         for p in step_metrics()
     ]

@@ -17,6 +17,7 @@ import pytest
 import traceml
 from traceml.errors import WarnOnce
 from traceml.integrations import boundaries
+from traceml.integrations.requirement import EXTRAS
 
 FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning", "wandb", "mlflow")
 MISSING = {
@@ -47,8 +48,20 @@ def test_missing_framework_names_the_pip_command(monkeypatch: pytest.MonkeyPatch
     for name in blocked:
         monkeypatch.setitem(sys.modules, name, None)  # None makes "import name" fail
     monkeypatch.delitem(sys.modules, f"traceml.integrations.{module}", raising=False)
-    with pytest.raises(ImportError, match=rf"pip install 'traceml-ai\[{extra}\]'"):
+    with pytest.raises(ImportError) as raised:
         importlib.import_module(f"traceml.integrations.{module}")
+    packages = " ".join(f"'{r}'" for r in EXTRAS[extra])
+    assert f"pip install {packages} (traceml-run's '{extra}' extra)" in str(raised.value)
+
+
+def test_extras_named_in_errors_are_pyprojects() -> None:
+    """The packages an error tells to install are those the extra installs."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "traceml-run"
+    assert {k: tuple(v) for k, v in project["optional-dependencies"].items()
+            if k in EXTRAS} == EXTRAS
 
 
 class FakeRuntime:

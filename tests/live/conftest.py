@@ -61,6 +61,30 @@ def fixed_run(num_steps: int = 12) -> RunData:
     return RunData(meta, steps, process, system)
 
 
+def comm_run(num_steps: int = 30) -> RunData:
+    """2 CPU ranks under gloo DDP, collectives timed, as in the demo: r1 loads each batch
+    20 ms slower, r0 waits for it in the gradient all-reduce (its communication)."""
+    meta = RunMeta(
+        session_id="comm-demo", command=["train.py"], started_at=T0, ended_at=T0,
+        exit_code=None, partial=True, world_size=2, missing_ranks=(),
+        nodes=(NodeInfo(0, "cpu-box", (0, 1)),), device="cpu",
+        versions={"traceml": "0.1.0", "torch": "2.13.0", "python": "3.11.7"},
+        transport={"sent": 10, "dropped": 0, "gaps": 0, "rejected": 0},
+    )
+    steps = []
+    for s in range(num_steps):
+        for rank, input_ms, comm_ms in ((0, 0.5, 22.0 + (s % 3) * 0.1), (1, 20.5, 2.0)):
+            row = step_row(rank, s, input_ms + (s % 2) * 0.1, 40.0, 1.0, 0.2, 64.0 + (s % 2) * 0.1,
+                           0.3, rss_bytes=GIB, t=T0 + 1 + s * 0.065, collective_ms=comm_ms)
+            steps.append(dataclasses.replace(row, phase_ms={**row.phase_ms,
+                                                            "communication": comm_ms}))
+    process = tuple(ProcessSample(r, 0, T0 + t, 100.0, GIB, 256 * GIB, 32, None, None, None)
+                    for r in (0, 1) for t in (1, 2))
+    system = tuple(SystemSample(0, "cpu-box", T0 + t, 25.0, 30.0, 256 * GIB, ())
+                   for t in (1, 2))
+    return RunData(meta, tuple(steps), process, system)
+
+
 WIDE_SLOW_MS = 30.0
 """How much slower the planted rank of :func:`wide_run` loads its batches."""
 

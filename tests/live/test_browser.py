@@ -178,3 +178,31 @@ def test_html_report_headlines_a_stall_and_keeps_a_cleared_one_in_view(
             assert "r1 (n0) made no progress for" in page.inner_text("#verdict")
         assert watch.errors == [] and watch.outside_requests == []
         page.close()
+
+
+def test_the_phase_table_marks_the_blamed_rank_not_the_one_that_waits(
+        tmp_path: Path, browser: Any) -> None:
+    """The demo's straggler on the page: the one red cell is r1's input (the verdict);
+    r0's communication, the most of that column because r0 waits for r1, is marked
+    as waiting; the key under the table says which is which."""
+    from tests.live.conftest import comm_run
+
+    run = comm_run()
+    path = write_html(tmp_path / "final_summary.html", build_report(run, 10000), run)
+    page, watch = open_page(browser, "file://")
+    page.goto(path.as_uri())
+    wait_for(lambda: chart_facts(page)["renders"], 20, "the page to render")
+    marks = page.eval_on_selector_all(
+        "#table tr[data-rank] td[class]",
+        "tds => tds.map((td) => [td.parentElement.dataset.rank, td.cellIndex, td.className])")
+    head = page.eval_on_selector_all("#table thead th", "ths => ths.map((th) => th.textContent)")
+    named = {(rank, head[index], kind) for rank, index, kind in marks}
+    assert named == {("1", "input", "hot"), ("0", "communication", "waited")}
+    assert page.get_attribute("#table td.hot", "title") == "INPUT STRAGGLER: r1"
+    most = page.inner_text("#table tr.worst").split("\t")
+    assert most[head.index("communication")] == "r0 (waiting)"
+    assert most[head.index("forward")] == "–"  # 40 ms on both ranks: neither has the most
+    assert "Red: what the verdict blames" in page.inner_text("#table [data-key=table]")
+    page.screenshot(path=str(artifact("html-report-straggler-marks.png")), full_page=True)
+    assert watch.errors == [] and watch.outside_requests == []
+    page.close()

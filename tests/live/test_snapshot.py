@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tests.live.conftest import GIB, T0, fixed_run
+from tests.live.conftest import GIB, T0, comm_run, fixed_run
 from tests.rows import run_start, step_record, step_row
-from traceml.diagnosis.samples import StepRow
+from traceml.diagnosis.samples import RunData, StepRow
 from traceml.live.tail import StoreTail
 from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, Sender
 from traceml.report import build_report, report_to_json
@@ -173,3 +173,47 @@ def test_a_job_wide_stall_at_1024_ranks_keeps_the_page_document_small() -> None:
     assert [i["rank"] for i in doc["summary"]["ending"]["incidents"]] == [677]
     assert doc["summary"]["ending"]["findings"][0]["why"] == report.primary.finding.why
     assert len(json.dumps(doc["summary"]["ending"])) < 10_000  # 0.7 MB with every incident
+
+
+def _scenario(name: str) -> RunData:
+    import json
+
+    from traceml.diagnosis.samples import from_jsonable
+    path = Path(__file__).parents[1] / "fixtures" / "scenarios" / name / "run.json"
+    return from_jsonable(json.loads(path.read_text()))
+
+
+def test_blamed_cells_are_the_findings_not_each_columns_highest() -> None:
+    """The demo's straggler: r1's input is blamed; r0 has the most communication (it
+    waits) and nothing blamed."""
+    snap = live_snapshot(comm_run(), 10000, now=T0 + 5)
+    assert snap.blamed == {1: {"input_ms": "INPUT STRAGGLER"}}
+    assert snap.worst_ranks == {"input_ms": 1, "communication_ms": 0}
+    assert snapshot_to_json(snap, live=True)["blamed"] == {"1": {"input_ms": "INPUT STRAGGLER"}}
+
+
+def test_a_compute_straggler_is_blamed_for_its_slowest_compute_phase() -> None:
+    run = _scenario("compute_straggler_8r")
+    snap = build_snapshot(run, build_report(run, 10000), ended=True)
+    [finding] = [f for f in snap.report.step_time.findings if f.kind == "COMPUTE_STRAGGLER"]
+    [rank] = finding.ranks
+    assert list(snap.blamed) == [rank]
+    assert set(snap.blamed[rank]) <= {"forward_ms", "backward_ms", "optimizer_ms"}
+    assert all(snap.worst_ranks[column] == rank for column in snap.blamed[rank])
+
+
+def test_a_healthy_or_borderline_run_has_nothing_blamed() -> None:
+    for name in ("healthy", "input_bound"):
+        run = _scenario(name)
+        snap = build_snapshot(run, build_report(run, 10000), ended=True)
+        actionable = [f for f in snap.report.step_time.findings
+                      if f.severity != "info" and f.ranks]
+        assert bool(snap.blamed) == bool(actionable), name
+    # A finding said at info (borderline) names no cell.
+    report = build_report(comm_run(), 10000)
+    step_time = report.section("step_time")
+    quiet = dataclasses.replace(step_time, findings=tuple(
+        dataclasses.replace(f, severity="info") for f in step_time.findings))
+    quiet_report = dataclasses.replace(report, step_time=quiet)
+    snap = build_snapshot(comm_run(), quiet_report, ended=True)
+    assert snap.blamed == {}

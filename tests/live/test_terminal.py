@@ -8,9 +8,9 @@ from pathlib import Path
 
 from rich.console import Console, RenderableType
 
-from tests.live.conftest import T0, fixed_run, wide_run
+from tests.live.conftest import T0, comm_run, fixed_run, wide_run
 from traceml.diagnosis.samples import RunData
-from traceml.live.terminal import render_view, status_line
+from traceml.live.terminal import _cell, render_view, status_line
 from traceml.live.worker_output import OutputLine, WorkerOutput, clean_line
 from traceml.report.page.snapshot import live_snapshot
 
@@ -28,11 +28,11 @@ OUTPUT = (OutputLine(0, "rank 0 step 10 loss 1.2345", False),
 EXPECTED_VIEW = """\
 traceml session live-demo | 2 ranks on 1 node | cuda | 0:01:05 | running
 Step time, ms: median / worst of the last 11 aligned steps
-rank   step      input    forward   backward  optimizer       wait    total
-───────────────────────────────────────────────────────────────────────────
-r0       11  5.00/6.00  30.0/30.0  56.0/56.0  10.0/10.0  0.00/0.00  101/102
-r1       11  41.0/42.0  30.0/30.0  20.0/20.0  10.0/10.0  0.00/0.00  101/102
-worst               r1         r0         r0         r0         r0       r0
+rank  step      input    forward   backward  optimizer       wait    total
+──────────────────────────────────────────────────────────────────────────
+r0      11  5.00/6.00  30.0/30.0  56.0/56.0  10.0/10.0  0.00/0.00  101/102
+r1      11  41.0/42.0  30.0/30.0  20.0/20.0  10.0/10.0  0.00/0.00  101/102
+most               r1          -         r0          -          -        -
 Diagnosis: INPUT STRAGGLER [crit] (Step Time, r1)
   r1 input was 41.1 ms vs 5.1 ms on the other ranks (+36.0 ms, 35.6% of the 101.1 ms typical step;
   slower in 100% of the steps).
@@ -59,11 +59,11 @@ def test_view_of_a_two_rank_run() -> None:
 EXPECTED_80X24 = """\
 traceml session live-demo | 2 ranks on 1 node | cuda | 0:01:05 | running
 Step time, ms: median / worst of the last 11 aligned steps
-rank   step      input    forward   backward  optimizer       wait    total
-───────────────────────────────────────────────────────────────────────────
-r0       11  5.00/6.00  30.0/30.0  56.0/56.0  10.0/10.0  0.00/0.00  101/102
-r1       11  41.0/42.0  30.0/30.0  20.0/20.0  10.0/10.0  0.00/0.00  101/102
-worst               r1         r0         r0         r0         r0       r0
+rank  step      input    forward   backward  optimizer       wait    total
+──────────────────────────────────────────────────────────────────────────
+r0      11  5.00/6.00  30.0/30.0  56.0/56.0  10.0/10.0  0.00/0.00  101/102
+r1      11  41.0/42.0  30.0/30.0  20.0/20.0  10.0/10.0  0.00/0.00  101/102
+most               r1          -         r0          -          -        -
 Diagnosis: INPUT STRAGGLER [crit] (Step Time, r1)
   r1 input was 41.1 ms vs 5.1 ms on the other ranks (+36.0 ms, 35.6% of the
   101.1 ms typical step; slower in 100% of the steps).
@@ -233,3 +233,44 @@ def test_throughput_line_and_status_once_measured() -> None:
     low = render(render_view(live_snapshot(run(2, flops=5e12), 10000, now=T0 + 65)))
     assert "Throughput: 1,280 samples/s | 100 TFLOP/s | MFU 5.1%  LOW MFU\n" in low
     assert "Throughput:" not in render(render_view(live_snapshot(fixed_run(), 10000, now=T0)))
+
+
+def _table_lines(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Step time"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("most "))
+    return lines[start:end + 1]
+
+
+def test_at_80_columns_the_table_narrows_instead_of_cutting_values() -> None:
+    """With communication timed the median / worst table is 91 columns: at 80 each rank's
+    median is shown whole, every phase named in full; wider terminals get both."""
+    snap = live_snapshot(comm_run(), 10000, now=T0 + 5)
+    narrow = render(render_view(snap, OUTPUT * 5, "logs/comm-demo/workers"), width=80, height=24)
+    table = _table_lines(narrow)
+    assert table[0] == "Step time, ms: median of the last 27 aligned steps"
+    assert table[1].split() == ["rank", "step", "input", "forward", "backward", "optimizer",
+                                "communication", "wait", "total"]
+    assert table[3].split() == ["r0", "29", "0.60", "40.0", "1.00", "0.20", "22.1", "0.30", "64.1"]
+    assert table[4].split() == ["r1", "29", "20.6", "40.0", "1.00", "0.20", "2.00", "0.30", "64.1"]
+    assert all("…" not in line and len(line) <= 80 for line in table)
+    assert "…" not in narrow.split("Worker output")[0]  # the output lines may be cut, not the rest
+    assert len(narrow.splitlines()) == 24  # the output panel keeps its room
+    wide = _table_lines(render(render_view(snap, (), None), width=100))
+    assert wide[0] == "Step time, ms: median / worst of the last 27 aligned steps"
+    assert wide[3].split()[2:4] == ["0.60/0.60", "40.0/40.0"]
+
+
+def test_red_is_what_the_verdict_blames_not_the_rank_that_waits() -> None:
+    """The demo's straggler: r1 loads slowly, r0 waits for it in communication.  Red is
+    r1's input (INPUT STRAGGLER); r0's communication is the most time in that column,
+    dim and italic (waiting), and ranks alike in a phase name no one."""
+    snap = live_snapshot(comm_run(), 10000, now=T0 + 5)
+    r0, r1 = snap.phases
+    styles = {(row.rank, phase): str(_cell(snap, row, phase, True).style)
+              for row in (r0, r1) for phase in row.median_ms}
+    assert [key for key, style in styles.items() if "red" in style] == [(1, "input_ms")]
+    assert styles[(0, "communication_ms")] == "italic dim"
+    assert styles[(0, "forward_ms")] == styles[(1, "forward_ms")] == ""  # 40.0 on both
+    text = render(render_view(snap, (), None), width=100)
+    assert _table_lines(text)[-1].split() == ["most", "r1", "-", "-", "-", "r0", "-", "-"]

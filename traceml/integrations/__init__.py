@@ -4,13 +4,13 @@ Each module needs its framework, installed with an extra; ``import traceml``
 never imports this package:
 
 * :mod:`traceml.integrations.huggingface` - ``TraceMLCallback`` for
-  ``transformers.Trainer`` (``pip install 'traceml-ai[hf]'``).
+  ``transformers.Trainer`` (the ``hf`` extra).
 * :mod:`traceml.integrations.lightning` - ``TraceMLCallback`` for the
-  Lightning ``Trainer`` (``pip install 'traceml-ai[lightning]'``).
+  Lightning ``Trainer`` (the ``lightning`` extra).
 * :mod:`traceml.integrations.wandb` - ``log_summary`` to a W&B run
-  (``pip install 'traceml-ai[wandb]'``).
+  (the ``wandb`` extra).
 * :mod:`traceml.integrations.mlflow` - ``log_summary`` to an MLflow run
-  (``pip install 'traceml-ai[mlflow]'``).
+  (the ``mlflow`` extra).
 
 The zero-code agent already sees these frameworks' steps under ``traceml
 run``; the callbacks only make the boundaries exact (one step = one

@@ -44,7 +44,8 @@ class View:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         snap = self.snap
-        top = Group(header(snap), phase_table(snap), *throughput(snap), diagnosis(snap),
+        top = Group(header(snap), phase_table(snap, console, options), *throughput(snap),
+                    diagnosis(snap),
                     gauge_table("System", snap.nodes), gauge_table("Process", snap.processes))
         yield top
         if self.output_where is not None:
@@ -96,9 +97,12 @@ def _shown_ranks(rows: Sequence[RankPhases]) -> list[RankPhases]:
     return sorted(slowest, key=lambda r: r.rank)
 
 
-def phase_table(snap: Snapshot) -> RenderableType:
-    """Per rank, median / worst ms of each phase; the worst rank of each phase named.
-    At many ranks, the spread across ranks and the worst ranks instead (:func:`spread_table`)."""
+def phase_table(snap: Snapshot, console: Console | None = None,
+                options: ConsoleOptions | None = None) -> RenderableType:
+    """Per rank, median / worst ms of each phase; the rank with the most time in each phase
+    named.  Where that is wider than the console (``options``), each rank's median only:
+    a narrower table, not one with values cut short.  At many ranks, the spread across
+    ranks and the worst ranks instead (:func:`spread_table`)."""
     rows = snap.phases
     if not rows:
         if snap.report.meta.mode == "watch":
@@ -106,9 +110,20 @@ def phase_table(snap: Snapshot) -> RenderableType:
         return Text("Waiting for the first training steps...", style="dim")
     if snap.wide is not None:
         return spread_table(snap, snap.wide)
+    table = _rank_table(snap, with_worst=True)
+    if console is not None and options is not None and (  # its width when nothing is cut
+            console.measure(table, options=options.update_width(10_000)).maximum
+            > options.max_width):
+        return _rank_table(snap, with_worst=False)
+    return table
+
+
+def _rank_table(snap: Snapshot, with_worst: bool) -> Table:
+    rows = snap.phases
     shown = _shown_ranks(rows)
-    title = (f"Step time, ms: median / worst of the last {snap.report.step_time.scope.num_steps}"
-             " aligned steps")
+    steps = snap.report.step_time.scope.num_steps
+    title = (f"Step time, ms: median / worst of the last {steps} aligned steps" if with_worst
+             else f"Step time, ms: median of the last {steps} aligned steps")
     caption = f"{len(shown)} slowest of {len(rows)} ranks shown" if len(shown) < len(rows) else None
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1),
@@ -123,9 +138,9 @@ def phase_table(snap: Snapshot) -> RenderableType:
     for row in shown:
         node = ("-" if row.node_rank is None else f"n{row.node_rank}",) if with_node else ()
         table.add_row(f"r{row.rank}", *node, "-" if row.last_step is None else str(row.last_step),
-                      *(_cell(snap, row, p) for p in columns))
+                      *(_cell(snap, row, p, with_worst) for p in columns))
     if len(rows) > 1:
-        table.add_row("worst", *(("",) if with_node else ()), "",
+        table.add_row("most", *(("",) if with_node else ()), "",
                       *(f"r{snap.worst_ranks[p]}" if p in snap.worst_ranks else "-"
                         for p in columns), style="dim")
     return table
@@ -175,12 +190,23 @@ def shown_columns(snap: Snapshot) -> tuple[str, ...]:
     return tuple(p.column for p in phases.visible(TABLE_PARTS, spent))
 
 
-def _cell(snap: Snapshot, row: RankPhases, phase: str) -> Text:
+WAITING_COLUMNS = frozenset(p.column for p in phases.PHASES if p.waits)
+"""Phases whose time is mostly waiting for other ranks (the rank that waits for a
+straggler has the most of it)."""
+
+
+def _cell(snap: Snapshot, row: RankPhases, phase: str, with_worst: bool) -> Text:
     if phase not in row.median_ms:
         return Text("-")
-    text = f"{format_ms(row.median_ms[phase])}/{format_ms(row.worst_ms[phase])}"
-    hot = len(snap.phases) > 1 and snap.worst_ranks.get(phase) == row.rank
-    return Text(text, style="bold red" if hot else "")
+    text = format_ms(row.median_ms[phase])
+    if with_worst:
+        text += f"/{format_ms(row.worst_ms[phase])}"
+    if phase in snap.blamed.get(row.rank, {}):  # what the verdict blames
+        return Text(text, style="bold red")
+    if len(snap.phases) > 1 and snap.worst_ranks.get(phase) == row.rank:
+        # The most time: bold for own work, dim where it is mostly waiting for others.
+        return Text(text, style="italic dim" if phase in WAITING_COLUMNS else "bold")
+    return Text(text)
 
 
 def throughput_text(snap: Snapshot) -> str | None:

@@ -91,7 +91,8 @@ class Snapshot:
     elapsed_s: float
     ended: bool
     phases: tuple[RankPhases, ...]
-    worst_ranks: Mapping[str, int]  # phase -> the rank with the highest median
+    worst_ranks: Mapping[str, int]  # phase -> the rank with clearly the highest median
+    blamed: Mapping[int, Mapping[str, str]]  # rank -> phase column -> the finding's label
     nodes: tuple[GaugeRow, ...]
     processes: tuple[GaugeRow, ...]
     series: Series  # empty at many ranks: ``wide`` has the bands and the heatmap
@@ -115,8 +116,9 @@ def build_snapshot(run: RunData, report: Report, *, ended: bool, now: float | No
         elapsed = max(0.0, (time.time() if now is None else now) - run.meta.started_at)
     wide = wide_view(run, report, phases) if is_wide(len(phases)) else None
     series = Series((), wide.grid.bucket_steps) if wide else build_series(run.steps, max_points)
-    return Snapshot(report, elapsed, ended, phases, worst_ranks(phases), node_gauges(report),
-                    process_gauges(report), series, wide)
+    return Snapshot(report, elapsed, ended, phases, worst_ranks(phases),
+                    blamed_cells(report, phases), node_gauges(report), process_gauges(report),
+                    series, wide)
 
 
 def wide_view(run: RunData, report: Report, phases: tuple[RankPhases, ...]) -> WideView:
@@ -150,13 +152,53 @@ def phase_rows(run: RunData, report: Report) -> tuple[RankPhases, ...]:
     return tuple(out)
 
 
+MOST_MARGIN = 0.05
+"""A rank has the most time in a phase when its median is over the next rank's by more
+than this fraction (and 0.05 ms): ranks within it are alike, and none is named."""
+
+
 def worst_ranks(phases: tuple[RankPhases, ...]) -> dict[str, int]:
-    """Per phase, the rank whose median is highest (ties: the lowest rank)."""
+    """Per phase, the rank whose median is clearly the highest (see ``MOST_MARGIN``)."""
     out = {}
     for phase in TABLE_PHASES:
-        measured = [(row.median_ms[phase], -row.rank) for row in phases if phase in row.median_ms]
-        if measured:
-            out[phase] = -max(measured)[1]
+        measured = sorted(((row.median_ms[phase], row.rank) for row in phases
+                           if phase in row.median_ms), reverse=True)
+        if len(measured) == 1:
+            out[phase] = measured[0][1]
+        elif len(measured) > 1:
+            (top, rank), (second, _) = measured[:2]
+            if top > second * (1.0 + MOST_MARGIN) and top - second >= 0.05:
+                out[phase] = rank
+    return out
+
+
+_COMPUTE_COLUMNS = tuple(p.column for p in phases.PHASES if p.compute)
+BLAMED_COLUMNS: Mapping[str, tuple[str, ...]] = {
+    "INPUT_STRAGGLER": ("input_ms",), "INPUT_BOUND": ("input_ms",),
+    "HOST_STRAGGLER": (phases.WAIT.column,), "WAIT_HEAVY": (phases.WAIT.column,),
+    "COMPUTE_STRAGGLER": _COMPUTE_COLUMNS, "STRAGGLER": (phases.TOTAL.column,),
+    "COMMUNICATION_BOUND": ("communication_ms",),
+}
+"""The phase-table columns each Step Time finding that names ranks is about."""
+
+
+def blamed_cells(report: Report, rows: tuple[RankPhases, ...]) -> dict[int, dict[str, str]]:
+    """The cells the Step Time findings put on a rank (warn or crit, naming it): the
+    phase table highlights these, not merely each column's highest value, which at a
+    straggler is often the rank that waits for it.  A COMPUTE STRAGGLER's cells are
+    its compute phases where it is the slowest rank (all of them if none is)."""
+    slowest = worst_ranks(rows)
+    out: dict[int, dict[str, str]] = {}
+    for finding in report.section("step_time").findings:
+        if finding.severity == "info" or finding.kind not in BLAMED_COLUMNS:
+            continue
+        for rank in finding.ranks:
+            columns = BLAMED_COLUMNS[finding.kind]
+            if finding.kind == "COMPUTE_STRAGGLER":
+                columns = tuple(c for c in columns if slowest.get(c) == rank) or columns
+            cells = out.setdefault(rank, {})
+            for column in columns:
+                cells.setdefault(column, finding.label)
     return out
 
 
@@ -186,6 +228,7 @@ def snapshot_to_json(snap: Snapshot, live: bool) -> dict[str, Json]:
         "summary": report_to_json(report),
         "phases": [] if snap.wide else [_phases_json(row) for row in snap.phases],
         "worst_ranks": dict(snap.worst_ranks),
+        "blamed": {str(rank): dict(cells) for rank, cells in snap.blamed.items()},
         "nodes": gauges_to_json(snap.nodes),
         "processes": gauges_to_json(snap.processes),
         "series": series_to_json(snap.series),

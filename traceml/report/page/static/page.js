@@ -6,6 +6,7 @@
   // The stacked parts of a step (every phase, then wait) as [column, name, colour],
   // from the phase table the document carries (traceml/phases.py).
   let PHASES = [];
+  let WAITING = new Set();  // columns whose time is mostly waiting for other ranks
   const RANK_COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",
     "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
   const ABOVE = "#ff4f9a";  // many-rank heatmap: above the colour scale
@@ -160,14 +161,31 @@
     const body = rows.map((r) => el("tr", { "data-rank": String(r.rank) }, [
       el("td", {}, "r" + r.rank), el("td", {}, r.node_rank === null ? "–" : "n" + r.node_rank),
       el("td", {}, r.last_step === null ? "–" : String(r.last_step))].concat(cols.map((c) => {
-      const hot = rows.length > 1 && doc.worst_ranks[c] === r.rank;
       const text = c in r.median_ms ? fmtMs(r.median_ms[c]) + " / " + fmtMs(r.worst_ms[c]) : "–";
-      return el("td", hot ? { class: "hot" } : {}, text);
+      return el("td", cellMark(doc, r.rank, c, rows.length), text);
     }))));
-    const worst = el("tr", { class: "worst" }, [el("td", {}, "worst rank"), el("td", {}, ""),
-      el("td", {}, "")].concat(cols.map((c) => el("td", {},
-        c in doc.worst_ranks ? "r" + doc.worst_ranks[c] : "–"))));
-    fill("table", el("table", {}, [el("thead", {}, head), el("tbody", {}, body.concat([worst]))]));
+    const worst = el("tr", { class: "worst" }, [el("td", {}, "most time"), el("td", {}, ""),
+      el("td", {}, "")].concat(cols.map((c) => el("td", {}, !(c in doc.worst_ranks) ? "–" :
+        "r" + doc.worst_ranks[c] + (WAITING.has(c) ? " (waiting)" : "")))));
+    const key = el("p", { class: "key", "data-key": "table" }, "Red: what the verdict blames. " +
+      "Bold: the rank with the most time in a phase. Italic: the most time in collectives, " +
+      "mostly waiting for a slower rank rather than work of its own.");
+    fill("table", [el("table", {}, [el("thead", {}, head), el("tbody", {}, body.concat([worst]))]),
+      key]);
+  }
+
+  // How a phase-table cell is marked: "hot" where a Step Time finding blames that rank's
+  // phase; else, for the rank with the most time in a column, "waited" in a column of
+  // waiting (communication: the rank that waits for a straggler has the most) or "most".
+  function cellMark(doc, rank, column, numRanks) {
+    const label = ((doc.blamed || {})[String(rank)] || {})[column];
+    if (label) return { class: "hot", title: `${label}: r${rank}` };
+    if (numRanks < 2 || doc.worst_ranks[column] !== rank) return {};
+    if (WAITING.has(column)) {
+      return { class: "waited", title: "The most time in collectives: mostly waiting for " +
+        "slower ranks, not this rank's own work" };
+    }
+    return { class: "most", title: "The most time of the ranks in this phase" };
   }
 
   function axes(svg, box, yMax, yFmt, xs) {
@@ -201,6 +219,7 @@
   function usePhaseTable(table) {
     PHASES = table.filter((p) => p.kind === "phase" || p.kind === "wait")
       .map((p) => [p.column, p.name, p.colour]);
+    WAITING = new Set(table.filter((p) => p.waits).map((p) => p.column));
     const select = $("heat-phase");
     if (select.options.length) return;
     for (const p of table.filter((p) => p.kind !== "compute")) {
