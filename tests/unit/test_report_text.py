@@ -93,7 +93,7 @@ EXPECTED = """\
 |  - Typical step, ms (a rank's mean step without outlier steps;             |
 |    median/worst rank) | total 100.0/100.0 | input 22.0/40.0 | compute      |
 |    78.0/96.0 | wait 0.0/0.0                                                |
-|  - Most time, by part: total r0, input r1, compute r0, wait r0             |
+|  - Most time, by part: input r1, compute r0; alike: total, wait            |
 |  - Input: DataLoader fetches and host-to-device copies                     |
 |  - GPU time: median/worst 72.5/90.0ms r0 (forward+backward+optimizer),     |
 |    from 2-4 of 17 steps (those timed)                                      |
@@ -159,3 +159,18 @@ def test_every_line_fits_the_box(folder: Path, width: int) -> None:
     for title in ("System", "Process", "Step Time", "Step Memory"):
         assert any(line.startswith(f"|  {title}  ") for line in lines)
     assert validate_summary(report_to_json(report)) == []
+
+
+def test_most_time_names_a_rank_only_where_it_stands_out() -> None:
+    from traceml import phases
+    from traceml.diagnosis.stats import MetricStat
+    from traceml.report.text import _most_time
+
+    def stat(median: float, worst: float, rank: int) -> MetricStat:
+        return MetricStat(median, worst, median_rank=0, worst_rank=rank)
+    total, inp, comm = phases.TOTAL, phases.PHASES[0], phases.PHASES[4]
+    assert _most_time([(total, stat(44.7, 44.7, 1)), (inp, stat(0.5, 0.52, 0))]) == (
+        "- Most time, by part: every part alike across ranks")
+    assert _most_time([(total, stat(65.4, 65.4, 1)), (inp, stat(10.7, 20.9, 1)),
+                       (comm, stat(12.0, 22.2, 0))]) == (
+        "- Most time, by part: input r1, communication r0; alike: total")

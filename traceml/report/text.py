@@ -177,6 +177,22 @@ def _scope(section: Section, report: Report) -> str:
             f"{warm}{missing}{rule}")
 
 
+MOST_MARGIN = 0.05
+"""A part's worst rank is named when its time is over the median rank's by more than
+this fraction (and 0.05 ms); under it the ranks are alike."""
+
+
+def _most_time(shown: Sequence[tuple[phases.Phase, MetricStat]]) -> str:
+    """``- Most time, by part: input r1, communication r0; alike: total, compute``."""
+    def clear(stat: MetricStat) -> bool:
+        return stat.worst > stat.median * (1.0 + MOST_MARGIN) and stat.worst - stat.median >= 0.05
+    named = [f"{p.name} r{stat.worst_rank}" for p, stat in shown if clear(stat)]
+    alike = [p.name for p, stat in shown if not clear(stat)]
+    if not named:
+        return "- Most time, by part: every part alike across ranks"
+    return f"- Most time, by part: {', '.join(named)}{'; alike: ' + ', '.join(alike) if alike else ''}"
+
+
 def _step_time_stats(section: Section) -> list[str]:
     def spent(part: phases.Phase) -> bool:
         stat = section.stats.get(part.column)
@@ -188,8 +204,7 @@ def _step_time_stats(section: Section) -> list[str]:
     lines = [f"- Typical step, ms (a rank's mean step without outlier steps; median/worst "
              f"rank) | {stats}"]
     if len(section.scope.ranks) > 1:
-        ranks = ", ".join(f"{p.name} r{stat.worst_rank}" for p, stat in shown)
-        lines.append(f"- Most time, by part: {ranks}")
+        lines.append(_most_time(shown))
     if section.scope.input_source:
         lines.append(f"- Input: {INPUT_TEXT[section.scope.input_source]}")
     evals, num = section.stats.get("eval_total_ms"), section.stats.get("num_eval")
