@@ -74,6 +74,12 @@ def test_live_view_in_tmux_then_the_summary(tmp_path: Path, tmux: Tmux) -> None:
     screen = wait_for(lambda: _view_with_both_ranks(tmux.screen()), 90, "the live view",
                       describe=tmux.screen)
     artifact("cli-view-tmux.txt").write_text(screen)
+    # 80 columns: the phase table narrows (medians) rather than cutting values or names.
+    lines = screen.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Step time, ms"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("most "))
+    assert not any("…" in line for line in lines[start:end + 1]), screen
+    assert "communication" in lines[start + 1].split(), screen
     # Worker lines appear only inside the view, tagged with their local rank: no garbling.
     for line in screen.splitlines():
         if "rank 0 step" in line or "rank 1 step" in line:
