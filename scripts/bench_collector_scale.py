@@ -53,9 +53,10 @@ import zmq
 from bench_options import parse
 
 from traceml import phases, protocol
+from traceml.collector.config import CollectorConfig
 from traceml.collector.relay import SEND_HWM as RELAY_SEND_HWM
 from traceml.collector.relay import Outbox
-from traceml.collector.server import RELAY_INTERVAL_S, CollectorConfig
+from traceml.collector.server import RELAY_INTERVAL_S
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import Envelope, RunEnd, RunStart, Sender
 from traceml.security import derive_keys, new_secret, relay_keys, secure_client

@@ -57,7 +57,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from traceml.agent.cuda_timing import EVERY_STEP, SamplingRule
 from traceml.agent.patches import Instrumentation
 from traceml.agent.runtime import AgentRuntime
-from traceml.collector.server import CollectorConfig
+from traceml.collector.config import CollectorConfig
 from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import CLOSE, Sender

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from traceml import phases
-from traceml.diagnosis.samples import StepRow
 from traceml.protocol import RunStart
+from traceml.records import StepRow
 from traceml.store import STEP_COLUMNS, StepRecord
 
 

@@ -48,8 +48,8 @@ def init(logs_dir: str = "./logs", session_id: str | None = None,
                        "'traceml run'; launch it with 'traceml run' to trace it", stacklevel=2)
         return None
     try:
+        from traceml.inprocess import InProcessSession
         from traceml.launcher.args import new_session_id
-        from traceml.launcher.inprocess import InProcessSession
 
         session = InProcessSession(logs_dir, session_id or new_session_id(), sample_interval_s)
         session.start()

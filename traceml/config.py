@@ -20,6 +20,7 @@ from traceml.errors import UsageError
 SESSION_ID_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,128}$")
 DEFAULT_AGGREGATOR_PORT = 29765
 DEFAULT_WINDOW_ROWS = 10000  # steps per rank the final summary analyses
+MAX_WINDOW_ROWS = 10**9  # --summary-window-rows at most (more steps than any run has)
 MODES = ("summary", "cli", "dashboard")
 
 

@@ -55,6 +55,7 @@ Set by torch's elastic agent in every worker (read only, into `TorchRank`):
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from collections.abc import Mapping
@@ -123,13 +124,23 @@ class AgentEnv:
             arm_dir=environ.get("TRACEML_ARM_DIR"),
             session_dir=environ.get("TRACEML_SESSION_DIR"),
             secret=environ.get("TRACEML_SECRET"),
-            stall_timeout_s=_stall_timeout(environ.get("TRACEML_STALL_TIMEOUT", "auto")),
+            stall_timeout_s=parse_stall_timeout(environ.get("TRACEML_STALL_TIMEOUT", "auto")),
             count_flops=environ.get("TRACEML_NO_FLOPS") != "1",
         )
 
 
-def _stall_timeout(value: str) -> float | None:
-    return None if value == "auto" else float(value)
+def parse_stall_timeout(text: str) -> float | None:
+    """``auto`` (None) or seconds, finite and >= 0 (0: off); ValueError otherwise.  The
+    one parser of the option (`--stall-timeout`) and of ``TRACEML_STALL_TIMEOUT``."""
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"must be auto, 0 (off) or seconds > 0, got {text}")
+    return value
 
 
 def user_secret(environ: Mapping[str, str]) -> str | None:

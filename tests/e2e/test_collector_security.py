@@ -20,7 +20,7 @@ import zmq
 
 from tests.conftest import wait_until
 from traceml import protocol
-from traceml.collector.server import CollectorConfig
+from traceml.collector.config import CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import Envelope, RunEnd, RunStart, Sender
 from traceml.report.session import write_summary

@@ -124,3 +124,43 @@ def test_disk_full_at_start_runs_the_training_with_one_line(tmp_path: Path,
     ours = [ln for ln in err.splitlines() if ln.startswith("traceml")]
     assert len(ours) == 1 and "runs without traceml" in ours[0], err[-3000:]
     assert "Traceback" not in err
+
+
+def test_report_where_no_file_can_be_written_prints_the_card_and_one_line(
+        tmp_path: Path, small_disk: Path) -> None:
+    """The launcher's disk-full message tells the user to run `traceml report` later: on a
+    disk still full, or a read-only one, it prints the summary, says in one line why it
+    could not write it (exit 2), and leaves no temporary file behind."""
+    import shutil
+
+    from tests.conftest import ROOT, run_traceml
+
+    res = run_traceml(tmp_path, "run", str(ROOT / "examples" / "diagnosis" / "input_bound.py"),
+                      "--steps", "20")
+    assert res.returncode == 0, res.stderr[-3000:]
+    # Owner only: the store and the summaries hold command lines and host names.
+    for name in ("telemetry.sqlite", "final_summary.json", "final_summary.txt"):
+        assert oct((res.session_dir / name).stat().st_mode & 0o777) == "0o600", name
+    session = small_disk / "s"
+    shutil.copytree(res.session_dir, session)
+    for name in ("final_summary.json", "final_summary.txt"):
+        (session / name).unlink()
+
+    def report() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "traceml", "report", str(session)],
+                              capture_output=True, text=True, timeout=120)
+
+    _fill(small_disk)
+    full = report()
+    (small_disk / "filler").unlink()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    read_only = report()
+    for done, why in ((full, "No space left on device"), (read_only, "Read-only file system")):
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert "TraceML Run Summary" in done.stdout and "Step Time" in done.stdout
+        assert "Traceback" not in done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert line.startswith(f"traceml report: the summary is printed above, but {session} "
+                               f"takes no file ({why})"), line
+        left = sorted(p.name for p in session.iterdir())
+        assert "telemetry.sqlite" in left and not [n for n in left if "summary" in n], left

@@ -191,6 +191,12 @@ def test_worker_killed_reports_signal_status(tmp_path: Path) -> None:
     (["run", "--no-python", "/missing"], "--no-python command not found"),
     (["run", "--sample-interval", "inf", "x.py"], "--sample-interval"),
     (["run", "--sample-interval", "nan", "x.py"], "--sample-interval"),
+    # Integers past 64 bits (SQLite and torch take none): one line, not a traceback.
+    (["run", "--summary-window-rows", "9" * 23, "x.py"], "must be from 1 to 1000000000"),
+    (["run", "--nproc-per-node", "9" * 23, "x.py"], "bad --nproc-per-node"),
+    (["run", "--session-id", "s", "--nnodes", "1:" + "9" * 23, "x.py"], "bad --nnodes"),
+    (["report", "--summary-window-rows", "9" * 23, "."], "must be from 1 to 1000000000"),
+    (["run", "--stall-timeout", "inf", "x.py"], "must be auto, 0 (off) or seconds > 0"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "traceml", *args], capture_output=True,

@@ -16,7 +16,7 @@ import pytest
 
 from tests.rows import step_row
 from traceml import phases
-from traceml.diagnosis.samples import (
+from traceml.records import (
     GpuSample,
     NodeInfo,
     ProcessSample,

@@ -20,7 +20,7 @@ from tests.live.conftest import (
     open_page,
     wait_for,
 )
-from traceml.diagnosis.samples import from_jsonable
+from traceml.records import from_jsonable
 from traceml.report import build_report
 from traceml.report.html import write_html
 
@@ -76,7 +76,7 @@ def _start_run(tmp_path: Path, port: int) -> subprocess.Popen[bytes]:
 
 def _dashboard_url(tmp_path: Path, taken_port: int) -> str:
     pattern = re.compile(rf"dashboard port {taken_port} is in use; dashboard at "
-                         r"(http://127\.0\.0\.1:\d+/) instead")
+                         r"(http://127\.0\.0\.1:\d+/[A-Za-z0-9_-]{32}/) instead")
 
     def printed() -> str | None:
         found = pattern.search((tmp_path / "err.txt").read_text())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import urllib.error
@@ -16,16 +17,17 @@ import pytest
 from tests.conftest import free_port
 from tests.live.conftest import GIB, T0
 from tests.rows import run_start, step_record
-from traceml.collector.server import CollectorConfig
+from traceml.collector.config import CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.live.dashboard import Dashboard
 from traceml.protocol import Sender
 from traceml.store import SenderState, StoreWriter
 
 
-def get(url: str) -> tuple[int, str, bytes]:
+def get(url: str, host: str | None = None) -> tuple[int, str, bytes]:
+    request = urllib.request.Request(url, headers={"Host": host} if host else {})
     try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
+        with urllib.request.urlopen(request, timeout=10) as resp:
             return resp.status, resp.headers["Content-Type"], resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.headers["Content-Type"], exc.read()
@@ -55,16 +57,49 @@ def dashboard(tmp_path: Path) -> Any:
 def test_serves_the_page_and_snapshots_on_loopback(dashboard: Dashboard) -> None:
     port = free_port()
     address = dashboard.start("127.0.0.1", port)
-    assert address == {"url": f"http://127.0.0.1:{port}/", "port": port, "requested_port": port}
-    status, kind, body = get(address["url"])  # type: ignore[arg-type]
+    root = f"http://127.0.0.1:{port}/{dashboard.token}/"
+    assert address == {"url": root, "port": port, "requested_port": port}
+    assert len(dashboard.token) >= 32
+    status, kind, body = get(root)
     assert (status, kind) == (200, "text/html; charset=utf-8")
-    assert b'{"poll":"/api/snapshot","interval_ms":1000}' in body
-    status, kind, body = get(f"http://127.0.0.1:{port}/api/snapshot")
+    assert b'{"poll":"api/snapshot","interval_ms":1000}' in body
+    status, kind, body = get(root + "api/snapshot")
     doc = json.loads(body)
     assert (status, kind, doc["live"], doc["ended"]) == (200, "application/json", True, False)
     assert [r["rank"] for r in doc["series"]["ranks"]] == [0, 1]
     assert doc["summary"]["meta"]["session_id"] == "dash"
-    assert get(f"http://127.0.0.1:{port}/etc/passwd")[0] == 404
+    assert get(root + "etc/passwd")[0] == 404
+
+
+def test_a_request_without_the_token_or_from_a_foreign_host_is_refused(
+        dashboard: Dashboard) -> None:
+    """Another local user can reach the port but not read the terminal the address was
+    printed on; a web page that rebinds its name to 127.0.0.1 sends its own Host."""
+    port = free_port()
+    root = str(dashboard.start("127.0.0.1", port)["url"])
+    wrong = root.replace(dashboard.token, "x" * len(dashboard.token))
+    for url in (f"http://127.0.0.1:{port}/", f"http://127.0.0.1:{port}/api/snapshot",
+                wrong, wrong + "api/snapshot", root[:-1] + "api/snapshot"):
+        status, _, body = get(url)
+        assert (status, body) == (403, b"forbidden: open the address traceml printed: it "
+                                       b"carries this run's token\n"), url
+    for host in ("evil.example", f"evil.example:{port}", f"10.0.0.1:{port}"):
+        status, _, body = get(root + "api/snapshot", host=host)
+        assert status == 403 and b"answers only to 127.0.0.1, localhost or [::1]" in body, host
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
+        assert get(root + "api/snapshot", host=host)[0] == 200, host
+
+
+def test_bound_to_every_address_the_token_still_guards(tmp_path: Path) -> None:
+    make_store(tmp_path / "telemetry.sqlite")
+    board = Dashboard(tmp_path / "telemetry.sqlite", "dash")
+    try:
+        port = free_port()
+        root = str(board.start("0.0.0.0", port)["url"])
+        assert get(root + "api/snapshot", host=f"node0.cluster:{port}")[0] == 200
+        assert get(f"http://127.0.0.1:{port}/api/snapshot", host=f"node0.cluster:{port}")[0] == 403
+    finally:
+        board.close()
 
 
 def test_a_taken_port_moves_to_a_free_one(dashboard: Dashboard) -> None:
@@ -103,8 +138,9 @@ def test_the_collector_runs_the_dashboard_when_asked(tmp_path: Path) -> None:
         session_id="c", bind_host="127.0.0.1", port=0, db_path=str(tmp_path / "t.sqlite"),
         parent_pid=os.getpid(), dashboard_port=port))
     try:
-        assert collector.ready["dashboard"]["url"] == f"http://127.0.0.1:{port}/"
-        assert get(f"http://127.0.0.1:{port}/api/snapshot")[0] == 200
+        url = collector.ready["dashboard"]["url"]
+        assert re.fullmatch(rf"http://127\.0\.0\.1:{port}/[A-Za-z0-9_-]{{32}}/", url), url
+        assert get(url + "api/snapshot")[0] == 200
     finally:
         assert collector.stop() == 0
     with pytest.raises(urllib.error.URLError):

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from tests.live.conftest import GIB, T0, comm_run, fixed_run
 from tests.rows import run_start, step_record, step_row
-from traceml.diagnosis.samples import RunData, StepRow
 from traceml.live.tail import StoreTail
 from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, Sender
+from traceml.records import RunData, StepRow
 from traceml.report import build_report, report_to_json
 from traceml.report.page.series import build_series, series_to_json
 from traceml.report.page.snapshot import (
@@ -155,7 +155,7 @@ def test_a_job_wide_stall_at_1024_ranks_keeps_the_page_document_small() -> None:
     import json
 
     from tests.live.conftest import wide_run
-    from traceml.diagnosis.samples import Incident
+    from traceml.records import Incident
     from traceml.stacks import Frame
 
     user = (Frame("/home/me/train.py", 42, "load"),)
@@ -178,7 +178,7 @@ def test_a_job_wide_stall_at_1024_ranks_keeps_the_page_document_small() -> None:
 def _scenario(name: str) -> RunData:
     import json
 
-    from traceml.diagnosis.samples import from_jsonable
+    from traceml.records import from_jsonable
     path = Path(__file__).parents[1] / "fixtures" / "scenarios" / name / "run.json"
     return from_jsonable(json.loads(path.read_text()))
 

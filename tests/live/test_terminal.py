@@ -9,9 +9,9 @@ from pathlib import Path
 from rich.console import Console, RenderableType
 
 from tests.live.conftest import T0, comm_run, fixed_run, wide_run
-from traceml.diagnosis.samples import RunData
 from traceml.live.terminal import _cell, render_view, status_line
 from traceml.live.worker_output import OutputLine, WorkerOutput, clean_line
+from traceml.records import RunData
 from traceml.report.page.snapshot import live_snapshot
 
 
@@ -202,7 +202,7 @@ def test_worker_output_follows_the_log_files(tmp_path: Path) -> None:
 
 
 def _with_stall(run: RunData, cleared: bool) -> RunData:
-    from traceml.diagnosis.samples import Incident
+    from traceml.records import Incident
     from traceml.stacks import Frame
 
     user = (Frame("/home/me/train.py", 42, "forward"),)

@@ -393,3 +393,19 @@ def test_default_base_beside_a_symlinked_session_stays_in_the_logs_folder(
     assert sorted(p.name for p in (tmp_path / "logs").glob("compare_*")) == [
         "compare_base_vs_fast-2026.json", "compare_base_vs_fast-2026.txt"]  # its label
     assert not list((tmp_path / "archive").glob("compare_*"))
+
+
+def test_a_crafted_summary_cannot_send_escape_sequences_to_the_terminal(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Strings of a summary reach the card (session, labels, why): their control
+    characters are written out, never sent as they are."""
+    doc = summary(tight(110.0), input_ms=15.0, session="evil\x1b]0;owned\x07\x1b[2J")
+    doc["step_time"]["diagnosis"]["label"] = "INPUT\x1b[31m-BOUND\r"
+    evil = write(tmp_path / "logs" / "evil", doc)
+    base = write(tmp_path / "logs" / "base", summary(tight(100.0), session="base"))
+    assert main([str(base), str(evil), "--output", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert not any(ch in out for ch in "\x1b\x07\r")
+    assert "evil\\x1b]0;owned\\x07\\x1b[2J" in out
+    written = (tmp_path / "c.txt").read_text()
+    assert "\x1b" not in written and "INPUT\\x1b[31m-BOUND\\x0d" in unboxed(written)

@@ -16,7 +16,8 @@ from traceml.compare.build import compare_runs
 from traceml.compare.model import Comparison
 from traceml.compare.summary import decode_summary
 from traceml.compare.verdict import decide, exceeds, leading_phase, noise_ms, step_signal
-from traceml.diagnosis.samples import (
+from traceml.diagnosis.stats import Distribution
+from traceml.records import (
     NodeInfo,
     ProcessSample,
     RunData,
@@ -24,7 +25,6 @@ from traceml.diagnosis.samples import (
     SystemSample,
     from_jsonable,
 )
-from traceml.diagnosis.stats import Distribution
 from traceml.report import build_report, report_to_json, validate_summary
 from traceml.report.model import SCHEMA_VERSION
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.rows import step_row
 from traceml.diagnosis.ending import diagnose_ending
-from traceml.diagnosis.samples import Incident, NodeInfo, RunData, RunMeta, SystemSample
+from traceml.records import Incident, NodeInfo, RunData, RunMeta, SystemSample
 from traceml.report import build_report, render_text, report_to_json, validate_summary
 from traceml.stacks import Frame
 

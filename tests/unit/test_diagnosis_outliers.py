@@ -9,9 +9,9 @@ import pytest
 
 from tests.rows import step_row
 from traceml.diagnosis.outliers import period
-from traceml.diagnosis.samples import StepRow
 from traceml.diagnosis.step_time import diagnose_step_time, rank_step_times
 from traceml.diagnosis.window import select_window
+from traceml.records import StepRow
 
 
 def rows_of(world: int, num_steps: int, slow: dict[int, float], input_ms: float = 0.5,

@@ -14,7 +14,7 @@ from traceml.diagnosis.process import (
     rank_process,
     reserved_overhang,
 )
-from traceml.diagnosis.samples import ProcessSample
+from traceml.records import ProcessSample
 
 GIB = 1024**3
 HOST_RAM = 100 * GIB

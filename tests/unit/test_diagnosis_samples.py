@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.rows import step_row
-from traceml.diagnosis.samples import (
+from traceml.records import (
     GpuSample,
     NodeInfo,
     ProcessSample,

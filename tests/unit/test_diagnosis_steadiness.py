@@ -11,11 +11,11 @@ import pytest
 
 from traceml import phases
 from traceml.diagnosis.finding import Finding
-from traceml.diagnosis.samples import StepRow
 from traceml.diagnosis.steadiness import StepSeries
 from traceml.diagnosis.step_time import RankStepTimes, diagnose_step_time, rank_step_times
 from traceml.diagnosis.thresholds import STRAGGLER_MIN_SIGNAL_TO_NOISE, STRAGGLER_MIN_SLOWER_PCT
 from traceml.diagnosis.window import select_window
+from traceml.records import StepRow
 
 BASE = {"input": 1.0, "forward": 20.0, "backward": 40.0, "optimizer": 6.0, "wait": 1.0}
 

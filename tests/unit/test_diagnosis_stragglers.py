@@ -10,7 +10,6 @@ import pytest
 
 from traceml import phases
 from traceml.diagnosis.finding import Finding
-from traceml.diagnosis.samples import StepRow
 from traceml.diagnosis.stats import distribution
 from traceml.diagnosis.step_time import (
     RankStepTimes,
@@ -22,6 +21,7 @@ from traceml.diagnosis.step_time import (
 from traceml.diagnosis.stragglers import COMPUTE_PARTS, OWN_PARTS, Excess, attribute
 from traceml.diagnosis.thresholds import STRAGGLER_EXPLAINS_FRACTION
 from traceml.diagnosis.window import select_window
+from traceml.records import StepRow
 
 BASE = {"input": 2.0, "forward": 20.0, "backward": 40.0, "optimizer": 6.0,
         "communication": 10.0, "wait": 2.0}  # an 80 ms step

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from traceml.diagnosis.finding import NOT_MEASURED, Finding
-from traceml.diagnosis.samples import GpuSample, SystemSample
 from traceml.diagnosis.system import (
     NodeSystem,
     cpu_pressure,
@@ -15,6 +14,7 @@ from traceml.diagnosis.system import (
     node_system,
     ram_pressure,
 )
+from traceml.records import GpuSample, SystemSample
 
 RANKS = {0: (0, 1), 1: (2, 3)}
 

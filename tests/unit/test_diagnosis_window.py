@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.rows import step_row
-from traceml.diagnosis.samples import ProcessSample, StepRow, SystemSample
 from traceml.diagnosis.window import in_span, select_window, warmup_steps
+from traceml.records import ProcessSample, StepRow, SystemSample
 
 
 def row(rank: int, step: int, total_ms: float = 10.0, t: float | None = None) -> StepRow:

@@ -17,12 +17,13 @@ import zmq
 
 from tests.conftest import free_port
 from traceml import protocol
+from traceml.collector.config import CollectorConfig
 from traceml.collector.dispatch import Collector
 from traceml.collector.rank_steps import RankSteps
 from traceml.collector.relay import Outbox, open_outbox
-from traceml.collector.server import CollectorConfig, Listener
-from traceml.diagnosis.samples import Incident
+from traceml.collector.server import Listener
 from traceml.protocol import Envelope, IncidentReport, Sender
+from traceml.records import Incident
 from traceml.security import derive_keys, relay_keys, secure_client
 from traceml.store import SenderState, StoreWriter
 

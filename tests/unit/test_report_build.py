@@ -10,8 +10,8 @@ import pytest
 from tests.rows import step_row
 from traceml.diagnosis.finding import Finding, Severity, not_measured
 from traceml.diagnosis.process import RankProcess
-from traceml.diagnosis.samples import NodeInfo, ProcessSample, RunData, RunMeta
 from traceml.diagnosis.window import Scope, select_window
+from traceml.records import NodeInfo, ProcessSample, RunData, RunMeta
 from traceml.report.build import choose_primary, process_section
 from traceml.report.model import SECTION_NAMES, Section
 
@@ -71,7 +71,7 @@ def test_unmeasured_step_time_falls_back_to_a_measured_section() -> None:
 
 def test_analysis_code_imports_no_torch_zmq_or_rich() -> None:
     code = (
-        "import sys, traceml.diagnosis.samples, traceml.report, traceml.report.text; "
+        "import sys, traceml.records, traceml.report, traceml.report.text; "
         "bad = {'torch', 'zmq', 'rich'} & set(sys.modules); "
         "assert not bad, bad"
     )

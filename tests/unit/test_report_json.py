@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tests.rows import step_row
-from traceml.diagnosis.samples import (
+from traceml.records import (
     NodeInfo,
     ProcessSample,
     RunData,

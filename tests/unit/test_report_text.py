@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.rows import step_row
-from traceml.diagnosis.samples import (
+from traceml.records import (
     FlopCount,
     GpuSample,
     NodeInfo,

@@ -13,9 +13,9 @@ import pytest
 
 from tests.rows import run_start, step_record
 from traceml.diagnosis import window
-from traceml.diagnosis.samples import Incident
 from traceml.launcher.ending import phase_table
 from traceml.protocol import RunEnd, Sender
+from traceml.records import Incident
 from traceml.report.session import build_summary
 from traceml.store import STORE_FILENAME, SenderState, StepRecord, StoreWriter, reader
 

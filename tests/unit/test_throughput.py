@@ -16,8 +16,8 @@ from tests.rows import step_row
 from tests.unit.test_compare_verdict import compare, summary, tight
 from traceml.agent.flops import _counter_class, dominant
 from traceml.diagnosis.peaks import ACCELERATORS, peak_for
-from traceml.diagnosis.samples import FlopCount, NodeInfo, RunData, RunMeta
 from traceml.diagnosis.throughput import LOW_MFU_NEXT, low_mfu
+from traceml.records import FlopCount, NodeInfo, RunData, RunMeta
 from traceml.report import build_report
 
 H100 = "NVIDIA H100 80GB HBM3"

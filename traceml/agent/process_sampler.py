@@ -19,6 +19,7 @@ from typing import Any
 
 from traceml import protocol
 from traceml.agent.cuda_timing import allocator_bytes
+from traceml.host import usable_cpus
 
 
 class RssReader:
@@ -46,13 +47,6 @@ def host_ram_total_bytes() -> int:
         return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
         return 0
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def device_memory() -> tuple[int | None, int | None, int | None]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from traceml.collector.server import CollectorConfig, LiveServer, serve
+from traceml.collector.config import CollectorConfig
+from traceml.collector.server import LiveServer, serve
 
 
 def live_server(config: CollectorConfig) -> LiveServer | None:

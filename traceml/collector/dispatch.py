@@ -17,19 +17,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from traceml import phases, protocol, stacks
 from traceml.collector import intake
+from traceml.collector.config import CollectorConfig
 from traceml.collector.intake import Accepted, Rejected
 from traceml.collector.rank_steps import RankSteps
-from traceml.diagnosis.samples import FlopCount, Incident
 from traceml.errors import ProtocolError
 from traceml.protocol import Envelope, IncidentReport, RelayBatch, RunEnd, RunStart, Sender
+from traceml.records import FlopCount, Incident
 from traceml.store import JoinError, SenderState, StepRecord, StoreError
-
-if TYPE_CHECKING:
-    from traceml.collector.server import CollectorConfig
 
 MAX_SENDERS = 1 << 16
 

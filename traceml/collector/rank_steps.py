@@ -14,7 +14,6 @@ from typing import Any
 
 from traceml import phases, protocol
 from traceml.collector.steps import StepTiming, StepTracker
-from traceml.diagnosis.samples import FlopCount
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     BATCH,
@@ -34,6 +33,7 @@ from traceml.protocol import (
     RSS,
     SPAN,
 )
+from traceml.records import FlopCount
 from traceml.store import StepRecord
 
 # Events stamped alike.  The rank stamps some so on purpose: an RSS reading as

@@ -28,9 +28,10 @@ from typing import Any
 import zmq
 
 from traceml import protocol
-from traceml.collector.server import CollectorConfig, serve
-from traceml.diagnosis.samples import FlopCount, Incident
+from traceml.collector.config import CollectorConfig
+from traceml.collector.server import serve
 from traceml.protocol import Envelope, IncidentReport, RelayBatch, RunEnd, RunStart, Sender
+from traceml.records import FlopCount, Incident
 from traceml.security import derive_keys, relay_keys, secure_client
 from traceml.store import JoinError, SenderState, StepRecord
 

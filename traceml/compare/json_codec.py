@@ -18,7 +18,7 @@ from traceml.compare.model import (
     SectionCompare,
     TimeChange,
 )
-from traceml.diagnosis.samples import Json
+from traceml.records import Json
 
 
 def comparison_to_json(comparison: Comparison) -> dict[str, Json]:

@@ -75,7 +75,7 @@ def read_json_object(which: str, path: Path) -> dict[str, object]:
         raise UsageError(f"traceml compare: {which}: cannot read {path} ({reason}); pass a "
                          f"readable {SUMMARY_FILENAME}") from None
     try:
-        doc = json.loads(text)
+        doc = _printable(json.loads(text))
     except json.JSONDecodeError as exc:
         raise UsageError(
             f"traceml compare: {which}: {path} is not valid JSON (line {exc.lineno}: {exc.msg}); "
@@ -89,6 +89,22 @@ def read_json_object(which: str, path: Path) -> dict[str, object]:
             f"traceml compare: {which} ({path}) is not a traceml final_summary.json (not a JSON "
             "object); pass the final_summary.json that 'traceml run' wrote")
     return doc
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _printable(value: object) -> object:
+    """``value`` with every terminal control character in its strings (escape sequences,
+    carriage returns) written out as ``\\x1b``: a crafted summary cannot move the
+    cursor, recolour or rewrite the terminal that prints the comparison."""
+    if isinstance(value, str):
+        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", value)
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    return value
 
 
 def _read_capped(path: Path) -> str:

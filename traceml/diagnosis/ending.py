@@ -37,14 +37,13 @@ from dataclasses import dataclass
 
 from traceml import phases, stacks
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
-from traceml.diagnosis.samples import Incident, RunData, rank_totals
+from traceml.diagnosis.thresholds import RAM_LOOKBACK_S
+from traceml.records import Incident, RunData, rank_totals
 
 STOPPING_EXCEPTIONS = frozenset({"KeyboardInterrupt", "SystemExit"})
 STOPPING_SIGNALS = frozenset({"SIGINT", "SIGTERM", "SIGHUP"})
 OOM_KILLER_RAM_PCT = 90.0
 """Host memory (%) at a SIGKILL above which the kernel's OOM killer is the likely sender."""
-RAM_LOOKBACK_S = 15.0
-"""How far before a SIGKILL the host memory samples are read."""
 
 STATES = ("running", "completed", "interrupted", "stalled", "crashed", "failed", "no_steps")
 _HEADLINED = frozenset({"stalled", "crashed", "failed", "no_steps"})

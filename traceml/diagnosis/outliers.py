@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from traceml.diagnosis import thresholds
 from traceml.diagnosis.finding import Finding, format_ranks, grade
-from traceml.diagnosis.samples import StepRow
 from traceml.diagnosis.stats import pct
+from traceml.records import StepRow
 
 MAX_LISTED_STEPS = 8
 """One-off outliers are listed by step up to this many."""

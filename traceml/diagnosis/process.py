@@ -20,8 +20,8 @@ from traceml.diagnosis.finding import (
     not_measured,
     order_findings,
 )
-from traceml.diagnosis.samples import ProcessSample
 from traceml.diagnosis.stats import pct
+from traceml.records import ProcessSample
 
 
 @dataclass(frozen=True)

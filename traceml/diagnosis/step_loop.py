@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from traceml import phases
-from traceml.diagnosis.samples import RankTotals, StepRow
+from traceml.records import RankTotals, StepRow
 
 BOUNDARY_TEXT: Mapping[str, str] = {
     "optimizer": "optimizer",

@@ -34,9 +34,9 @@ from traceml.diagnosis.finding import (
     severity_rank,
 )
 from traceml.diagnosis.outliers import RankOutliers, find_outliers, outlier_steps
-from traceml.diagnosis.samples import StepRow, ms_column
 from traceml.diagnosis.stats import Distribution, distribution
 from traceml.diagnosis.window import StepWindow
+from traceml.records import StepRow, ms_column
 
 PHASES = tuple(p.name for p in phases.step_metrics())
 """What each rank row holds a distribution of: total, every phase, compute, wait."""

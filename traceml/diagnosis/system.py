@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from traceml.diagnosis import thresholds
 from traceml.diagnosis.finding import Finding, Severity, grade, not_measured, order_findings
-from traceml.diagnosis.samples import SystemSample
+from traceml.records import SystemSample
 
 
 @dataclass(frozen=True)

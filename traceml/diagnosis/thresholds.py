@@ -146,3 +146,6 @@ OUTLIER_WARN_PCT = 10.0
 share of the window's wall time (crit at OUTLIER_CRIT_PCT); info below."""
 
 OUTLIER_CRIT_PCT = 20.0
+
+RAM_LOOKBACK_S = 15.0
+"""How far before a SIGKILL the host memory samples are read (the ending's OOM check)."""

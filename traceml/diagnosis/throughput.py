@@ -27,8 +27,8 @@ from traceml.diagnosis.finding import (
     not_measured,
 )
 from traceml.diagnosis.peaks import Peak, peak_for
-from traceml.diagnosis.samples import FlopCount, RunMeta, StepRow
 from traceml.diagnosis.window import StepWindow
+from traceml.records import FlopCount, RunMeta, StepRow
 
 SAMPLES_RULE = ("the leading dimension of the first tensor in what each DataLoader fetch "
                 "returned (or, without a DataLoader, what the outermost forward received)")

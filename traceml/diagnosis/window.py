@@ -15,12 +15,13 @@ else all its samples; so a rank with samples is never missing from them.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from traceml.diagnosis import thresholds
-from traceml.diagnosis.samples import ProcessSample, StepRow, SystemSample
+from traceml.records import Incident, ProcessSample, StepRow, SystemSample
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,33 @@ def num_aligned(steps: Iterable[StepRow], ranks: Iterable[int] = ()) -> int:
     for row in steps:
         per_rank.setdefault(row.rank, set()).add(row.step)
     return len(set.intersection(*per_rank.values())) if per_rank else 0
+
+
+class AnalysisWindow:
+    """The summary's window as the store's bounded read places it
+    (`traceml.store.reader.WindowPolicy`, passed to `StoreReader.window_run`)."""
+
+    def steps_per_rank(self, window_rows: int, num_ranks: int) -> int:
+        return window_steps(window_rows, num_ranks)
+
+    def depth(self, steps_per_rank: int) -> int:
+        return max(steps_per_rank + thresholds.WARMUP_MAX_STEPS,
+                   math.ceil(thresholds.WARMUP_MAX_STEPS / thresholds.WARMUP_FRACTION))
+
+    def tail_decides(self, steps: Sequence[StepRow], ranks: Sequence[int],
+                     steps_per_rank: int) -> bool:
+        return tail_decides(num_aligned(steps, ranks), steps_per_rank)
+
+    def time_span(self, steps: Sequence[StepRow], window_rows: int) -> tuple[float, float] | None:
+        return select_window(steps, window_rows, 0).time_span()
+
+    def crash_spans(self, incidents: Sequence[Incident]) -> list[tuple[float, float]]:
+        """Around each crash, the host samples its ending reads (a SIGKILL's memory)."""
+        return [(i.began_at - thresholds.RAM_LOOKBACK_S, i.began_at + 1.0)
+                for i in incidents if i.what != "stall"]
+
+
+ANALYSIS_WINDOW = AnalysisWindow()
 
 
 def select_window(steps: Iterable[StepRow], window_rows: int, world_size: int) -> StepWindow:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import secrets
 import shutil
 import sys
@@ -24,13 +23,16 @@ from torch.distributed import run as torchrun
 from traceml.config import (
     DEFAULT_AGGREGATOR_PORT,
     DEFAULT_WINDOW_ROWS,
+    MAX_WINDOW_ROWS,
     MODES,
     SESSION_ID_RE,
     RunConfig,
     TorchOptions,
     UsageErrorParser,
 )
+from traceml.environment import parse_stall_timeout
 from traceml.errors import UsageError
+from traceml.protocol import MAX_NODES, MAX_WORLD_SIZE
 
 # dest names of the options traceml adds; everything else belongs to torch.
 OWN_DESTS = (
@@ -50,19 +52,16 @@ def _positive_float(text: str) -> float:
 
 def _positive_int(text: str) -> int:
     value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value <= MAX_WINDOW_ROWS:  # past 64 bits SQLite takes no such number
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_WINDOW_ROWS}, got {text}")
     return value
 
 
 def _stall_timeout(text: str) -> float | None:
-    """``auto`` (None) or seconds, finite and >= 0 (0: off)."""
-    if text == "auto":
-        return None
-    value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be auto, 0 (off) or seconds > 0, got {text}")
-    return value
+    try:
+        return parse_stall_timeout(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _port(text: str) -> int:
@@ -150,9 +149,9 @@ def parse(command: str, argv: Sequence[str]) -> RunConfig:
         min_nodes, max_nodes = torchrun.parse_min_max_nnodes(ns.nnodes)
     except (ValueError, RuntimeError) as exc:
         raise UsageError(f"traceml {command}: bad --nnodes {ns.nnodes!r}: {exc}") from None
-    if not 1 <= min_nodes <= max_nodes:
+    if not 1 <= min_nodes <= max_nodes <= MAX_NODES:
         raise UsageError(f"traceml {command}: bad --nnodes {ns.nnodes!r}: give N or MIN:MAX "
-                         "with 1 <= MIN <= MAX")
+                         f"with 1 <= MIN <= MAX <= {MAX_NODES}")
     check_torch_values(command, ns)
     check_session_id(command, ns, max_nodes)
     session_id = ns.session_id or new_session_id()
@@ -204,9 +203,10 @@ def check_torch_values(command: str, ns: argparse.Namespace) -> None:
         num_local = 0
     else:
         reason = ""
-    if num_local <= 0:
+    if not 0 < num_local <= MAX_WORLD_SIZE:
         raise UsageError(f"traceml {command}: bad --nproc-per-node {nproc!r}{reason}: give a "
-                         f"number of processes > 0, or one of {', '.join(NPROC_WORDS)}")
+                         f"number of processes from 1 to {MAX_WORLD_SIZE}, or one of "
+                         f"{', '.join(NPROC_WORDS)}")
     if ns.master_port is not None and not 0 < int(ns.master_port) < 65536:
         raise UsageError(f"traceml {command}: bad --master-port {ns.master_port}: give a TCP "
                          "port from 1 to 65535")

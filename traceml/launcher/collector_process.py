@@ -21,7 +21,7 @@ import orjson
 import zmq
 
 from traceml import environment, protocol
-from traceml.collector.server import CollectorConfig
+from traceml.collector.config import CollectorConfig
 from traceml.errors import UsageError
 from traceml.protocol import Control, Envelope, RunEnd, RunStart, Sender, StopCollector
 from traceml.security import derive_keys, launcher_keys, new_secret, secure_client

@@ -14,10 +14,10 @@ from pathlib import Path
 from tabulate import tabulate
 
 from traceml import phases
-from traceml.diagnosis.samples import RunData, rank_totals
 from traceml.diagnosis.throughput import RankThroughput
 from traceml.errors import UsageError
 from traceml.protocol import RunEnd
+from traceml.records import RunData, rank_totals
 from traceml.report.model import Report
 from traceml.report.text import THROUGHPUT_UNITS, format_count
 from traceml.store import STORE_FILENAME

@@ -30,8 +30,8 @@ import orjson
 import psutil
 
 from traceml import protocol, stacks
-from traceml.diagnosis.samples import Incident
 from traceml.protocol import EXIT, STALL, IncidentReport
+from traceml.records import Incident
 from traceml.stacks import STACKS_DIR, StackFiles
 
 DUMP_WAIT_S = 3.0
@@ -161,6 +161,7 @@ class StallAlert:
         self.interval_s = interval_s
         self._printed: dict[tuple[int, int, float], bool] = {}  # stall -> cleared printed
         self._stop = threading.Event()
+        self._failed = False
         self._thread = threading.Thread(target=self._run, name="traceml-stall-alert",
                                         daemon=True)
 
@@ -172,17 +173,24 @@ class StallAlert:
         is still said before the summary."""
         self._stop.set()
         self._thread.join(2.0)
-        try:
-            self.check()
-        except Exception:  # never in the launcher's way
-            pass
+        self._guarded_check()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.check()
-            except Exception:  # never in the launcher's way: the summary says it all
-                pass
+        while not self._stop.wait(self.interval_s) and self._guarded_check():
+            pass
+
+    def _guarded_check(self) -> bool:
+        """:meth:`check`, never in the launcher's way: an error it did not expect is said
+        once and ends the alerts (the summary still says everything); False then."""
+        if self._failed:
+            return False
+        try:
+            self.check()
+            return True
+        except Exception as exc:  # noqa: BLE001 - a bug here must not stop the run
+            self._failed = True
+            _say(f"live stall alerts stopped ({exc!r}); the summary still reports stalls")
+            return False
 
     def _news(self, stall: Incident) -> bool:
         """Whether a stall is not printed yet, or its clearing is not."""

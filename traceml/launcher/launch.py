@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from traceml import environment
-from traceml.collector.server import CollectorConfig
+from traceml.collector.config import CollectorConfig
 from traceml.config import RunConfig
 from traceml.environment import AgentEnv
 from traceml.errors import UsageError
@@ -40,7 +40,7 @@ from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
 from traceml.security import new_secret, session_keys
-from traceml.store import STORE_FILENAME, StoreError, StoreReader
+from traceml.store import STORE_FILENAME, STORE_MODE, StoreError, StoreReader
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
 PEER_COLLECTOR_S = READY_TIMEOUT_S + 10.0
@@ -119,7 +119,7 @@ def session_dir_for(cfg: RunConfig, topo: Topology) -> tuple[Path, bool]:
             path.mkdir(parents=True, exist_ok=True)
             if hosting:
                 os.close(os.open(path / STORE_FILENAME,
-                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY, STORE_MODE))
             return path, hosting
         except FileExistsError:
             if not path.is_dir():

@@ -16,8 +16,8 @@ from typing import Any
 import psutil
 
 from traceml import protocol
-from traceml.agent.process_sampler import usable_cpus
 from traceml.environment import TorchRank
+from traceml.host import usable_cpus
 from traceml.protocol import Sender
 from traceml.security import CurveKeys
 from traceml.sender import BatchSender

@@ -1,8 +1,13 @@
 """The ``--mode=dashboard`` web server: a thread inside the collector process (collector side).
 
-Serves our own page at ``/`` and the current snapshot at ``/api/snapshot``,
-bound to 127.0.0.1 unless configured otherwise; when the asked port is taken
-it takes a free one and says so in the address it returns. Work is done only
+Serves our own page at ``/<token>/`` and the current snapshot at
+``/<token>/api/snapshot``, bound to 127.0.0.1 unless configured otherwise; when the
+asked port is taken it takes a free one and says so in the address it returns.  The
+token is made per run and is in the address traceml prints (as a notebook server's
+is): another user of the machine, who can reach the port but not read the terminal,
+gets 403.  On a loopback address a request must also name a loopback host (Host:
+127.0.0.1, localhost or [::1]), so a web page that rebinds its own name to 127.0.0.1
+(DNS rebinding) gets 403 too. Work is done only
 when a browser asks, at most once per ``MIN_REBUILD_S`` whatever the number of
 browsers: the snapshot reads the store's new rows (a read-only connection,
 never the collector's writer) so training is not slowed. When the run is over
@@ -14,6 +19,9 @@ the collector calls :meth:`Dashboard.finish`: the page gets the final report
 from __future__ import annotations
 
 import errno
+import hmac
+import ipaddress
+import secrets
 import sys
 import threading
 import time
@@ -23,9 +31,9 @@ from typing import Any
 
 import orjson
 
-from traceml.diagnosis.samples import Json
 from traceml.errors import UsageError
 from traceml.live.tail import StoreTail
+from traceml.records import Json
 from traceml.report.page.render import SNAPSHOT_PATH, live_page
 from traceml.report.page.snapshot import build_snapshot, live_snapshot, snapshot_to_json
 from traceml.store import StoreError
@@ -50,6 +58,8 @@ class Dashboard:
         self._final_served = threading.Event()
         self._last_request = float("-inf")
         self._server: ThreadingHTTPServer | None = None
+        self.token = secrets.token_urlsafe(24)
+        self.loopback_only = True  # set by start(): whether Host must name a loopback host
 
     def start(self, host: str, port: int) -> dict[str, Json]:
         """Listen (on a free port when ``port`` is taken) and serve in a daemon thread."""
@@ -60,11 +70,22 @@ class Dashboard:
                 raise
             server = _Server((host, 0), _Handler, self)
         self._server = server
+        self.loopback_only = _is_loopback(host)
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                          name="traceml-dashboard", daemon=True).start()
         bound = int(server.server_address[1])
-        return {"url": f"http://{_url_host(host)}:{bound}/", "port": bound,
+        return {"url": f"http://{_url_host(host)}:{bound}/{self.token}/", "port": bound,
                 "requested_port": port}
+
+    def refusal(self, path: str, host_header: str | None) -> str | None:
+        """Why a request is refused (None: it is not): a Host that is not loopback on a
+        loopback server, or a path without the run's token."""
+        if self.loopback_only and not _loopback_host(host_header):
+            return "this dashboard answers only to 127.0.0.1, localhost or [::1]"
+        prefix = f"/{self.token}/"
+        if not hmac.compare_digest(path[:len(prefix)].encode(), prefix.encode()):
+            return "open the address traceml printed: it carries this run's token"
+        return None
 
     def snapshot(self) -> bytes:
         """The current document: rebuilt at most once per MIN_REBUILD_S; final once ended."""
@@ -107,6 +128,23 @@ class Dashboard:
             self._server = None
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _loopback_host(header: str | None) -> bool:
+    """Whether a Host header names this machine's loopback (any port)."""
+    if not header:
+        return False
+    name = header.rsplit(":", 1)[0] if not header.endswith("]") else header
+    if name.startswith("[") and "]" in name:
+        name = name[1:name.index("]")]
+    return _is_loopback(name)
+
+
 def _url_host(host: str) -> str:
     if host in ("", "0.0.0.0"):
         return "127.0.0.1"
@@ -126,11 +164,17 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def do_GET(self) -> None:  # the name http.server calls
+        dashboard = self.server.dashboard
         path = self.path.split("?", 1)[0]
-        if path in ("/", "/index.html"):
-            self._send(200, "text/html; charset=utf-8", self.server.dashboard.page)
+        refused = dashboard.refusal(path, self.headers.get("Host"))
+        if refused is not None:
+            self._send(403, "text/plain; charset=utf-8", f"forbidden: {refused}\n".encode())
+            return
+        path = path[len(dashboard.token) + 2:]
+        if path in ("", "index.html"):
+            self._send(200, "text/html; charset=utf-8", dashboard.page)
         elif path == SNAPSHOT_PATH:
-            self._send(200, "application/json", self.server.dashboard.snapshot())
+            self._send(200, "application/json", dashboard.snapshot())
         else:
             self._send(404, "text/plain; charset=utf-8", b"not found\n")
 

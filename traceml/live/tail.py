@@ -15,7 +15,7 @@ from collections import deque
 from pathlib import Path
 from typing import TypeVar
 
-from traceml.diagnosis.samples import (
+from traceml.records import (
     FlopCount,
     Incident,
     ProcessSample,

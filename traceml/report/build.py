@@ -13,7 +13,6 @@ from typing import Protocol, TypeVar
 from traceml.diagnosis.ending import diagnose_ending
 from traceml.diagnosis.finding import severity_rank
 from traceml.diagnosis.process import diagnose_process, rank_process
-from traceml.diagnosis.samples import RunData, rank_totals
 from traceml.diagnosis.stats import Located, MetricStat, Worst, metric_stat
 from traceml.diagnosis.step_loop import boundary_rule, evaluation_by_rank, input_source
 from traceml.diagnosis.step_memory import diagnose_step_memory, rank_memory
@@ -32,6 +31,7 @@ from traceml.diagnosis.throughput import (
     rank_throughput,
 )
 from traceml.diagnosis.window import Scope, StepWindow, in_span, missing, select_window
+from traceml.records import RunData, rank_totals
 from traceml.report.model import SCHEMA_VERSION, Primary, Report, Section
 
 PRIMARY_ORDER = ("step_time", "step_memory", "system", "process", "throughput")

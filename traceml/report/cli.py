@@ -8,14 +8,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from traceml.config import UsageErrorParser
+from traceml.config import MAX_WINDOW_ROWS, UsageErrorParser
 from traceml.errors import UsageError
 
 
 def _positive_int(text: str) -> int:
     value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value <= MAX_WINDOW_ROWS:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_WINDOW_ROWS}, got {text}")
     return value
 
 
@@ -43,7 +43,7 @@ def _html_target(out: Path) -> Path:
 
 
 def main(argv: Sequence[str]) -> int:
-    from traceml.report.session import write_summary
+    from traceml.report.session import build_summary, save_summary
 
     args = build_parser().parse_args(list(argv))
     session_dir = Path(args.session_dir)
@@ -51,12 +51,27 @@ def main(argv: Sequence[str]) -> int:
         raise UsageError(f"traceml report: not a folder: {session_dir} "
                          "(give the session folder that 'traceml run' printed)")
     html_target = _html_target(Path(args.html)) if args.html is not None else None
-    files = write_summary(session_dir, args.summary_window_rows)
-    sys.stdout.write(files.text)
-    print(f"traceml: summary written to {files.json_path} and {files.text_path.name}",
-          file=sys.stderr)
+    files = build_summary(session_dir, args.summary_window_rows)
+    sys.stdout.write(files.text)  # printed first: a folder that takes no file loses nothing
+    sys.stdout.flush()
+    unwritten: OSError | None = None
+    try:
+        save_summary(files)
+        print(f"traceml: summary written to {files.json_path} and {files.text_path.name}",
+              file=sys.stderr)
+    except OSError as exc:  # a read-only or full disk, a folder not the user's
+        unwritten = exc
     if html_target is not None:  # the same report with its plots, one self-contained file
         from traceml.report.html import write_html
-        path = write_html(html_target, files.report, files.run)
-        print(f"traceml: HTML report written to {path}", file=sys.stderr)
+        try:
+            path = write_html(html_target, files.report, files.run)
+            print(f"traceml: HTML report written to {path}", file=sys.stderr)
+        except OSError as exc:
+            raise UsageError(f"traceml report: cannot write {html_target}: "
+                             f"{exc.strerror or exc}") from None
+    if unwritten is not None:
+        raise UsageError(
+            f"traceml report: the summary is printed above, but {session_dir} takes no file "
+            f"({unwritten.strerror or unwritten}): free some space or make the folder "
+            "writable, or copy the session folder elsewhere and run 'traceml report' there")
     return 0

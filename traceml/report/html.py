@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from traceml.diagnosis.samples import RunData
+from traceml.records import RunData
 from traceml.report.model import Report
 from traceml.report.page.render import render_page
 from traceml.report.page.snapshot import build_snapshot, snapshot_to_json

@@ -21,9 +21,9 @@ from datetime import datetime, timezone
 
 from traceml.diagnosis.ending import Ending, waiting
 from traceml.diagnosis.finding import Finding
-from traceml.diagnosis.samples import Incident, Json, RunMeta
 from traceml.diagnosis.stats import MetricStat
 from traceml.diagnosis.step_time import RankStepTimes
+from traceml.records import Incident, Json, RunMeta
 from traceml.report.model import Primary, RankRow, Report, Section
 
 VERSION_KEYS = ("traceml", "torch", "python")

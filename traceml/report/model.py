@@ -14,13 +14,13 @@ from typing import Union
 from traceml.diagnosis.ending import Ending
 from traceml.diagnosis.finding import Finding
 from traceml.diagnosis.process import RankProcess
-from traceml.diagnosis.samples import RunMeta
 from traceml.diagnosis.stats import MetricStat
 from traceml.diagnosis.step_memory import RankMemory
 from traceml.diagnosis.step_time import RankStepTimes
 from traceml.diagnosis.system import NodeSystem
 from traceml.diagnosis.throughput import JobThroughput, RankThroughput
 from traceml.diagnosis.window import Scope
+from traceml.records import RunMeta
 
 SCHEMA_VERSION = "1.3"  # 1.3: hook phase, straggler steadiness; 1.2: ending, throughput, ...
 """Version of final_summary.json; bump the major part on incompatible changes."""

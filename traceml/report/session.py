@@ -22,9 +22,10 @@ from typing import Any
 import orjson
 
 from traceml.config import DEFAULT_WINDOW_ROWS
-from traceml.diagnosis.samples import RunData
+from traceml.diagnosis.window import ANALYSIS_WINDOW
 from traceml.errors import UsageError
 from traceml.protocol import RunEnd, RunStart
+from traceml.records import RunData
 from traceml.report.build import build_report
 from traceml.report.json_codec import report_to_json
 from traceml.report.model import Report
@@ -93,7 +94,7 @@ def load_run(session_dir: Path, end: RunEnd | None = None, window_rows: int | No
         if end is not None and (records.end is None or not end.telemetry_complete):
             records = replace(records, end=end)
         window = window_rows or summary_window(records.start)
-        run = reader.run(records) if full else reader.window_run(records, window)
+        run = reader.run(records) if full else reader.window_run(records, window, ANALYSIS_WINDOW)
     return run, window
 
 

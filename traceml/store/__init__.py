@@ -38,6 +38,7 @@ from traceml.store.schema import (
     SCHEMA_VERSION,
     STEP_COLUMNS,
     STORE_FILENAME,
+    STORE_MODE,
     StoreError,
 )
 from traceml.store.writer import StoreWriter
@@ -47,6 +48,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "STEP_COLUMNS",
     "STORE_FILENAME",
+    "STORE_MODE",
     "JoinError",
     "NewRows",
     "RunRecords",

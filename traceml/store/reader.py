@@ -12,12 +12,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
-from traceml.diagnosis.ending import RAM_LOOKBACK_S
-from traceml.diagnosis.samples import (
+from traceml.errors import ProtocolError
+from traceml.protocol import MAX_WORLD_SIZE, RunEnd, RunStart, record_from_json
+from traceml.records import (
     TOTALED,
     FlopCount,
     Incident,
@@ -28,10 +29,6 @@ from traceml.diagnosis.samples import (
     SystemSample,
     totals_of,
 )
-from traceml.diagnosis.thresholds import WARMUP_FRACTION, WARMUP_MAX_STEPS
-from traceml.diagnosis.window import num_aligned, select_window, tail_decides, window_steps
-from traceml.errors import ProtocolError
-from traceml.protocol import MAX_WORLD_SIZE, RunEnd, RunStart, record_from_json
 from traceml.store.records import JoinError, NewRows, RunRecords, SenderState, StoredStep
 from traceml.store.rows import (
     LIMIT,
@@ -60,6 +57,27 @@ from traceml.store.schema import (
 
 _T = TypeVar("_T")
 _Run = TypeVar("_Run", RunStart, RunEnd)
+
+
+class WindowPolicy(Protocol):
+    """Which rows a summary over a window of steps reads: the analysis decides
+    (`traceml.diagnosis.window.ANALYSIS_WINDOW`); the bounded read only follows it."""
+
+    def steps_per_rank(self, window_rows: int, num_ranks: int) -> int:
+        """The steps per rank the window keeps."""
+
+    def depth(self, steps_per_rank: int) -> int:
+        """How many steps back from the last one every rank reached to read first."""
+
+    def tail_decides(self, steps: Sequence[StepRow], ranks: Sequence[int],
+                     steps_per_rank: int) -> bool:
+        """Whether ``steps``, the tail read, give the window that every step would."""
+
+    def time_span(self, steps: Sequence[StepRow], window_rows: int) -> tuple[float, float] | None:
+        """Unix seconds the window's steps ran (None: steps without end times)."""
+
+    def crash_spans(self, incidents: Sequence[Incident]) -> list[tuple[float, float]]:
+        """Spans around the crashes whose host samples the ending reads."""
 
 
 class StoreReader:
@@ -145,23 +163,23 @@ class StoreReader:
             "system"))
         return self._run_data(records, steps, process, system, totals_of(steps))
 
-    def window_run(self, records: RunRecords, window_rows: int) -> RunData:
-        """What a summary over the last ``window_rows`` aligned steps per rank reads:
-        each rank's steps from a little before that window to its end (enough to
-        place it and its warm-up exactly), the process and system samples taken
-        while it ran, and each rank's whole-run totals summed in SQL.  Only the
+    def window_run(self, records: RunRecords, window_rows: int, policy: WindowPolicy) -> RunData:
+        """What a summary over the last ``window_rows`` aligned steps per rank reads, as
+        ``policy`` places that window: each rank's steps from a little before it to its
+        end (enough to place it and its warm-up exactly), the process and system samples
+        taken while it ran, and each rank's whole-run totals summed in SQL.  Only the
         stored rows the reader loads are checked one by one (see the module
         docstring)."""
         totals, spans = self._step_totals()
-        steps = self._window_steps(spans, window_steps(window_rows, len(totals)))
-        span = select_window(steps, window_rows, 0).time_span()
+        steps = self._window_steps(spans, policy.steps_per_rank(window_rows, len(totals)), policy)
+        span = policy.time_span(steps, window_rows)
         num_ranks = max(len(totals), len({s.sender.rank for s in records.senders}))
         process = tuple(self._read(self._samples_near(
             "process", "rank", "1", span, num_ranks), process_sample, "process"))
         incidents = self.incidents()
         num_nodes = len({s.sender.node_rank for s in records.senders})
         system = tuple(self._read(self._samples_near(
-            "system", "node_rank", _NODE_SAMPLE, span, num_nodes, _crash_spans(incidents)),
+            "system", "node_rank", _NODE_SAMPLE, span, num_nodes, policy.crash_spans(incidents)),
             system_sample, "system"))
         return self._run_data(records, steps, process, system, totals, incidents)
 
@@ -210,7 +228,8 @@ class StoreReader:
             spans.append(_StepSpan(rank, g["restart"], first, part.last_step))
         return tuple(merged_totals(parts[r]) for r in sorted(parts)), spans
 
-    def _window_steps(self, spans: Sequence[_StepSpan], window_rows: int) -> tuple[StepRow, ...]:
+    def _window_steps(self, spans: Sequence[_StepSpan], window_rows: int,
+                      policy: WindowPolicy) -> tuple[StepRow, ...]:
         """Each rank's steps up to the last one every rank reached, from far enough
         back that the window and its warm-up are what all of them would give."""
         if not spans:
@@ -220,7 +239,7 @@ class StoreReader:
             last[s.rank] = max(last.get(s.rank, s.last), s.last)
         upper = min(last.values())
         first = min(s.first for s in spans)
-        depth = max(window_rows + WARMUP_MAX_STEPS, math.ceil(WARMUP_MAX_STEPS / WARMUP_FRACTION))
+        depth = policy.depth(window_rows)
         ranks = sorted(last)
         while True:
             low = upper - depth
@@ -230,7 +249,7 @@ class StoreReader:
                           for row in self._steps_where(
                               "rank = ? AND restart = ? AND step > ? AND step <= ?",
                               (s.rank, s.restart, low, upper)))
-            if tail_decides(num_aligned(steps, ranks), window_rows):
+            if policy.tail_decides(steps, ranks, window_rows):
                 return steps
             depth *= 4  # steps missing in some rank (dropped): look further back
 
@@ -399,9 +418,3 @@ def _merged_spans(spans: Sequence[tuple[float, float]]) -> list[tuple[float, flo
         else:
             out.append((low, high))
     return out
-
-
-def _crash_spans(incidents: Sequence[Incident]) -> list[tuple[float, float]]:
-    """Around each crash, the host samples its ending reads (a SIGKILL's memory)."""
-    return [(i.began_at - RAM_LOOKBACK_S, i.began_at + 1.0)
-            for i in incidents if i.what != "stall"]

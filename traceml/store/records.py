@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from traceml import phases
-from traceml.diagnosis.samples import StepRow
 from traceml.protocol import RunEnd, RunStart, Sender
+from traceml.records import StepRow
 from traceml.store.schema import STEP_COLUMNS
 
 

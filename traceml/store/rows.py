@@ -14,7 +14,9 @@ from typing import Any, TypeVar
 import orjson
 
 from traceml import phases, stacks
-from traceml.diagnosis.samples import (
+from traceml.errors import ProtocolError
+from traceml.protocol import MAX_WORLD_SIZE, RunEnd, RunStart, Sender
+from traceml.records import (
     TOTALED,
     GpuSample,
     Incident,
@@ -27,8 +29,6 @@ from traceml.diagnosis.samples import (
     SystemSample,
     totals_of,
 )
-from traceml.errors import ProtocolError
-from traceml.protocol import MAX_WORLD_SIZE, RunEnd, RunStart, Sender
 from traceml.store.records import RunRecords, SenderState
 from traceml.store.schema import STEP_TYPE
 

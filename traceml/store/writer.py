@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -11,8 +12,8 @@ from typing import Any
 import orjson
 
 from traceml import stacks
-from traceml.diagnosis.samples import FlopCount, Incident
 from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, RunEnd, RunStart, Sender, record_to_json
+from traceml.records import FlopCount, Incident
 from traceml.store.records import JoinError, SenderState, StepRecord
 from traceml.store.schema import (
     DDL,
@@ -25,6 +26,7 @@ from traceml.store.schema import (
     SCHEMA_VERSION,
     SENDER_SQL,
     STEPS_SQL,
+    STORE_MODE,
     SYSTEM_SQL,
     StoreError,
     sqlite_errors,
@@ -45,6 +47,14 @@ class StoreWriter:
     def __init__(self, path: str) -> None:
         self.path = path
         with sqlite_errors():
+            # Owner-only: the store holds command lines and host names.  SQLite gives its
+            # -wal and -shm files the store's mode; the summaries take it too.
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, STORE_MODE))
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise StoreError(f"cannot create {path}: {exc.strerror or exc}") from exc
             self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")

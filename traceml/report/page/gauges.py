@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from traceml.diagnosis.finding import format_bytes
 from traceml.diagnosis.process import RankProcess
-from traceml.diagnosis.samples import Json
 from traceml.diagnosis.system import GpuSummary, NodeSystem
+from traceml.records import Json
 from traceml.report.model import Report
 from traceml.report.page.spread import is_wide
 

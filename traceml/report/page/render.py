@@ -16,9 +16,9 @@ from importlib import resources
 
 import orjson
 
-from traceml.diagnosis.samples import Json
+from traceml.records import Json
 
-SNAPSHOT_PATH = "/api/snapshot"
+SNAPSHOT_PATH = "api/snapshot"  # relative: the page is served under the run's token
 POLL_INTERVAL_MS = 1000
 _PLACEHOLDER = re.compile(r"__(TITLE|STYLE|DATA|SCRIPT)__")
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from traceml import phases
-from traceml.diagnosis.samples import Json, StepRow
+from traceml.records import Json, StepRow
 
 SERIES_PHASES = tuple(p.column for p in (*phases.stacked(), phases.TOTAL))
 """Stacked in this order (every phase, then wait) they add up to total_ms."""

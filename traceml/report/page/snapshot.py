@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from traceml import phases
-from traceml.diagnosis.samples import Json, RunData, ms_column, rank_totals
 from traceml.diagnosis.throughput import RankThroughput
 from traceml.diagnosis.window import select_window
+from traceml.records import Json, RunData, ms_column, rank_totals
 from traceml.report.build import build_report, rank_nodes
 from traceml.report.json_codec import report_to_json
 from traceml.report.model import SECTION_NAMES, Report

@@ -24,8 +24,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from traceml.diagnosis.samples import Json, StepRow, ms_column
 from traceml.diagnosis.stats import Worst, quantile
+from traceml.records import Json, StepRow, ms_column
 from traceml.report.page.series import SERIES_MEMORY, SERIES_PHASES
 
 WIDE_RANKS = 32

@@ -1,5 +1,5 @@
 // traceml page: renders one snapshot document (the report model plus series)
-// into the dashboard (polling /api/snapshot) or final_summary.html (embedded).
+// into the dashboard (polling api/snapshot beside it) or final_summary.html (embedded).
 // Plain DOM, SVG and canvas; nothing is fetched from anywhere else.
 "use strict";
 (function () {

@@ -1,7 +1,8 @@
-"""The stored telemetry of one run, as the diagnosis reads it (offline analysis).
+"""The records every package shares: the stored telemetry of one run, and their JSON.
 
-Runs in the offline-analysis process (end-of-run summary, `traceml report`,
-tests). The collector's store reader builds a :class:`RunData` from SQLite;
+A leaf (the standard library, traceml.phases and traceml.stacks): the collector and
+the store build these records, the rules (traceml.diagnosis) read them, the reports
+and live views show them.  The store reader builds a :class:`RunData` from SQLite;
 recorded test scenarios store one as JSON via :func:`to_jsonable` /
 :func:`from_jsonable`. "Not measured" is ``None`` throughout, a measured
 zero is ``0``.

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from traceml.collector.server import CollectorConfig
+from traceml.collector.config import CollectorConfig
 from traceml.config import DEFAULT_WINDOW_ROWS
 from traceml.environment import AgentEnv, TorchRank
 from traceml.launcher.collector_process import CollectorProcess, end_run, run_start

@@ -1,0 +1,44 @@
+"""What the launcher tells a collector or relay process to do (launcher and collector side).
+
+Its own module, so the launcher builds one without importing the collector's sockets
+(zmq) or its dispatcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+from traceml import protocol
+
+
+@dataclass(frozen=True)
+class CollectorConfig:
+    session_id: str
+    bind_host: str
+    port: int  # 0: any free port
+    db_path: str
+    parent_pid: int
+    max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
+    # --mode=dashboard: the live page's server runs in this process (see LiveServer).
+    dashboard_port: int | None = None
+    dashboard_host: str = "127.0.0.1"
+    # CURVE keys: from ``secret`` (None: from the session id); the launcher's own key
+    # from ``launcher_secret`` (None: nobody may send control messages).
+    secret: str | None = None
+    launcher_secret: str | None = None
+    # Several nodes: the join check.
+    join_port: int | None = None
+    expected: dict[str, str] | None = None  # nnodes, nproc_per_node as node 0 has them
+    # A node's relay (`traceml.collector.relay`): node 0's collector, where this
+    # process forwards what its node's senders send (None: this is the collector).
+    upstream: str | None = None
+    node_rank: int = -1  # the relay's node (-1: c10d, not known when it starts)
+
+    def to_json(self) -> str:
+        return orjson.dumps(self.__dict__).decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> CollectorConfig:
+        return cls(**orjson.loads(text))
