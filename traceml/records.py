@@ -169,6 +169,8 @@ class RunMeta:
     rejected: dict[str, int] = dataclasses.field(default_factory=dict)
     # False: the collector died or hung before the end; what came after is missing.
     telemetry_complete: bool = True
+    # The launcher vanished before the end (kill -9): exit status unknown, ranks unstopped.
+    launcher_lost: bool = False
 
 
 @dataclass(frozen=True)

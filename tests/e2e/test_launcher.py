@@ -3,6 +3,7 @@ chains a user's sitecustomize, keeps concurrent jobs apart, rejects bad input.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -259,3 +260,58 @@ def test_traceml_options_after_the_script_are_named_when_the_script_refuses_them
                     "not take) and got --html --nproc-per-node, options of traceml run too; if "
                     "they were meant for traceml or torchrun, put them before the script: "
                     "traceml run [options] loop.py [script arguments]"), res.stderr
+
+
+def _gone(process: object) -> bool:
+    import psutil
+
+    assert isinstance(process, psutil.Process)
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_launcher_killed_leaves_a_record_that_says_so(tmp_path: Path) -> None:
+    """kill -9 of the launcher: as with torchrun (its workers run in their own sessions)
+    the ranks are not stopped; the collector sees its launcher vanish, records when and
+    exits; `traceml report` then says LAUNCHER LOST, exit unknown, telemetry incomplete,
+    instead of "running", 0.0 s."""
+    import psutil
+
+    logs, session = tmp_path / "logs", tmp_path / "logs" / "lost"
+    with (tmp_path / "out.txt").open("wb") as out, (tmp_path / "err.txt").open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "traceml", "run", "--logs-dir", str(logs), "--session-id",
+             "lost", script("loop.py"), "--steps", "3000", "--input-sleep-ms", "2"],
+            env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path, stdout=out, stderr=err)
+    store = session / "telemetry.sqlite"
+    family: list[psutil.Process] = []
+    try:
+        assert wait_until(lambda: store.exists() and read_store(store)[0], 60), \
+            "the run never stored a step"
+        family = psutil.Process(proc.pid).children(recursive=True)
+        collector = [p for p in family if "traceml.collector" in " ".join(p.cmdline())]
+        workers = [p for p in family if "loop.py" in " ".join(p.cmdline())]
+        assert collector and workers, [p.cmdline() for p in family]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert wait_until(lambda: _gone(collector[0]), 30), "the collector outlived its launcher"
+        assert not any(_gone(w) for w in workers)  # torchrun's behaviour: the ranks go on
+    finally:
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    done = subprocess.run([sys.executable, "-m", "traceml", "report", str(session)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Verdict: LAUNCHER LOST [crit]" in done.stdout
+    assert "exit unknown (launcher lost)" in done.stdout
+    card = " ".join(done.stdout.replace("|", " ").split())
+    assert "As with torchrun" in card and "the launcher vanished" in card
+    summary = read_summary(session)
+    assert summary is not None
+    assert summary["ending"]["state"] == "launcher_lost"
+    meta = summary["meta"]
+    assert meta["exit_code"] is None and meta["telemetry_complete"] is False
+    assert meta["ended_at"] > meta["started_at"]

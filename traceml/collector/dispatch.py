@@ -50,6 +50,7 @@ class Store(Protocol):
     def save_rejected(self, counts: Mapping[str, int]) -> None: ...
     def save_run(self, record: RunStart | RunEnd) -> None: ...
     def add_join_error(self, error: JoinError) -> None: ...
+    def save_launcher_lost(self, at: float) -> None: ...
     def commit(self) -> None: ...
     def close(self) -> None: ...
 
@@ -90,6 +91,13 @@ class Collector:
         except StoreError:
             self.store_failed = True
             self.reject("not stored: the store failed")
+
+    def launcher_lost(self, at: float) -> None:
+        """Record that the launcher vanished before telling the run's end."""
+        try:
+            self.store.save_launcher_lost(at)
+        except StoreError:
+            self.store_failed = True
 
     def all_said_bye(self) -> bool:
         """Every sender that spoke has said goodbye: nothing more is in flight."""

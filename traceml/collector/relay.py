@@ -153,6 +153,9 @@ class Outbox:
     def add_join_error(self, error: JoinError) -> None:
         """Only node 0's collector answers join checks."""
 
+    def save_launcher_lost(self, at: float) -> None:
+        """A relay's launcher is its node's: node 0 learns of it as a lost node."""
+
     def commit(self) -> None:
         """Send what arrived since the last batch, as one message.  A batch node 0
         did not take (it was slow or gone) gives back its sender states, incidents

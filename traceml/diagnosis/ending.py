@@ -32,6 +32,7 @@ how a run is stopped, not crashes.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -45,8 +46,9 @@ STOPPING_SIGNALS = frozenset({"SIGINT", "SIGTERM", "SIGHUP"})
 OOM_KILLER_RAM_PCT = 90.0
 """Host memory (%) at a SIGKILL above which the kernel's OOM killer is the likely sender."""
 
-STATES = ("running", "completed", "interrupted", "stalled", "crashed", "failed", "no_steps")
-_HEADLINED = frozenset({"stalled", "crashed", "failed", "no_steps"})
+STATES = ("running", "completed", "interrupted", "stalled", "crashed", "failed", "no_steps",
+          "launcher_lost")
+_HEADLINED = frozenset({"stalled", "crashed", "failed", "no_steps", "launcher_lost"})
 _COLLECTIVE = frozenset(p.name for p in phases.PHASES if p.collective)
 _LABELS = {p.name: p.label.lower() for p in phases.PHASES}  # "in comm hook", "in forward"
 
@@ -70,6 +72,9 @@ class Ending:
 def diagnose_ending(run: RunData) -> Ending:
     """The run's ending from its incidents and exit status."""
     meta = run.meta
+    if meta.launcher_lost:
+        finding = launcher_lost_finding(run)
+        return Ending("launcher_lost", (finding,), tuple(run.incidents))
     running = meta.exit_code is None
     stalls = [i for i in run.incidents if i.what == "stall"]
     active = _latest_per_rank(s for s in stalls if s.cleared_at is None)
@@ -433,6 +438,24 @@ def _kill_reason(i: Incident, run: RunData) -> str:
                 "out-of-memory killer")
     return (f"host memory was {peak:.0f}% full, so not the out-of-memory killer: sent from "
             "outside (a scheduler's limit, a user, another tool)")
+
+
+def launcher_lost_finding(run: RunData) -> Finding:
+    """The headline of a run whose launcher vanished before the end (``kill -9``, the
+    OOM killer): its collector recorded when, and nothing after."""
+    meta = run.meta
+    at = time.strftime("%H:%M:%S", time.localtime(meta.ended_at))
+    last = max((t.last_step for t in rank_totals(run).values()), default=None)
+    steps = f" after step {last}" if last is not None else " before any step"
+    why = (f"The launcher stopped at {at} ({meta.ended_at - meta.started_at:.1f} s into the run"
+           f"{steps}) without recording the end: killed (kill -9, the OOM killer) or lost "
+           "with its node. The ranks' exit statuses are unknown and nothing after that was "
+           "recorded. As with torchrun, whose workers run in their own sessions, its ranks "
+           "were not stopped: they may have gone on, untraced.")
+    next_step = ("Check whether the ranks still run (ps, nvidia-smi) and stop them; look "
+                 "for the OOM killer in the kernel log (dmesg); run again for a whole record.")
+    return Finding("LAUNCHER_LOST", "LAUNCHER LOST", "crit", why, next_step, (),
+                   {"lost_after_s": meta.ended_at - meta.started_at})
 
 
 def ended_before_first_step(exit_code: int | None) -> Finding:

@@ -70,7 +70,8 @@ def _overview(report: Report) -> list[str]:
     lines = [f"{verdict} ({', '.join(where)})"]
     if primary.next:
         lines.append(f"Next: {primary.next}")
-    exit_text = "running" if meta.exit_code is None else f"exit {meta.exit_code}"
+    exit_text = ("exit unknown (launcher lost)" if meta.launcher_lost
+                 else "running" if meta.exit_code is None else f"exit {meta.exit_code}")
     nodes = _count(report.system.scope.num_nodes, "node")
     lines.append(f"Run: {_count(meta.world_size, 'rank')} on {nodes} | "
                  f"{meta.device} | {exit_text} | session {meta.session_id}")
@@ -81,7 +82,10 @@ def _overview(report: Report) -> list[str]:
     if dropped or gaps:
         lines.append(f"Telemetry: {dropped} messages dropped, {gaps} sequence gaps; "
                      "some samples are missing.")
-    if not meta.telemetry_complete:
+    if meta.launcher_lost:
+        lines.append("Telemetry stopped early: the launcher vanished and its collector "
+                     "stopped with it; the end time is when the collector saw it go.")
+    elif not meta.telemetry_complete:
         lines.append("Telemetry stopped early: the collector died or hung before the run "
                      "ended; the exit status and end time are the launcher's.")
     if meta.rejected:

@@ -50,6 +50,7 @@ from traceml.store.rows import (
 from traceml.store.schema import (
     FLOP_COUNT_COLUMNS,
     JOIN_ERROR_PREFIX,
+    LAUNCHER_LOST_KEY,
     STEP_TYPE,
     StoreError,
     sqlite_errors,
@@ -114,7 +115,9 @@ class StoreReader:
         senders = self.senders()
         rejected = {r["reason"]: r["count"] for r in self._rows("SELECT * FROM rejected")
                     if type(r["reason"]) is str and type(r["count"]) is int}
-        return RunRecords(start, end, senders, {**rejected, **self.skipped})
+        lost = meta.get(LAUNCHER_LOST_KEY)
+        lost_at = float(lost) if isinstance(lost, (int, float)) and math.isfinite(lost) else None
+        return RunRecords(start, end, senders, {**rejected, **self.skipped}, lost_at)
 
     def senders(self, role: str | None = None) -> tuple[SenderState, ...]:
         """Every sender that spoke (of one role: ``"system"`` is each node's launcher)."""
@@ -189,7 +192,7 @@ class StoreReader:
                   incidents: tuple[Incident, ...] | None = None) -> RunData:
         rejected = {**records.rejected, **self.skipped}
         return dataclasses.replace(
-            run_data(RunRecords(records.start, records.end, records.senders, rejected),
+            run_data(dataclasses.replace(records, rejected=rejected),
                      steps, process, system,
                      self.incidents() if incidents is None else incidents, totals),
             flop_counts=self.flop_counts())

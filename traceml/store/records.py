@@ -89,6 +89,8 @@ class RunRecords:
     end: RunEnd | None  # None: the run has not ended (or its launcher died)
     senders: tuple[SenderState, ...]
     rejected: Mapping[str, int]  # messages dropped, by reason
+    # When the collector saw its launcher vanish before the end (None: it did not).
+    launcher_lost_at: float | None = None
 
 
 @dataclass(frozen=True)

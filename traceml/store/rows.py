@@ -260,6 +260,9 @@ def _run_meta(records: RunRecords, totals: tuple[RankTotals, ...],
     world_size, missing = _ranks(records, totals)
     exit_code = records.end.exit_code if records.end is not None else None
     complete = records.end.telemetry_complete if records.end is not None else True
+    lost_at = records.launcher_lost_at if records.end is None else None
+    if lost_at is not None:  # no end will come: the record stops where telemetry did
+        complete = False
     cuda = any(t.device_measured for t in totals) or any(
         p.device_total_bytes is not None for p in process)
     senders = records.senders
@@ -268,7 +271,8 @@ def _run_meta(records: RunRecords, totals: tuple[RankTotals, ...],
         peak_tflops=start.peak_tflops or None,
         session_id=start.session_id, command=list(start.command),
         started_at=start.started_at,
-        ended_at=records.end.ended_at if records.end is not None else start.started_at,
+        ended_at=(records.end.ended_at if records.end is not None
+                  else lost_at if lost_at is not None else start.started_at),
         exit_code=exit_code, partial=bool(missing) or exit_code != 0 or not complete,
         world_size=world_size, missing_ranks=missing, nodes=_nodes(senders),
         device="cuda" if cuda else "cpu",
@@ -279,6 +283,7 @@ def _run_meta(records: RunRecords, totals: tuple[RankTotals, ...],
                    "gaps": sum(s.num_gaps for s in senders),
                    "rejected": sum(records.rejected.values())},
         mode=start.mode, rejected=dict(records.rejected), telemetry_complete=complete,
+        launcher_lost=lost_at is not None,
     )
 
 
