@@ -52,7 +52,7 @@ class InProcessSession:
 
         self.collector.record(run_start(
             self.env.session_id, [sys.executable, *sys.argv], mode="run",
-            summary_window_rows=DEFAULT_WINDOW_ROWS, expected_world_size=1))
+            summary_window_rows=DEFAULT_WINDOW_ROWS, expected_world_size=1, max_world_size=1))
         self.sampler.start()
         rank = TorchRank(rank=0, local_rank=0, world_size=1)  # the one process is rank 0
         self.runtime = AgentRuntime(self.env, identity_from(self.env, rank))

@@ -511,6 +511,7 @@ class RunStart:
     expected_nodes: int = 1
     count_flops: int = 1  # 0 with --no-flops
     peak_tflops: float = 0.0  # --peak-tflops; 0: the summary's table of accelerators
+    max_world_size: int = 0  # ranks the launcher can start (--nnodes' maximum); 0: unknown
 
 
 @dataclass(frozen=True)

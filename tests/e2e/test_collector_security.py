@@ -269,3 +269,39 @@ def _free_port_pair() -> int:
                     continue
         return port
     raise AssertionError("no free port pair")
+
+
+def test_an_insider_cannot_grow_the_world_nor_fail_a_successful_run(
+        live: tuple[CollectorProcess, Pushes, Path], tmp_path: Path) -> None:
+    """A holder of the session's key (a rank's child, say) claims ranks past what the
+    launcher starts, or reports a crash of a run that exits 0: the claims are refused and
+    counted, and the launcher's exit status decides the ending."""
+    from traceml.protocol import IncidentReport
+
+    collector, pushes, db = live
+    collector.record(RunStart(
+        session_id="safe", command=("train.py",), started_at=T0, traceml_version="t",
+        torch_version="t", python_version="p", summary_window_rows=0, mode="run",
+        expected_world_size=2, max_world_size=2))
+    sock = pushes.open(collector.keys)
+    sock.send(_envelope("safe", 0, rows=5))
+    assert wait_until(lambda: _rows(db, "SELECT COUNT(*) FROM steps") == [(5,)])
+    huge = Sender("rank", "genuine", 102, 0, rank=1, local_rank=1, world_size=4096)
+    beyond = Sender("rank", "genuine", 103, 0, rank=7, local_rank=7, world_size=8)
+    for sender in (huge, beyond):
+        sock.send(_envelope("safe", 0, rows=3, sender=sender))
+    sock.send(_envelope("safe", 1, kind=protocol.KIND_INCIDENT, payload=protocol.incident_payload(
+        IncidentReport("exception", T0 + 30, T0 + 30, detail={"type": "RuntimeError",
+                                                              "message": "forged"}))))
+    sock.send(_envelope("safe", 2, kind=protocol.KIND_BYE, payload={"t": T0}))
+    reason = "rank or world size beyond what the launcher starts"
+    assert wait_until(lambda: _rejected(db).get(reason, 0) == 2), _rejected(db)
+    assert wait_until(lambda: _rows(db, "SELECT COUNT(*) FROM incidents") == [(1,)])
+    collector.record(RunEnd(ended_at=T0 + 60, exit_code=0))
+    assert collector.stop() == 0
+    files = write_summary(tmp_path)
+    assert files.summary["meta"]["world_size"] == 2
+    assert files.summary["ending"]["state"] == "completed"
+    assert files.summary["primary"]["label"] != "CRASHED"
+    assert "CRASH NOT CONFIRMED" in files.text
+    assert len(files.text) < 20_000

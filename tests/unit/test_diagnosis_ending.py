@@ -282,3 +282,22 @@ def test_a_lone_rank_stalled_in_a_collective_leaves_no_empty_clause() -> None:
     assert ending.headline is not None
     why = ending.headline.why
     assert "; ;" not in why and why.endswith("the first to stop; r1 reported no stall."), why
+
+
+@pytest.mark.parametrize("world", [1, 2, 8])
+def test_the_exit_status_decides_a_crash_not_a_message(world: int) -> None:
+    """A crash report in a job its launcher saw exit 0 (a rank restarted by
+    --max-restarts, or a forged incident) is never the verdict: the run completed, and
+    the report is said at info.  The same report with exit 1 is the verdict."""
+    reported = [crash(world - 1, 40.0, type="RuntimeError", message="boom")]
+    completed = diagnose_ending(run(world, reported, exit_code=0))
+    assert completed.state == "completed" and completed.headline is None
+    [note] = [f for f in completed.findings if f.kind == "CRASH_NOT_CONFIRMED"]
+    assert note.severity == "info" and note.ranks == (world - 1,)
+    assert "exit status decides" in note.why
+    report = build_report(run(world, reported, exit_code=0), 10000)
+    assert report.primary.finding.label != "CRASHED"
+    assert validate_summary(report_to_json(report)) == []
+    failed = diagnose_ending(run(world, reported, exit_code=1))
+    assert failed.state == "crashed" and failed.headline is not None
+    assert failed.headline.label == "CRASHED"

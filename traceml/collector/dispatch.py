@@ -67,6 +67,7 @@ class Collector:
         self.rejected: dict[str, int] = {}
         self.open_stalls: dict[tuple[int, int], int] = {}  # (rank, pid) -> its stall's row
         self.ended = False
+        self.max_world_size = 0  # the launcher's RunStart says (0: not known yet)
         self.store_failed = False
         self.num_steps = 0
         self.relayed_by: dict[str, str] = {}  # sender id -> the relay that speaks for it
@@ -118,6 +119,8 @@ class Collector:
             return state
         if len(self.senders) >= MAX_SENDERS:
             raise Rejected("too many senders")
+        if self.max_world_size and not _within(env.sender, self.max_world_size):
+            raise Rejected("rank or world size beyond what the launcher starts")
         claim = _claim(env.sender)
         owner = (env.sender.host, env.sender.pid)
         if claim is not None and self.owners.setdefault(claim, owner) != owner:
@@ -279,6 +282,9 @@ class Collector:
         elif len(self.senders) >= MAX_SENDERS:
             self.reject("too many senders")
             return None
+        elif self.max_world_size and not _within(who, self.max_world_size):
+            self.reject("rank or world size beyond what the launcher starts")
+            return None
         else:
             claim = _claim(who)
             if claim is not None and self.owners.setdefault(claim, (who.host, who.pid)) != (
@@ -315,6 +321,8 @@ class Collector:
     def _control(self, record: protocol.Control) -> None:
         if isinstance(record, RunStart) and record.session_id != self.config.session_id:
             raise Rejected("run start of another session")
+        if isinstance(record, RunStart):
+            self.max_world_size = record.max_world_size
         if isinstance(record, (RunStart, RunEnd)):
             self.store.save_run(record)
         else:
@@ -346,6 +354,12 @@ def _plausible(record: StepRecord) -> bool:
     times = (record.total_ms, record.wait_ms, *record.phase_ms,
              *(t for t in (*record.gpu_ms, record.collective_ms) if t is not None))
     return all(0.0 <= t <= MAX_STEP_MS for t in times) and math.isfinite(record.t_begin)
+
+
+def _within(sender: Sender, max_world_size: int) -> bool:
+    """Whether a sender's rank and world size are ones the launcher can start."""
+    return ((sender.rank is None or sender.rank < max_world_size)
+            and (sender.world_size is None or sender.world_size <= max_world_size))
 
 
 def _claim(sender: Sender) -> tuple[Any, ...] | None:

@@ -190,6 +190,7 @@ def _run_start(r: RunStart) -> RunStart:
     if (r.mode not in ("run", "watch") or not _TIME(r.started_at)
             or len(r.command) > MAX_COMMAND_ARGS
             or not 0 <= r.expected_world_size <= protocol.MAX_WORLD_SIZE
+            or not 0 <= r.max_world_size <= protocol.MAX_WORLD_SIZE
             or not 1 <= r.expected_nodes <= protocol.MAX_NODES
             or not 0 <= r.summary_window_rows <= MAX_WINDOW_ROWS
             or r.count_flops not in (0, 1) or not _number(0.0, 1e9, nullable=False)(

@@ -88,7 +88,7 @@ def diagnose_ending(run: RunData) -> Ending:
         finding = stalled_finding(active, run, end, crashes)
         findings.append(finding)
         culprits = finding.ranks
-    elif crashes:
+    elif crashes and meta.exit_code != 0:  # the launcher's exit status decides, not a message
         finding = crash_finding(crashes, run, active)
         state = "failed" if finding.kind == "FAILED" else "crashed"
         findings.append(finding)
@@ -100,6 +100,8 @@ def diagnose_ending(run: RunData) -> Ending:
         state = "interrupted"
     else:
         state = "running" if running else "completed"
+    if crashes and meta.exit_code == 0:
+        findings.append(crash_not_confirmed(crashes))
     cleared = [s for s in stalls if s.cleared_at is not None]
     if cleared:
         findings.append(cleared_finding(cleared, stalls, run))
@@ -353,6 +355,19 @@ def _crash_clause(c: Incident, run: RunData) -> str:
 def _short(text: str, limit: int = 160) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def crash_not_confirmed(crashes: Sequence[Incident]) -> Finding:
+    """Crash reports in a run whose launcher saw it exit 0: a rank that crashed and was
+    restarted (--max-restarts), or a report that is not true.  Never the verdict."""
+    ranks = tuple(dict.fromkeys(i.rank for i in crashes))
+    why = (f"{format_ranks(ranks)} reported a crash, but the job exited 0 as its launcher "
+           "saw it: a rank restarted by --max-restarts, or a report that is not true; the "
+           "exit status decides how the run ended.")
+    next_step = ("If ranks were restarted, the workers' logs of the earlier attempt say why; "
+                 "otherwise find what in the job sends traceml's messages besides its ranks.")
+    return Finding("CRASH_NOT_CONFIRMED", "CRASH NOT CONFIRMED", "info", why, next_step, ranks,
+                   {"num_ranks": float(len(ranks))})
 
 
 def crash_finding(crashes: Sequence[Incident], run: RunData,

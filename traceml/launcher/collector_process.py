@@ -158,7 +158,7 @@ def end_run(collector: CollectorProcess, exit_code: int) -> RunEnd:
 
 def run_start(session_id: str, command: list[str], mode: str, summary_window_rows: int,
               expected_world_size: int, expected_nodes: int = 1, count_flops: bool = True,
-              peak_tflops: float = 0.0) -> RunStart:
+              peak_tflops: float = 0.0, max_world_size: int = 0) -> RunStart:
     """The record of a run starting now, under this interpreter and torch."""
     import torch
 
@@ -167,5 +167,5 @@ def run_start(session_id: str, command: list[str], mode: str, summary_window_row
         traceml_version=__version__, torch_version=str(torch.__version__),
         python_version=platform.python_version(), summary_window_rows=summary_window_rows,
         mode=mode, expected_world_size=expected_world_size, expected_nodes=expected_nodes,
-        count_flops=int(count_flops), peak_tflops=peak_tflops)
+        count_flops=int(count_flops), peak_tflops=peak_tflops, max_world_size=max_world_size)
 

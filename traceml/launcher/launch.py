@@ -39,6 +39,7 @@ from traceml.launcher.process_watcher import ProcessWatcher
 from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
+from traceml.protocol import MAX_WORLD_SIZE
 from traceml.security import new_secret, session_keys
 from traceml.store import STORE_FILENAME, STORE_MODE, StoreError, StoreReader
 
@@ -215,7 +216,8 @@ def record_start(collector: CollectorProcess, cfg: RunConfig) -> None:
         cfg.session_id, ["traceml", cfg.command, *cfg.argv], mode=cfg.command,
         summary_window_rows=cfg.summary_window_rows,
         expected_world_size=expected_world_size(cfg), expected_nodes=cfg.min_nodes,
-        count_flops=cfg.count_flops, peak_tflops=cfg.peak_tflops))
+        count_flops=cfg.count_flops, peak_tflops=cfg.peak_tflops,
+        max_world_size=expected_world_size(cfg, cfg.max_nodes)))
 
 
 def session_secret(cfg: RunConfig, topo: Topology, hosting: bool) -> str | None:
@@ -402,10 +404,10 @@ def end_session(cfg: RunConfig, collector: CollectorProcess, session_dir: Path,
     finish(session_dir, collector_alive, html=cfg.html, end=end)
 
 
-def expected_world_size(cfg: RunConfig) -> int:
-    """World size when every node of ``--nnodes`` (its minimum) joins."""
+def expected_world_size(cfg: RunConfig, nodes: int | None = None) -> int:
+    """World size when ``nodes`` (default: ``--nnodes``' minimum) join; 0: unknown."""
     try:
         nproc = torchrun.determine_local_world_size(cfg.torch.nproc_per_node)
     except (ValueError, RuntimeError):
         return 0
-    return int(nproc) * cfg.min_nodes
+    return min(int(nproc) * (cfg.min_nodes if nodes is None else nodes), MAX_WORLD_SIZE)
