@@ -51,8 +51,9 @@ class Nodes:
         self.tmp_path, self.session, self.common = tmp_path, session, common
         self.evidence = tmp_path / "evidence"
         self.evidence.mkdir(exist_ok=True)
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", EVIDENCE_DIR=str(self.evidence),
-                        **(env or {}))
+        # Several nodes share a session secret (without one each launcher refuses).
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "EVIDENCE_DIR": str(self.evidence),
+                    "TRACEML_SECRET": "nodes test secret", **(env or {})}
         self.procs: list[subprocess.Popen[str]] = []
 
     def start(self, *extra: str, command: str = "run") -> subprocess.Popen[str]:
@@ -297,3 +298,20 @@ def test_node_that_never_comes_is_named_within_the_join_timeout(tmp_path: Path) 
     assert summary is not None and summary["meta"]["partial"] is True
     assert summary["meta"]["missing_ranks"] == [0, 1]
     assert "TraceML Run Summary" in out
+
+
+def test_several_nodes_without_a_secret_refuse_in_one_line(tmp_path: Path) -> None:
+    """No key is derived from the session id alone (it is on every command line): each
+    launcher of a multi-node job without TRACEML_SECRET says how to set one, exit 2."""
+    rendezvous, collector = free_ports()
+    common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+              f"--master-port={rendezvous}", f"--aggregator-port={collector}"]
+    nodes = Nodes(tmp_path, "nosecret", common, env={"TRACEML_SECRET": ""})
+    nodes.start("--node-rank=0", script("loop.py"), "--steps", "5")
+    nodes.start("--node-rank=1", script("loop.py"), "--steps", "5")
+    for code, _, err in nodes.finish(timeout=60):
+        assert code == 2, err
+        [line] = err.strip().splitlines()
+        assert line.startswith("traceml run: several nodes need a session secret: set "
+                               "TRACEML_SECRET"), line
+    assert not (tmp_path / "logs" / "nosecret" / "telemetry.sqlite").exists()

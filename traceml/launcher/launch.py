@@ -220,21 +220,19 @@ def record_start(collector: CollectorProcess, cfg: RunConfig) -> None:
         max_world_size=expected_world_size(cfg, cfg.max_nodes)))
 
 
-def session_secret(cfg: RunConfig, topo: Topology, hosting: bool) -> str | None:
-    """The secret every sender's key derives from: the user's (environment); on one node a new
-    one for this run; else None (derived from the session id: the launcher that runs
-    the collector, ``hosting``, says what that exposes)."""
+def session_secret(cfg: RunConfig) -> str:
+    """The secret every sender's key derives from: the user's (environment); on one node a
+    new one for this run.  Several nodes must share one, and no key is ever derived from
+    the session id alone (anyone who reads the command line knows it): UsageError."""
     secret = environment.user_secret(os.environ)
     if secret is not None:
         return secret
     if not cfg.multi_node:
         return new_secret()
-    if hosting:
-        print(f"traceml: warning: no session secret: anyone who can reach "
-              f"{topo.bind_host}:{topo.port} and knows the session id (it is on the command "
-              f"line) can send to this run's collector; {environment.SECRET_HINT}",
-              file=sys.stderr)
-    return None
+    raise UsageError(
+        f"traceml {cfg.command}: several nodes need a session secret: "
+        f"{environment.SECRET_HINT} (e.g. export TRACEML_SECRET=$(python3 -c "
+        "'import secrets; print(secrets.token_hex(32))') before starting each node's launcher)")
 
 
 def run(cfg: RunConfig) -> int:
@@ -243,9 +241,9 @@ def run(cfg: RunConfig) -> int:
     if cfg.no_trace:
         return run_torch(torch_namespace(cfg, redirect_output=False))
     topo = topology.resolve(cfg)
+    secret = session_secret(cfg)
     try:
         session_dir, hosting = session_dir_for(cfg, topo)
-        secret = session_secret(cfg, topo, hosting)
         collector = start_collector(cfg, topo, session_dir, secret) if hosting else None
     except StoreUnwritable as exc:  # a full disk: the training still runs, untraced
         print(f"{exc}; the training runs without traceml", file=sys.stderr)
