@@ -9,10 +9,12 @@
 # holds the sessions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY="${TRACEML_VENV:-.venv}/bin/python"
 if [ "${SKIP_SETUP:-0}" != "1" ]; then
     scripts/setup.sh
+else
+    PY="${PYTHON:-$PY}"
 fi
-PY="${PYTHON:-${TRACEML_VENV:-.venv}/bin/python}"
 LOGS="${DEMO_LOGS_DIR:-logs}"
 rm -rf "$LOGS/demo-slow" "$LOGS/demo-fixed"  # a session folder holds one run
 

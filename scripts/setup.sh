@@ -22,15 +22,21 @@ esac
 VENV="${TRACEML_VENV:-.venv}"
 BASE="${BASE_PYTHON:-python3}"
 
-if [ ! -x "$VENV/bin/python" ]; then
-    if ! "$BASE" -m venv "$VENV" 2>/dev/null; then
-        rm -rf "$VENV"
+# An environment without a working pip (a venv made where ensurepip was missing) is
+# made again; a folder that is not one is left alone.
+if ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+    if [ -e "$VENV" ] && [ ! -f "$VENV/pyvenv.cfg" ]; then
+        echo "scripts/setup.sh: $VENV exists and is not a virtual environment;" \
+             "move it, or set TRACEML_VENV to another folder" >&2
+        exit 1
+    fi
+    if ! "$BASE" -m venv --clear "$VENV" 2>/dev/null; then
         # Debian and Ubuntu ship venv's pip bootstrap separately.
         if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
             apt-get update -qq
             DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
         fi
-        "$BASE" -m venv "$VENV" || {
+        "$BASE" -m venv --clear "$VENV" || {
             echo "scripts/setup.sh: $BASE cannot create a virtual environment" \
                  "(on Debian or Ubuntu: apt-get install python3-venv)" >&2
             exit 1
@@ -42,9 +48,14 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 if [ "$DEV" = 1 ]; then
     # Live-view tests: Debian's Chromium driven by Playwright (Playwright's own
     # browser download is not reachable) and tmux for the terminal view.
-    if { [ ! -x /usr/bin/chromium ] || ! command -v tmux >/dev/null; } && command -v apt-get >/dev/null; then
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium tmux >/dev/null
+    if [ ! -x /usr/bin/chromium ] || ! command -v tmux >/dev/null; then
+        if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+            apt-get update -qq
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium tmux >/dev/null
+        else
+            echo "scripts/setup.sh: the live-view tests need Debian's chromium and tmux:" \
+                 "apt-get install chromium tmux (as root)" >&2
+        fi
     fi
     "${PIP[@]}" -r requirements-dev.txt
     # The framework extras the tests in tests/frameworks/ run (torch stays pinned).

@@ -66,6 +66,8 @@ from traceml.errors import UsageError
 PREFIX = "TRACEML_"
 SECRET_HINT = ("set TRACEML_SECRET, or TRACEML_SECRET_FILE (chmod 600), to the same value "
                "on every node")
+SECRET_EXAMPLE = ("export TRACEML_SECRET=$(python3 -c 'import secrets; "
+                  "print(secrets.token_hex(32))')")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ class InProcessSession:
         self.collector = CollectorProcess(CollectorConfig(
             session_id=session_id, bind_host="127.0.0.1", port=0,
             db_path=str(self.session_dir / STORE_FILENAME), parent_pid=os.getpid(),
-            secret=secret))
+            secret=secret, in_process=True))
         self.env = AgentEnv(
             session_id=session_id, endpoint=f"tcp://127.0.0.1:{self.collector.port}",
             launcher_pid=os.getpid(), sample_interval_s=sample_interval_s,

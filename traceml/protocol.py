@@ -18,7 +18,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import orjson
 
@@ -529,7 +529,7 @@ class StopCollector:
     """The run is over: drain what is still in flight, then exit."""
 
 
-Control = Union[RunStart, RunEnd, StopCollector]
+Control = RunStart | RunEnd | StopCollector
 """What a control message carries."""
 
 OP_RUN_START, OP_RUN_END, OP_STOP = "run_start", "run_end", "stop"

@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 from traceml import phases
 from traceml.stacks import Frame
 
-Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
+Json = None | bool | int | float | str | list["Json"] | dict[str, "Json"]
 """A JSON value as the standard library's ``json`` module reads and writes it."""
 
 RUNDATA_FORMAT = "traceml.rundata/1"
@@ -171,6 +171,7 @@ class RunMeta:
     telemetry_complete: bool = True
     # The launcher vanished before the end (kill -9): exit status unknown, ranks unstopped.
     launcher_lost: bool = False
+    lost_role: str = "launcher"  # which vanished: "launcher", or "process" (traceml.init())
 
 
 @dataclass(frozen=True)

@@ -291,9 +291,14 @@ def test_launcher_killed_leaves_a_record_that_says_so(tmp_path: Path) -> None:
         assert wait_until(lambda: store.exists() and read_store(store)[0], 60), \
             "the run never stored a step"
         family = psutil.Process(proc.pid).children(recursive=True)
-        collector = [p for p in family if "traceml.collector" in " ".join(p.cmdline())]
-        workers = [p for p in family if "loop.py" in " ".join(p.cmdline())]
-        assert collector and workers, [p.cmdline() for p in family]
+
+        def command(p: psutil.Process) -> str:
+            with contextlib.suppress(psutil.Error):
+                return " ".join(p.cmdline())
+            return ""
+        collector = [p for p in family if "traceml.collector" in command(p)]
+        workers = [p for p in family if "loop.py" in command(p)]
+        assert collector and workers, [command(p) for p in family]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         assert wait_until(lambda: _gone(collector[0]), 30), "the collector outlived its launcher"

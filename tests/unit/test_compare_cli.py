@@ -139,9 +139,9 @@ def test_missing_section_is_stated_not_a_crash(runs: dict[str, Path], tmp_path: 
 def test_schema_minor_difference_is_stated(runs: dict[str, Path], tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     doc = summary(tight(100.0), session="b")
-    doc["schema_version"] = "1.4"
+    doc["schema_version"] = "1.9"
     main([str(runs["base"]), str(write(tmp_path / "b", doc)), "--output", str(tmp_path / "c")])
-    assert (f"Note: Summary schema versions differ (A {SCHEMA_VERSION}, B 1.4)"
+    assert (f"Note: Summary schema versions differ (A {SCHEMA_VERSION}, B 1.9)"
             in capsys.readouterr().out)
 
 
@@ -400,12 +400,12 @@ def test_a_crafted_summary_cannot_send_escape_sequences_to_the_terminal(
     """Strings of a summary reach the card (session, labels, why): their control
     characters are written out, never sent as they are."""
     doc = summary(tight(110.0), input_ms=15.0, session="evil\x1b]0;owned\x07\x1b[2J")
-    doc["step_time"]["diagnosis"]["label"] = "INPUT\x1b[31m-BOUND\r"
+    doc["step_time"]["diagnosis"]["label"] = "INPUT\x1b[31m-BOUND\r\u202e"
     evil = write(tmp_path / "logs" / "evil", doc)
     base = write(tmp_path / "logs" / "base", summary(tight(100.0), session="base"))
     assert main([str(base), str(evil), "--output", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
-    assert not any(ch in out for ch in "\x1b\x07\r")
+    assert not any(ch in out for ch in "\x1b\x07\r\u202e")
     assert "evil\\x1b]0;owned\\x07\\x1b[2J" in out
     written = (tmp_path / "c.txt").read_text()
-    assert "\x1b" not in written and "INPUT\\x1b[31m-BOUND\\x0d" in unboxed(written)
+    assert "\x1b" not in written and "INPUT\\x1b[31m-BOUND\\x0d\\u202e" in unboxed(written)

@@ -301,3 +301,50 @@ def test_the_exit_status_decides_a_crash_not_a_message(world: int) -> None:
     failed = diagnose_ending(run(world, reported, exit_code=1))
     assert failed.state == "crashed" and failed.headline is not None
     assert failed.headline.label == "CRASHED"
+
+
+def _lost(data: RunData, role: str = "launcher") -> RunData:
+    meta = dataclasses.replace(data.meta, exit_code=None, launcher_lost=True, lost_role=role,
+                               telemetry_complete=False)
+    return dataclasses.replace(data, meta=meta)
+
+
+@pytest.mark.parametrize("world", [1, 2, 8])
+def test_a_lost_launcher_is_the_verdict_unless_a_stall_or_crash_explains_more(world: int) -> None:
+    alone = diagnose_ending(_lost(run(world, [])))
+    assert alone.state == "launcher_lost"
+    assert alone.headline is not None and alone.headline.label == "LAUNCHER LOST"
+    assert "As with torchrun" in alone.headline.why and "last step recorded: 29" in alone.headline.why
+    # A hung job killed with kill -9: the stall stays the verdict, the loss beside it.
+    hung = diagnose_ending(_lost(run(world, [stall(world - 1, 50.0, "forward")])))
+    assert hung.state == "stalled" and hung.culprits == (world - 1,)
+    assert [f.kind for f in hung.findings][-1] == "LAUNCHER_LOST"
+    report = build_report(_lost(run(world, [])), 10000)
+    assert report.primary.finding.label == "LAUNCHER LOST"
+    assert validate_summary(report_to_json(report)) == []
+    assert "exit unknown (launcher lost)" in render_text(report)
+
+
+def test_under_traceml_init_the_lost_one_is_the_training_process() -> None:
+    ending = diagnose_ending(_lost(run(1, []), role="process"))
+    assert ending.headline is not None
+    assert ending.headline.why.startswith("The training process ended at")
+    assert "torchrun" not in ending.headline.why
+    assert "exit unknown (process lost)" in render_text(build_report(_lost(run(1, []), "process"),
+                                                                     10000))
+
+
+def test_a_recorded_end_outweighs_a_lost_launcher() -> None:
+    """The launcher's own end record (it came back, or its collector saw a stale parent)
+    decides: no LAUNCHER LOST then."""
+    from traceml.protocol import RunEnd, RunStart
+    from traceml.store.records import RunRecords
+    from traceml.store.rows import run_data
+
+    start = RunStart(session_id="s", command=("t",), started_at=T0, traceml_version="",
+                     torch_version="", python_version="", summary_window_rows=0, mode="run")
+    lost = run_data(RunRecords(start, None, (), {}, T0 + 5.0), (), (), ())
+    assert lost.meta.launcher_lost and lost.meta.ended_at == T0 + 5.0
+    assert not lost.meta.telemetry_complete and lost.meta.exit_code is None
+    ended = run_data(RunRecords(start, RunEnd(T0 + 9.0, 0), (), {}, T0 + 5.0), (), (), ())
+    assert not ended.meta.launcher_lost and ended.meta.ended_at == T0 + 9.0

@@ -21,6 +21,22 @@ def test_import_traceml_is_cheap() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_the_agent_imports_only_the_standard_library_torch_zmq_and_orjson() -> None:
+    """Outside the project (the import contracts cover inside it): a guest in every rank
+    brings no other dependency."""
+    import ast
+
+    allowed = {"torch", "zmq", "orjson", "traceml"}
+    for path in (PKG / "agent").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     and node.level == 0 else [])
+            for name in names:
+                top = name.split(".")[0]
+                assert top in allowed or top in sys.stdlib_module_names, (path, name)
+
+
 # What a training rank must never pay for (the import contracts in pyproject.toml check the
 # sources; this checks what actually gets loaded, imports made at run time included).
 AGENT_NEVER_LOADS = ("rich", "tabulate", "traceml.report", "traceml.diagnosis",

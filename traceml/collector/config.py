@@ -35,6 +35,8 @@ class CollectorConfig:
     # process forwards what its node's senders send (None: this is the collector).
     upstream: str | None = None
     node_rank: int = -1  # the relay's node (-1: c10d, not known when it starts)
+    # traceml.init(): the parent is the training process itself, not a launcher.
+    in_process: bool = False
 
     def to_json(self) -> str:
         return orjson.dumps(self.__dict__).decode()

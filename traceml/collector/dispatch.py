@@ -50,7 +50,7 @@ class Store(Protocol):
     def save_rejected(self, counts: Mapping[str, int]) -> None: ...
     def save_run(self, record: RunStart | RunEnd) -> None: ...
     def add_join_error(self, error: JoinError) -> None: ...
-    def save_launcher_lost(self, at: float) -> None: ...
+    def save_launcher_lost(self, at: float, role: str) -> None: ...
     def commit(self) -> None: ...
     def close(self) -> None: ...
 
@@ -93,10 +93,11 @@ class Collector:
             self.store_failed = True
             self.reject("not stored: the store failed")
 
-    def launcher_lost(self, at: float) -> None:
-        """Record that the launcher vanished before telling the run's end."""
+    def launcher_lost(self, at: float, role: str) -> None:
+        """Record that the launcher (``role``: or the training process, under
+        traceml.init()) vanished before telling the run's end."""
         try:
-            self.store.save_launcher_lost(at)
+            self.store.save_launcher_lost(at, role)
         except StoreError:
             self.store_failed = True
 

@@ -153,7 +153,7 @@ class Outbox:
     def add_join_error(self, error: JoinError) -> None:
         """Only node 0's collector answers join checks."""
 
-    def save_launcher_lost(self, at: float) -> None:
+    def save_launcher_lost(self, at: float, role: str) -> None:
         """A relay's launcher is its node's: node 0 learns of it as a lost node."""
 
     def commit(self) -> None:

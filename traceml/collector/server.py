@@ -281,7 +281,7 @@ def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> 
         if drain_since is None and (collector.ended or os.getppid() != config.parent_pid):
             drain_since = now
             if not collector.ended:  # the launcher vanished: it will never record the end
-                collector.launcher_lost(time.time())
+                collector.launcher_lost(time.time(), "process" if config.in_process else "launcher")
         # Draining: until the senders are quiet or all said goodbye, DRAIN_MAX_S at most,
         # or DRAIN_BEHIND_MAX_S while a backlog is still being worked through.
         drain_max_s = DRAIN_BEHIND_MAX_S if listener.behind else DRAIN_MAX_S

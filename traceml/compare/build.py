@@ -79,7 +79,7 @@ def compare_runs(a: RunSummary, b: RunSummary, threshold_pct: float) -> Comparis
                       memory, sections, notes(a, b))
 
 
-BROKEN_ENDINGS = ("stalled", "crashed", "failed")
+BROKEN_ENDINGS = ("stalled", "crashed", "failed", "launcher_lost")
 """Endings whose step times do not say how fast the job trains."""
 
 

@@ -91,20 +91,26 @@ def read_json_object(which: str, path: Path) -> dict[str, object]:
     return doc
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
 
 
 def _printable(value: object) -> object:
     """``value`` with every terminal control character in its strings (escape sequences,
-    carriage returns) written out as ``\\x1b``: a crafted summary cannot move the
-    cursor, recolour or rewrite the terminal that prints the comparison."""
+    carriage returns) and every invisible or reordering one (bidi overrides, zero-width)
+    written out as ``\\x1b`` or ``\\u202e``: a crafted summary cannot move the cursor,
+    recolour, rewrite or reorder what the comparison prints (its JSON and text)."""
     if isinstance(value, str):
-        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", value)
+        return _CONTROL.sub(_escape, value)
     if isinstance(value, dict):
         return {_printable(k): _printable(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_printable(v) for v in value]
     return value
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def _read_capped(path: Path) -> str:

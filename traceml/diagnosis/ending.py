@@ -72,9 +72,19 @@ class Ending:
 def diagnose_ending(run: RunData) -> Ending:
     """The run's ending from its incidents and exit status."""
     meta = run.meta
-    if meta.launcher_lost:
-        finding = launcher_lost_finding(run)
-        return Ending("launcher_lost", (finding,), tuple(run.incidents))
+    ending = _ending(run)
+    if not meta.launcher_lost:
+        return ending
+    # No end will be recorded: a stall or crash found before stays the verdict (a hung job
+    # is often killed so), with the lost launcher beside it; otherwise it is the verdict.
+    lost = launcher_lost_finding(run)
+    if ending.state in ("stalled", "crashed", "failed"):
+        return dataclasses.replace(ending, findings=(*ending.findings, lost))
+    return Ending("launcher_lost", (lost, *ending.findings), ending.incidents, ending.culprits)
+
+
+def _ending(run: RunData) -> Ending:
+    meta = run.meta
     running = meta.exit_code is None
     stalls = [i for i in run.incidents if i.what == "stall"]
     active = _latest_per_rank(s for s in stalls if s.cleared_at is None)
@@ -456,19 +466,29 @@ def _kill_reason(i: Incident, run: RunData) -> str:
 
 
 def launcher_lost_finding(run: RunData) -> Finding:
-    """The headline of a run whose launcher vanished before the end (``kill -9``, the
-    OOM killer): its collector recorded when, and nothing after."""
+    """A run whose launcher (or, under ``traceml.init()``, whose one training process)
+    ended without recording the end: its collector recorded when it saw it go."""
     meta = run.meta
     at = time.strftime("%H:%M:%S", time.localtime(meta.ended_at))
     last = max((t.last_step for t in rank_totals(run).values()), default=None)
-    steps = f" after step {last}" if last is not None else " before any step"
-    why = (f"The launcher stopped at {at} ({meta.ended_at - meta.started_at:.1f} s into the run"
-           f"{steps}) without recording the end: killed (kill -9, the OOM killer) or lost "
-           "with its node. The ranks' exit statuses are unknown and nothing after that was "
-           "recorded. As with torchrun, whose workers run in their own sessions, its ranks "
-           "were not stopped: they may have gone on, untraced.")
-    next_step = ("Check whether the ranks still run (ps, nvidia-smi) and stop them; look "
-                 "for the OOM killer in the kernel log (dmesg); run again for a whole record.")
+    steps = f"; last step recorded: {last}" if last is not None else "; no step recorded"
+    into = f"{meta.ended_at - meta.started_at:.1f} s into the run{steps}"
+    if meta.lost_role == "process":
+        why = (f"The training process ended at {at} ({into}) without recording the end: "
+               "killed (kill -9, the OOM killer, a signal it does not handle), or it left "
+               "without running its exit handlers (os._exit, a crash in native code). Its "
+               "exit status is unknown; the collector stored what had arrived, then stopped.")
+        next_step = ("Look for the OOM killer in the kernel log (dmesg) and for a native "
+                     "crash in the process's output; run again for a whole record.")
+    else:
+        why = (f"The launcher ended at {at} ({into}) without recording the end: killed "
+               "(kill -9, the OOM killer), lost with its node, or it failed. The ranks' exit "
+               "statuses are unknown; the collector stored what had arrived, then stopped. "
+               "As with torchrun, whose workers run in their own sessions, the ranks were "
+               "not stopped: they may have gone on, untraced.")
+        next_step = ("Check whether the ranks still run (ps, nvidia-smi) and stop them; look "
+                     "for the OOM killer in the kernel log (dmesg); run again for a whole "
+                     "record.")
     return Finding("LAUNCHER_LOST", "LAUNCHER LOST", "crit", why, next_step, (),
                    {"lost_after_s": meta.ended_at - meta.started_at})
 

@@ -194,3 +194,14 @@ def trend(values: Sequence[float]) -> Trend:
 def pct(part: float, whole: float) -> float | None:
     """``part`` as a percentage of ``whole``; None when ``whole`` is not positive."""
     return 100.0 * part / whole if whole > 0 else None
+
+
+MOST_MARGIN = 0.05
+"""A rank has "the most time" in a part when its value is over the median rank's by more
+than this fraction (and 0.05 ms); within it the ranks are alike and none is named."""
+
+
+def stands_out(worst: float, median: float) -> bool:
+    """Whether the worst rank's value is clearly above the median rank's (MOST_MARGIN):
+    the card's "Most time, by part" and the phase tables name a rank only then."""
+    return worst > median * (1.0 + MOST_MARGIN) and worst - median >= 0.05

@@ -231,8 +231,8 @@ def session_secret(cfg: RunConfig) -> str:
         return new_secret()
     raise UsageError(
         f"traceml {cfg.command}: several nodes need a session secret: "
-        f"{environment.SECRET_HINT} (e.g. export TRACEML_SECRET=$(python3 -c "
-        "'import secrets; print(secrets.token_hex(32))') before starting each node's launcher)")
+        f"{environment.SECRET_HINT} (e.g. {environment.SECRET_EXAMPLE} where the job is "
+        "submitted)")
 
 
 def run(cfg: RunConfig) -> int:

@@ -67,8 +67,12 @@ def main(argv: Sequence[str]) -> int:
             path = write_html(html_target, files.report, files.run)
             print(f"traceml: HTML report written to {path}", file=sys.stderr)
         except OSError as exc:
-            raise UsageError(f"traceml report: cannot write {html_target}: "
-                             f"{exc.strerror or exc}") from None
+            html_error = f"cannot write {html_target} ({exc.strerror or exc})"
+            if unwritten is None:
+                raise UsageError(f"traceml report: {html_error}") from None
+            raise UsageError(
+                f"traceml report: the summary is printed above, but {session_dir} takes no "
+                f"file ({unwritten.strerror or unwritten}), and {html_error}") from None
     if unwritten is not None:
         raise UsageError(
             f"traceml report: the summary is printed above, but {session_dir} takes no file "

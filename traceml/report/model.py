@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Union
 
 from traceml.diagnosis.ending import Ending
 from traceml.diagnosis.finding import Finding
@@ -22,10 +21,10 @@ from traceml.diagnosis.throughput import JobThroughput, RankThroughput
 from traceml.diagnosis.window import Scope
 from traceml.records import RunMeta
 
-SCHEMA_VERSION = "1.3"  # 1.3: hook phase, straggler steadiness; 1.2: ending, throughput, ...
+SCHEMA_VERSION = "1.4"  # 1.4: launcher_lost; 1.3: hook phase, straggler steadiness; 1.2: ending, ...
 """Version of final_summary.json; bump the major part on incompatible changes."""
 
-RankRow = Union[RankStepTimes, RankMemory, RankProcess, NodeSystem, RankThroughput]
+RankRow = RankStepTimes | RankMemory | RankProcess | NodeSystem | RankThroughput
 """A per-rank row of a section (per node for System)."""
 
 SECTION_NAMES = ("step_time", "step_memory", "process", "system", "throughput")

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from traceml import phases
 from traceml.diagnosis.ending import RANKS_NAMED, STOPPING_EXCEPTIONS
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
-from traceml.diagnosis.stats import MetricStat
+from traceml.diagnosis.stats import MetricStat, stands_out
 from traceml.diagnosis.step_loop import BOUNDARY_TEXT, INPUT_TEXT
 from traceml.diagnosis.step_time import RankStepTimes
 from traceml.report.model import SECTION_TITLES, Report, Section
@@ -70,7 +70,7 @@ def _overview(report: Report) -> list[str]:
     lines = [f"{verdict} ({', '.join(where)})"]
     if primary.next:
         lines.append(f"Next: {primary.next}")
-    exit_text = ("exit unknown (launcher lost)" if meta.launcher_lost
+    exit_text = (f"exit unknown ({meta.lost_role} lost)" if meta.launcher_lost
                  else "running" if meta.exit_code is None else f"exit {meta.exit_code}")
     nodes = _count(report.system.scope.num_nodes, "node")
     lines.append(f"Run: {_count(meta.world_size, 'rank')} on {nodes} | "
@@ -83,7 +83,8 @@ def _overview(report: Report) -> list[str]:
         lines.append(f"Telemetry: {dropped} messages dropped, {gaps} sequence gaps; "
                      "some samples are missing.")
     if meta.launcher_lost:
-        lines.append("Telemetry stopped early: the launcher vanished and its collector "
+        who = "training process" if meta.lost_role == "process" else "launcher"
+        lines.append(f"Telemetry stopped early: the {who} vanished and its collector "
                      "stopped with it; the end time is when the collector saw it go.")
     elif not meta.telemetry_complete:
         lines.append("Telemetry stopped early: the collector died or hung before the run "
@@ -181,17 +182,11 @@ def _scope(section: Section, report: Report) -> str:
             f"{warm}{missing}{rule}")
 
 
-MOST_MARGIN = 0.05
-"""A part's worst rank is named when its time is over the median rank's by more than
-this fraction (and 0.05 ms); under it the ranks are alike."""
-
-
 def _most_time(shown: Sequence[tuple[phases.Phase, MetricStat]]) -> str:
     """``- Most time, by part: input r1, communication r0; alike: total, compute``."""
-    def clear(stat: MetricStat) -> bool:
-        return stat.worst > stat.median * (1.0 + MOST_MARGIN) and stat.worst - stat.median >= 0.05
-    named = [f"{p.name} r{stat.worst_rank}" for p, stat in shown if clear(stat)]
-    alike = [p.name for p, stat in shown if not clear(stat)]
+    named = [f"{p.name} r{stat.worst_rank}" for p, stat in shown
+             if stands_out(stat.worst, stat.median)]
+    alike = [p.name for p, stat in shown if not stands_out(stat.worst, stat.median)]
     if not named:
         return "- Most time, by part: every part alike across ranks"
     return f"- Most time, by part: {', '.join(named)}{'; alike: ' + ', '.join(alike) if alike else ''}"

@@ -51,6 +51,7 @@ from traceml.store.schema import (
     FLOP_COUNT_COLUMNS,
     JOIN_ERROR_PREFIX,
     LAUNCHER_LOST_KEY,
+    LAUNCHER_LOST_ROLE_KEY,
     STEP_TYPE,
     StoreError,
     sqlite_errors,
@@ -117,7 +118,8 @@ class StoreReader:
                     if type(r["reason"]) is str and type(r["count"]) is int}
         lost = meta.get(LAUNCHER_LOST_KEY)
         lost_at = float(lost) if isinstance(lost, (int, float)) and math.isfinite(lost) else None
-        return RunRecords(start, end, senders, {**rejected, **self.skipped}, lost_at)
+        role = "process" if meta.get(LAUNCHER_LOST_ROLE_KEY) == "process" else "launcher"
+        return RunRecords(start, end, senders, {**rejected, **self.skipped}, lost_at, role)
 
     def senders(self, role: str | None = None) -> tuple[SenderState, ...]:
         """Every sender that spoke (of one role: ``"system"`` is each node's launcher)."""

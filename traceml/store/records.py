@@ -91,6 +91,7 @@ class RunRecords:
     rejected: Mapping[str, int]  # messages dropped, by reason
     # When the collector saw its launcher vanish before the end (None: it did not).
     launcher_lost_at: float | None = None
+    launcher_lost_role: str = "launcher"  # or "process": traceml.init()'s training process
 
 
 @dataclass(frozen=True)

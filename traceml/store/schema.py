@@ -20,6 +20,7 @@ SCHEMA_VERSION = 5  # 2: a column per phase (communication), collective_ms
 # 5: the hook phase's columns (hook_ms, num_hook); a store without them reads 0
 JOIN_ERROR_PREFIX = "join_error/"
 LAUNCHER_LOST_KEY = "launcher_lost_at"  # meta: when the collector saw its launcher vanish
+LAUNCHER_LOST_ROLE_KEY = "launcher_lost_role"  # ...which: "launcher", or "process" (init())
 STORE_MODE = 0o600
 """The store's file mode (the summaries written beside it take the store's): owner only,
 as they hold command lines and host names; the umask can only take bits away."""

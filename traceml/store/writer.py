@@ -21,6 +21,7 @@ from traceml.store.schema import (
     INCIDENT_SQL,
     JOIN_ERROR_PREFIX,
     LAUNCHER_LOST_KEY,
+    LAUNCHER_LOST_ROLE_KEY,
     META_SQL,
     PROCESS_SQL,
     REJECTED_SQL,
@@ -93,10 +94,11 @@ class StoreWriter:
     def add_join_error(self, error: JoinError) -> None:
         self._set_meta({f"{JOIN_ERROR_PREFIX}{error.at:.6f}": error.problem})
 
-    def save_launcher_lost(self, at: float) -> None:
-        """The collector's own record that its launcher vanished before the run ended
-        (``kill -9``, the OOM killer): the end it will never be told."""
-        self._set_meta({LAUNCHER_LOST_KEY: at})
+    def save_launcher_lost(self, at: float, role: str) -> None:
+        """The collector's own record that its launcher (``role``: or the training
+        process, under traceml.init()) vanished before the run ended (``kill -9``, the
+        OOM killer): the end it will never be told."""
+        self._set_meta({LAUNCHER_LOST_KEY: at, LAUNCHER_LOST_ROLE_KEY: role})
 
     def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int:
         """Store the steps; returns how many were new (a step already stored is kept)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from traceml import phases
+from traceml.diagnosis.stats import stands_out
 from traceml.diagnosis.throughput import RankThroughput
 from traceml.diagnosis.window import select_window
 from traceml.records import Json, RunData, ms_column, rank_totals
@@ -152,23 +153,17 @@ def phase_rows(run: RunData, report: Report) -> tuple[RankPhases, ...]:
     return tuple(out)
 
 
-MOST_MARGIN = 0.05
-"""A rank has the most time in a phase when its median is over the next rank's by more
-than this fraction (and 0.05 ms): ranks within it are alike, and none is named."""
-
-
 def worst_ranks(phases: tuple[RankPhases, ...]) -> dict[str, int]:
-    """Per phase, the rank whose median is clearly the highest (see ``MOST_MARGIN``)."""
+    """Per phase, the rank whose median is highest (ties: the lowest rank), when it stands
+    out from the median rank's (`traceml.diagnosis.stats.stands_out`, the card's rule)."""
     out = {}
     for phase in TABLE_PHASES:
-        measured = sorted(((row.median_ms[phase], row.rank) for row in phases
-                           if phase in row.median_ms), reverse=True)
-        if len(measured) == 1:
-            out[phase] = measured[0][1]
-        elif len(measured) > 1:
-            (top, rank), (second, _) = measured[:2]
-            if top > second * (1.0 + MOST_MARGIN) and top - second >= 0.05:
-                out[phase] = rank
+        measured = [(row.median_ms[phase], -row.rank) for row in phases if phase in row.median_ms]
+        if not measured:
+            continue
+        top, rank = max(measured)
+        if len(measured) == 1 or stands_out(top, statistics.median(v for v, _ in measured)):
+            out[phase] = -rank
     return out
 
 
