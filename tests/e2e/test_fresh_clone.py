@@ -106,8 +106,9 @@ def missing_lines(excerpt: list[str], output: str) -> list[str]:
 
 def test_the_readme_shows_two_excerpts_of_the_demo() -> None:
     shown = excerpts((ROOT / "README.md").read_text())
-    assert [excerpt[0] for excerpt in shown] == ["== 1/3: rank 1 loads each batch 20 ms slower",
-                                                 "TraceML Run Summary | duration 9.2s"]
+    assert shown[0][0] == "== 1/3: rank 1 loads each batch 20 ms slower"
+    assert shown[1][0].startswith("TraceML Run Summary | duration ")
+    assert any("session demo-fixed" in line for line in shown[1])
 
 
 def test_unsteady_lines_and_their_continuations_are_left_out() -> None:

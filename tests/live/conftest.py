@@ -38,16 +38,21 @@ T0 = 1_767_225_600.0
 T = TypeVar("T")
 
 
+def _two_rank_meta(session_id: str, host: str, device: str, torch: str) -> RunMeta:
+    """A running 2-rank job on one node."""
+    return RunMeta(
+        session_id=session_id, command=["train.py"], started_at=T0, ended_at=T0,
+        exit_code=None, partial=True, world_size=2, missing_ranks=(),
+        nodes=(NodeInfo(0, host, (0, 1)),), device=device,
+        versions={"traceml": "0.1.0", "torch": torch, "python": "3.11.7"},
+        transport={"sent": 10, "dropped": 0, "gaps": 0, "rejected": 0},
+    )
+
+
 def fixed_run(num_steps: int = 12) -> RunData:
     """2 ranks on one CUDA node: r1's loader is slow and r0 waits for it in backward;
     device memory grows by 1 MiB a step; one GPU."""
-    meta = RunMeta(
-        session_id="live-demo", command=["train.py"], started_at=T0, ended_at=T0,
-        exit_code=None, partial=True, world_size=2, missing_ranks=(),
-        nodes=(NodeInfo(0, "gpu-box", (0, 1)),), device="cuda",
-        versions={"traceml": "0.1.0", "torch": "2.5.1", "python": "3.11.7"},
-        transport={"sent": 10, "dropped": 0, "gaps": 0, "rejected": 0},
-    )
+    meta = _two_rank_meta("live-demo", "gpu-box", "cuda", "2.5.1")
     phases = {0: (4.0, 30.0, 56.0, 10.0), 1: (40.0, 30.0, 20.0, 10.0)}
     steps = tuple(
         step_row(r, s, phases[r][0] + (s % 3), *phases[r][1:], 100.0 + (s % 3), 0.0,
@@ -64,13 +69,7 @@ def fixed_run(num_steps: int = 12) -> RunData:
 def comm_run(num_steps: int = 30) -> RunData:
     """2 CPU ranks under gloo DDP, collectives timed, as in the demo: r1 loads each batch
     20 ms slower, r0 waits for it in the gradient all-reduce (its communication)."""
-    meta = RunMeta(
-        session_id="comm-demo", command=["train.py"], started_at=T0, ended_at=T0,
-        exit_code=None, partial=True, world_size=2, missing_ranks=(),
-        nodes=(NodeInfo(0, "cpu-box", (0, 1)),), device="cpu",
-        versions={"traceml": "0.1.0", "torch": "2.13.0", "python": "3.11.7"},
-        transport={"sent": 10, "dropped": 0, "gaps": 0, "rejected": 0},
-    )
+    meta = _two_rank_meta("comm-demo", "cpu-box", "cpu", "2.13.0")
     steps = []
     for s in range(num_steps):
         for rank, input_ms, comm_ms in ((0, 0.5, 22.0 + (s % 3) * 0.1), (1, 20.5, 2.0)):
