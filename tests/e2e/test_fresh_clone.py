@@ -24,9 +24,14 @@ VENV_LIMIT_BYTES = 1_200_000_000
 
 def copy_working_tree(dest: Path) -> None:
     """The files a fresh clone of this working tree has: tracked ones and new ones git
-    does not ignore (no .venv, logs or caches)."""
+    does not ignore (no .venv, logs or caches); outside a git checkout, every file but
+    those."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, capture_output=True, check=True).stdout
+                            cwd=ROOT, capture_output=True).stdout
+    if not listed:  # not a git checkout (an exported tree)
+        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "logs", "__pycache__", "*.egg-info", ".*_cache", "test-artifacts"))
+        return
     for name in filter(None, listed.split(b"\0")):
         source = ROOT / os.fsdecode(name)
         if source.is_file():  # a tracked file deleted in the working tree is not copied
