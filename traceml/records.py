@@ -170,8 +170,9 @@ class RunMeta:
     # False: the collector died or hung before the end; what came after is missing.
     telemetry_complete: bool = True
     # The launcher vanished before the end (kill -9): exit status unknown, ranks unstopped.
-    launcher_lost: bool = False
-    lost_role: str = "launcher"  # which vanished: "launcher", or "process" (traceml.init())
+    # What vanished before recording the end: "launcher" (kill -9), or "process" (the one
+    # training process of traceml.init()); None: nothing did.
+    lost: str | None = None
 
 
 @dataclass(frozen=True)

@@ -304,7 +304,7 @@ def test_the_exit_status_decides_a_crash_not_a_message(world: int) -> None:
 
 
 def _lost(data: RunData, role: str = "launcher") -> RunData:
-    meta = dataclasses.replace(data.meta, exit_code=None, launcher_lost=True, lost_role=role,
+    meta = dataclasses.replace(data.meta, exit_code=None, lost=role,
                                telemetry_complete=False)
     return dataclasses.replace(data, meta=meta)
 
@@ -344,7 +344,7 @@ def test_a_recorded_end_outweighs_a_lost_launcher() -> None:
     start = RunStart(session_id="s", command=("t",), started_at=T0, traceml_version="",
                      torch_version="", python_version="", summary_window_rows=0, mode="run")
     lost = run_data(RunRecords(start, None, (), {}, T0 + 5.0), (), (), ())
-    assert lost.meta.launcher_lost and lost.meta.ended_at == T0 + 5.0
+    assert lost.meta.lost == "launcher" and lost.meta.ended_at == T0 + 5.0
     assert not lost.meta.telemetry_complete and lost.meta.exit_code is None
     ended = run_data(RunRecords(start, RunEnd(T0 + 9.0, 0), (), {}, T0 + 5.0), (), (), ())
-    assert not ended.meta.launcher_lost and ended.meta.ended_at == T0 + 9.0
+    assert ended.meta.lost is None and ended.meta.ended_at == T0 + 9.0

@@ -73,7 +73,7 @@ def diagnose_ending(run: RunData) -> Ending:
     """The run's ending from its incidents and exit status."""
     meta = run.meta
     ending = _ending(run)
-    if not meta.launcher_lost:
+    if not meta.lost:
         return ending
     # No end will be recorded: a stall or crash found before stays the verdict (a hung job
     # is often killed so), with the lost launcher beside it; otherwise it is the verdict.
@@ -473,7 +473,7 @@ def launcher_lost_finding(run: RunData) -> Finding:
     last = max((t.last_step for t in rank_totals(run).values()), default=None)
     steps = f"; last step recorded: {last}" if last is not None else "; no step recorded"
     into = f"{meta.ended_at - meta.started_at:.1f} s into the run{steps}"
-    if meta.lost_role == "process":
+    if meta.lost == "process":
         why = (f"The training process ended at {at} ({into}) without recording the end: "
                "killed (kill -9, the OOM killer, a signal it does not handle), or it left "
                "without running its exit handlers (os._exit, a crash in native code). Its "

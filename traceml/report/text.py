@@ -70,7 +70,7 @@ def _overview(report: Report) -> list[str]:
     lines = [f"{verdict} ({', '.join(where)})"]
     if primary.next:
         lines.append(f"Next: {primary.next}")
-    exit_text = (f"exit unknown ({meta.lost_role} lost)" if meta.launcher_lost
+    exit_text = (f"exit unknown ({meta.lost} lost)" if meta.lost
                  else "running" if meta.exit_code is None else f"exit {meta.exit_code}")
     nodes = _count(report.system.scope.num_nodes, "node")
     lines.append(f"Run: {_count(meta.world_size, 'rank')} on {nodes} | "
@@ -82,8 +82,8 @@ def _overview(report: Report) -> list[str]:
     if dropped or gaps:
         lines.append(f"Telemetry: {dropped} messages dropped, {gaps} sequence gaps; "
                      "some samples are missing.")
-    if meta.launcher_lost:
-        who = "training process" if meta.lost_role == "process" else "launcher"
+    if meta.lost:
+        who = "training process" if meta.lost == "process" else "launcher"
         lines.append(f"Telemetry stopped early: the {who} vanished and its collector "
                      "stopped with it; the end time is when the collector saw it go.")
     elif not meta.telemetry_complete:
@@ -184,9 +184,12 @@ def _scope(section: Section, report: Report) -> str:
 
 def _most_time(shown: Sequence[tuple[phases.Phase, MetricStat]]) -> str:
     """``- Most time, by part: input r1, communication r0; alike: total, compute``."""
-    named = [f"{p.name} r{stat.worst_rank}" for p, stat in shown
-             if stands_out(stat.worst, stat.median)]
-    alike = [p.name for p, stat in shown if not stands_out(stat.worst, stat.median)]
+    named, alike = [], []
+    for p, stat in shown:
+        if stands_out(stat.worst, stat.median):
+            named.append(f"{p.name} r{stat.worst_rank}")
+        else:
+            alike.append(p.name)
     if not named:
         return "- Most time, by part: every part alike across ranks"
     return f"- Most time, by part: {', '.join(named)}{'; alike: ' + ', '.join(alike) if alike else ''}"

@@ -283,7 +283,7 @@ def _run_meta(records: RunRecords, totals: tuple[RankTotals, ...],
                    "gaps": sum(s.num_gaps for s in senders),
                    "rejected": sum(records.rejected.values())},
         mode=start.mode, rejected=dict(records.rejected), telemetry_complete=complete,
-        launcher_lost=lost_at is not None, lost_role=records.launcher_lost_role,
+        lost=records.launcher_lost_role if lost_at is not None else None,
     )
 
 
