@@ -52,16 +52,17 @@ import psutil
 import zmq
 from bench_options import parse
 
-from traceml import phases, protocol
+from traceml import protocol, step_fields
 from traceml.collector.config import CollectorConfig
 from traceml.collector.relay import SEND_HWM as RELAY_SEND_HWM
 from traceml.collector.relay import Outbox
 from traceml.collector.server import RELAY_INTERVAL_S
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.protocol import Envelope, RunEnd, RunStart, Sender
+from traceml.records import StepRow
 from traceml.security import derive_keys, new_secret, relay_keys, secure_client
 from traceml.sender import SEND_HWM
-from traceml.store import STEP_COLUMNS, SenderState, StepRecord
+from traceml.store import SenderState
 
 SESSION = "scale"
 FLUSH_S = 0.5  # as an agent ships its events; the pacing tick (a relay sends every few)
@@ -176,12 +177,13 @@ def rank_sender(r: int, world: int, host: str, steps_per_s: float) -> Paced:
     return p
 
 
-def step_record(step: int, t_begin: float) -> StepRecord:
+def step_record(who: Sender, step: int, t_begin: float) -> StepRow:
     """A step as a relay's tracker emits it (the times of `log_iteration`'s loop)."""
     phase_ms = {"input": 1.0, "forward": 20.0, "backward": 39.0, "optimizer": 10.0}
-    return StepRecord(step=step, t_begin=t_begin, total_ms=100.0, wait_ms=30.0,
-                      phase_ms=tuple(phase_ms.get(p.name, 0.0) for p in phases.PHASES),
-                      counts=tuple(1 if p.name in phase_ms else 0 for p in phases.PHASES),
+    return StepRow.of(rank=who.rank, node_rank=who.node_rank, step=step, t_begin=t_begin,
+                      total_ms=100.0, wait_ms=30.0,
+                      **{f"{name}_ms": ms for name, ms in phase_ms.items()},
+                      **{f"num_{name}": 1 for name in phase_ms},
                       rss_bytes=300 << 20, boundary="optimizer")
 
 
@@ -212,7 +214,7 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
     def template(num_ticks: int, with_samples: bool, last: bool) -> protocol.RelayBatch:
         outbox = Outbox(Unsent(relay))  # type: ignore[arg-type]  # only take() is used
         for who in ranks:
-            outbox.add_steps(who, [step_record(i, start) for i in range(per_flush * num_ticks)])
+            outbox.add_steps([step_record(who, i, start) for i in range(per_flush * num_ticks)])
             if with_samples:
                 outbox.add_process(who, protocol.PROCESS_FIELDS, [
                     [start, 95.0, 300 << 20, 64 << 30, 2, None, None, None]])
@@ -226,7 +228,8 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
 
     templates = {(n, w, last): template(n, w, last) for n in range(1, every + 1)
                  for w in (True, False) for last in (True, False)}
-    step_col, t_col = (1 + STEP_COLUMNS.index(c) for c in ("step", "t_begin"))
+    measured = [f.name for f in step_fields.measured()]
+    step_col, t_col = (1 + measured.index(c) for c in ("step", "t_begin"))
     done = [0]  # ticks whose steps were sent
 
     def messages(tick: int, last: bool) -> list[tuple[bytes, int]]:

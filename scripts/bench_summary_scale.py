@@ -28,7 +28,8 @@ from bench_options import parse
 
 from traceml import phases
 from traceml.protocol import RunEnd, RunStart, Sender
-from traceml.store import STORE_FILENAME, SenderState, StepRecord, StoreWriter
+from traceml.records import StepRow
+from traceml.store import STORE_FILENAME, SenderState, StoreWriter
 
 STEP_S = 0.05  # 20 steps/s per rank
 RANKS_PER_NODE = 8
@@ -50,16 +51,18 @@ def _pool(rank: int) -> list[tuple[tuple[float, ...], float]]:
     return out
 
 
-def _records(rank: int, first: int, last: int) -> list[StepRecord]:
-    pool = _pool(rank)
-    counts = tuple(1 for _ in phases.PHASES)
+def _records(sender: Sender, first: int, last: int) -> list[StepRow]:
+    pool = _pool(sender.rank or 0)
+    counts = {p.count_column: 1 for p in phases.PHASES}
     out = []
     for step in range(first, last):
         phase_ms, total_ms = pool[step % len(pool)]
-        out.append(StepRecord(
-            step=step, t_begin=STARTED_AT + step * STEP_S, total_ms=total_ms, wait_ms=1.0,
-            phase_ms=phase_ms, counts=counts, rss_bytes=(2 << 30) + step * 64,
-            samples=32, flops_counted=step == 7, eval_ms=500.0 if step % 5000 == 4999 else 0.0,
+        out.append(StepRow.of(
+            rank=sender.rank, node_rank=sender.node_rank, step=step,
+            t_begin=STARTED_AT + step * STEP_S, total_ms=total_ms, wait_ms=1.0,
+            **dict(zip((p.column for p in phases.PHASES), phase_ms)), **counts,
+            rss_bytes=(2 << 30) + step * 64, samples=32, flops_counted=step == 7,
+            eval_ms=500.0 if step % 5000 == 4999 else 0.0,
             num_eval=1 if step % 5000 == 4999 else 0))
     return out
 
@@ -80,7 +83,7 @@ def build_store(folder: Path, num_ranks: int, num_steps: int) -> None:
     for first in range(0, num_steps, per_batch):
         last = min(num_steps, first + per_batch)
         for sender in senders:
-            writer.add_steps(sender, _records(sender.rank or 0, first, last))
+            writer.add_steps(_records(sender, first, last))
         writer.commit()
     duration_s = num_steps * STEP_S
     _add_samples(writer, senders, num_ranks, duration_s)

@@ -1,6 +1,6 @@
 """The records every package shares: the stored telemetry of one run, and their JSON.
 
-A leaf (the standard library, traceml.phases and traceml.stacks): the collector and
+A leaf (the standard library, traceml.phases, traceml.step_fields and traceml.stacks): the collector and
 the store build these records, the rules (traceml.diagnosis) read them, the reports
 and live views show them.  The store reader builds a :class:`RunData` from SQLite;
 recorded test scenarios store one as JSON via :func:`to_jsonable` /
@@ -11,68 +11,138 @@ zero is ``0``.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from traceml import phases
+from traceml import phases, step_fields
 from traceml.stacks import Frame
 
 Json = None | bool | int | float | str | list["Json"] | dict[str, "Json"]
 """A JSON value as the standard library's ``json`` module reads and writes it."""
 
-RUNDATA_FORMAT = "traceml.rundata/1"
+RUNDATA_FORMAT = "traceml.rundata/2"  # 2: steps as the step-field table's columns
 
-_COMPUTE = phases.compute_names()
+_INDEX = {f.name: i for i, f in enumerate(step_fields.STEP_FIELDS)}
+_DEFAULTS = tuple(f.default for f in step_fields.STEP_FIELDS)
+_MS_INDEX = {"total": _INDEX["total_ms"], "wait": _INDEX["wait_ms"],
+             **{p.name: _INDEX[p.column] for p in phases.PHASES}}
+_COMPUTE_INDEX = tuple(_MS_INDEX[n] for n in phases.compute_names())
+_COUNT_INDEX = tuple(_INDEX[p.count_column] for p in phases.PHASES)
+_GPU_INDEX = tuple(_INDEX[p.gpu_column] for p in phases.gpu_timed())
 
 
-@dataclass(frozen=True, slots=True)  # slots: a wide job's summary holds a million of them
-class StepRow:
-    """One training step of one rank."""
+def _column(name: str) -> Any:
+    """A typed view of one column: a C-level getter, as cheap as a tuple index."""
+    return property(operator.itemgetter(_INDEX[name]), doc=f"The {name} column.")
 
-    rank: int
-    step: int  # 0-based per rank
-    phase_ms: Mapping[str, float]  # exclusive time per phase name (`traceml.phases`)
-    total_ms: float  # boundary to boundary
-    wait_ms: float  # total - every phase, clamped >= 0
-    peak_allocated_bytes: int | None = None  # CUDA device peak this step (None on CPU)
-    peak_reserved_bytes: int | None = None
-    rss_bytes: int | None = None  # host RSS of the rank at step end
-    gpu_ms: float | None = None  # GPU time of the GPU-timed phases; None off CUDA
-    t: float | None = None  # unix seconds at step end; lets sample sections use the step window
-    collective_ms: float | None = None  # any collective in flight (exposed or hidden); None: untimed
-    samples: int | None = None  # in the batches the step consumed; None: not measured
-    tokens: int | None = None  # token ids in them (2-D integer batches); None: not measured
-    flops: float | None = None  # FLOPs of the step (counted once per batch shape); None: unknown
-    flops_counted: bool = False  # the FLOP counter ran in this step: out of the timing window
-    boundary: str = "optimizer"  # what ended it: one of `traceml.phases.STEP_BOUNDARIES`
-    eval_ms: float = 0.0  # evaluation wall time that ended where this step began
-    num_eval: int = 0  # ...and how many evaluation passes
-    num_input: int = 0  # DataLoader fetches in the step
+
+class StepRow(tuple[Any, ...]):
+    """One training step of one rank: its :data:`traceml.step_fields.STEP_FIELDS`
+    values, in table order (what the store's steps table holds, row for row).
+
+    A tuple, so that a wide job's summary (a million rows) costs one object per row
+    and a stored row needs no conversion; build one with :meth:`of`.  The typed views
+    below are those the rules read; any column reads with :meth:`value`."""
+
+    __slots__ = ()
+
+    rank: int = _column("rank")
+    restart: int = _column("restart")
+    node_rank: int = _column("node_rank")
+    step: int = _column("step")  # 0-based per rank
+    t_begin: float | None = _column("t_begin")  # unix seconds
+    total_ms: float = _column("total_ms")  # boundary to boundary
+    wait_ms: float = _column("wait_ms")  # total - every phase, clamped >= 0
+    num_skipped: int = _column("num_skipped")
+    rss_bytes: int | None = _column("rss_bytes")  # host RSS of the rank at step end
+    peak_allocated_bytes: int | None = _column("peak_allocated_bytes")  # None off CUDA
+    peak_reserved_bytes: int | None = _column("peak_reserved_bytes")
+    collective_ms: float | None = _column("collective_ms")  # None: untimed
+    samples: int | None = _column("samples")  # None: not measured
+    tokens: int | None = _column("tokens")
+    flops: float | None = _column("flops")  # None: unknown
+    boundary: str = _column("boundary")  # one of `traceml.phases.STEP_BOUNDARIES`
+    eval_ms: float = _column("eval_ms")  # evaluation that ended where this step began
+    num_eval: int = _column("num_eval")
+    num_input: int = _column(phases.PHASES[0].count_column)  # DataLoader fetches
+
+    @classmethod
+    def of(cls, **values: Any) -> StepRow:
+        """A row from column values by name; a column not named takes its default.
+        TypeError for a name the table does not have."""
+        row = list(_DEFAULTS)
+        for name, value in values.items():
+            try:
+                row[_INDEX[name]] = value
+            except KeyError:
+                raise TypeError(f"StepRow has no column {name!r}") from None
+        return cls(row)
+
+    def replace(self, **changes: Any) -> StepRow:
+        """This row with some columns changed."""
+        row = list(self)
+        for name, value in changes.items():
+            row[_INDEX[name]] = value
+        return StepRow(row)
+
+    def value(self, name: str) -> Any:
+        """Any column by name; KeyError for one the table does not have."""
+        return self[_INDEX[name]]
+
+    def columns(self) -> dict[str, Any]:
+        """The row by column name."""
+        return dict(zip(step_fields.names(), self))
+
+    def __repr__(self) -> str:
+        return "StepRow(" + ", ".join(f"{k}={v!r}" for k, v in self.columns().items()) + ")"
+
+    @property
+    def flops_counted(self) -> bool:
+        """The FLOP counter ran in this step: out of the timing window."""
+        return bool(self[_FLOPS_COUNTED])
+
+    @property
+    def t(self) -> float | None:
+        """Unix seconds at the step's end; lets sample sections use the step window."""
+        begin = self[_T_BEGIN]
+        return None if begin is None else begin + self[_TOTAL] / 1e3
+
+    @property
+    def gpu_ms(self) -> float | None:
+        """GPU time of the GPU-timed phases; None off CUDA (or a step not timed)."""
+        times = [self[i] for i in _GPU_INDEX]
+        return None if not times or None in times else float(sum(times))
+
+    @property
+    def phase_ms(self) -> dict[str, float]:
+        """Exclusive time per phase name (`traceml.phases`)."""
+        return {p.name: self[_MS_INDEX[p.name]] for p in phases.PHASES}
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """How many times each phase ran in the step, in phase order."""
+        return tuple(self[i] for i in _COUNT_INDEX)
 
     def ms(self, name: str) -> float:
-        """Time of a phase, or of ``total``, ``compute`` or ``wait``; a phase the row
-        does not hold (data from before it existed) took 0."""
-        if name == "total":
-            return self.total_ms
-        if name == "wait":
-            return self.wait_ms
+        """Time of a phase, or of ``total``, ``compute`` or ``wait``."""
         if name == "compute":
-            return sum(self.phase_ms.get(n, 0.0) for n in _COMPUTE)
-        return self.phase_ms.get(name, 0.0)
+            return float(sum(self[i] for i in _COMPUTE_INDEX))
+        return float(self[_MS_INDEX[name]])
+
+
+_FLOPS_COUNTED, _T_BEGIN, _TOTAL = _INDEX["flops_counted"], _INDEX["t_begin"], _INDEX["total_ms"]
 
 
 def ms_column(rows: Sequence[StepRow], name: str) -> list[float]:
     """``[row.ms(name) for row in rows]``, without a call per row (a wide job has
     millions)."""
-    if name == "total":
-        return [r.total_ms for r in rows]
-    if name == "wait":
-        return [r.wait_ms for r in rows]
     if name == "compute":
-        zeros = (0.0,) * len(_COMPUTE)
-        return [sum(map(r.phase_ms.get, _COMPUTE, zeros)) for r in rows]
-    return [r.phase_ms.get(name, 0.0) for r in rows]
+        get = operator.itemgetter(*_COMPUTE_INDEX)
+        return [float(sum(get(r))) for r in rows] if len(_COMPUTE_INDEX) > 1 else [
+            float(get(r)) for r in rows]
+    return list(map(operator.itemgetter(_MS_INDEX[name]), rows))
 
 
 @dataclass(frozen=True)
@@ -264,7 +334,7 @@ def rank_totals(run: RunData) -> dict[int, RankTotals]:
     return {t.rank: t for t in totals}
 
 
-_Row = TypeVar("_Row", StepRow, ProcessSample, GpuSample, FlopCount)
+_Row = TypeVar("_Row", ProcessSample, GpuSample, FlopCount)
 
 
 def to_jsonable(run: RunData) -> dict[str, Json]:
@@ -291,7 +361,7 @@ def from_jsonable(obj: object) -> RunData:
         raise ValueError(f"run data format is {top.get('format')!r}, expected {RUNDATA_FORMAT!r}")
     return RunData(
         meta=_decode_meta(_as_dict(top.get("meta"), "meta")),
-        steps=_decode_rows(StepRow, top.get("steps")),
+        steps=_decode_steps(top.get("steps")),
         process=_decode_rows(ProcessSample, top.get("process")),
         system=tuple(_decode_system(s) for s in _as_list(top.get("system"), "system")),
         flop_counts=(_decode_rows(FlopCount, top["flop_counts"]) if "flop_counts" in top
@@ -300,16 +370,25 @@ def from_jsonable(obj: object) -> RunData:
 
 
 def _encode_steps(rows: Sequence[StepRow]) -> dict[str, Json]:
-    """StepRow's fields, with ``phase_ms`` as one ``<phase>_ms`` column per phase."""
-    rest = [f.name for f in dataclasses.fields(StepRow) if f.name not in _STEP_KEYS]
-    return {
-        "fields": ["rank", "step", *(p.column for p in phases.PHASES), *rest],
-        "rows": [[row.rank, row.step, *(row.ms(p.name) for p in phases.PHASES),
-                  *(getattr(row, name) for name in rest)] for row in rows],
-    }
+    """Step rows as the table's columns."""
+    return {"fields": list(step_fields.names()), "rows": [list(row) for row in rows]}
 
 
-_STEP_KEYS = ("rank", "step", "phase_ms")
+def _decode_steps(obj: object) -> tuple[StepRow, ...]:
+    """What :func:`_encode_steps` wrote; a column it lacks (written before the column
+    existed) takes its default."""
+    table = _as_dict(obj, "steps")
+    names = [_as_str(n, "field name") for n in _as_list(table.get("fields"), "fields")]
+    unknown = set(names) - set(step_fields.names())
+    if unknown:
+        raise ValueError(f"steps: unknown fields {sorted(unknown)}")
+    out = []
+    for raw in _as_list(table.get("rows"), "rows"):
+        values = _as_list(raw, "row")
+        if len(values) != len(names):
+            raise ValueError(f"steps: row has {len(values)} values, expected {len(names)}")
+        out.append(StepRow.of(**dict(zip(names, values))))
+    return tuple(out)
 
 
 def _encode_rows(cls: type[_Row], rows: Sequence[_Row]) -> dict[str, Json]:
@@ -323,9 +402,7 @@ def _encode_rows(cls: type[_Row], rows: Sequence[_Row]) -> dict[str, Json]:
 def _decode_rows(cls: type[_Row], obj: object) -> tuple[_Row, ...]:
     table = _as_dict(obj, cls.__name__)
     names = [_as_str(n, "field name") for n in _as_list(table.get("fields"), "fields")]
-    known = {f.name for f in dataclasses.fields(cls)}
-    columns = {p.column: p.name for p in phases.PHASES} if cls is StepRow else {}
-    unknown = set(names) - known - set(columns)
+    unknown = set(names) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
     out = []
@@ -334,8 +411,6 @@ def _decode_rows(cls: type[_Row], obj: object) -> tuple[_Row, ...]:
         if len(values) != len(names):
             raise ValueError(f"{cls.__name__}: row has {len(values)} values, expected {len(names)}")
         kwargs: dict[str, Any] = dict(zip(names, values))
-        if cls is StepRow:  # a phase a row lacks (written before it existed) took 0
-            kwargs["phase_ms"] = {columns[n]: kwargs.pop(n) for n in names if n in columns}
         out.append(cls(**kwargs))
     return tuple(out)
 

@@ -75,8 +75,7 @@ def comm_run(num_steps: int = 30) -> RunData:
         for rank, input_ms, comm_ms in ((0, 0.5, 22.0 + (s % 3) * 0.1), (1, 20.5, 2.0)):
             row = step_row(rank, s, input_ms + (s % 2) * 0.1, 40.0, 1.0, 0.2, 64.0 + (s % 2) * 0.1,
                            0.3, rss_bytes=GIB, t=T0 + 1 + s * 0.065, collective_ms=comm_ms)
-            steps.append(dataclasses.replace(row, phase_ms={**row.phase_ms,
-                                                            "communication": comm_ms}))
+            steps.append(row.replace(communication_ms=comm_ms))
     process = tuple(ProcessSample(r, 0, T0 + t, 100.0, GIB, 256 * GIB, 32, None, None, None)
                     for r in (0, 1) for t in (1, 2))
     system = tuple(SystemSample(0, "cpu-box", T0 + t, 25.0, 30.0, 256 * GIB, ())

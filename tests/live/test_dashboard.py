@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.live.conftest import GIB, T0
-from tests.rows import run_start, step_record
+from tests.rows import run_start, sent_by, step_record
 from traceml.collector.config import CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.live.dashboard import Dashboard
@@ -42,7 +42,7 @@ def make_store(path: Path, num_steps: int = 12) -> None:
         writer.save_sender(SenderState(sender, T0, T0))
         values = {"t_begin": T0, "input_ms": 1.0 + rank, "forward_ms": 2.0, "backward_ms": 3.0,
                   "optimizer_ms": 1.0, "total_ms": 10.0, "wait_ms": 3.0 - rank, "rss_bytes": GIB}
-        writer.add_steps(sender, [step_record(s, **values) for s in range(num_steps)])
+        writer.add_steps(sent_by(sender, [step_record(s, **values) for s in range(num_steps)]))
     writer.close()
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.live.conftest import GIB, T0, artifact, open_page, wait_for, wide_phases, wide_run
-from tests.rows import run_start, step_record
+from tests.rows import run_start, sent_by, step_record
 from traceml.live import dashboard
 from traceml.protocol import PROCESS_FIELDS, Sender
 from traceml.report import build_report
@@ -106,7 +106,7 @@ def _wide_store(path: Path, num_steps: int) -> None:
                                        forward_ms=fwd, backward_ms=bwd, optimizer_ms=opt,
                                        total_ms=total, wait_ms=total - inp - fwd - bwd - opt,
                                        rss_bytes=2 * GIB))
-        writer.add_steps(sender, records)
+        writer.add_steps(sent_by(sender, records))
         writer.add_process(sender, PROCESS_FIELDS,
                            [[T0 + 1, 90.0, 2 * GIB, 256 * GIB, 64, None, None, None]])
     writer.close()

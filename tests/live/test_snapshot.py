@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from tests.live.conftest import GIB, T0, comm_run, fixed_run
-from tests.rows import run_start, step_record, step_row
+from tests.rows import run_start, sent_by, step_record, step_row
 from traceml.live.tail import StoreTail
 from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, Sender
 from traceml.records import RunData, StepRow
@@ -85,7 +85,7 @@ def _sender(rank: int, restart: int = 0) -> Sender:
 def _steps(writer: StoreWriter, rank: int, steps: range, restart: int = 0) -> None:
     values = {"t_begin": T0, "input_ms": 1.0, "forward_ms": 2.0, "backward_ms": 3.0,
               "optimizer_ms": 1.0, "total_ms": 10.0, "wait_ms": 3.0, "rss_bytes": GIB}
-    writer.add_steps(_sender(rank, restart), [step_record(s, **values) for s in steps])
+    writer.add_steps(sent_by(_sender(rank, restart), [step_record(s, **values) for s in steps]))
 
 
 def test_tail_reads_only_new_rows_and_keeps_a_bounded_history(tmp_path: Path) -> None:

@@ -115,7 +115,7 @@ def test_view_before_the_first_step_and_once_ended() -> None:
 
 def test_many_ranks_show_the_slowest_sixteen() -> None:
     base = fixed_run()
-    steps = tuple(dataclasses.replace(row, rank=rank, total_ms=row.total_ms + rank)
+    steps = tuple(row.replace(rank=rank, total_ms=row.total_ms + rank)
                   for rank in range(20) for row in base.steps if row.rank == 0)
     run = RunData(dataclasses.replace(base.meta, world_size=20), steps, (), ())
     text = render(render_view(live_snapshot(run, 10000, now=T0), (), None), width=120)

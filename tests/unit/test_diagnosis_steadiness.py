@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.rows import row_of
 from traceml import phases
 from traceml.diagnosis.finding import Finding
 from traceml.diagnosis.steadiness import StepSeries
 from traceml.diagnosis.step_time import RankStepTimes, diagnose_step_time, rank_step_times
 from traceml.diagnosis.thresholds import STRAGGLER_MIN_SIGNAL_TO_NOISE, STRAGGLER_MIN_SLOWER_PCT
 from traceml.diagnosis.window import select_window
-from traceml.records import StepRow
 
 BASE = {"input": 1.0, "forward": 20.0, "backward": 40.0, "optimizer": 6.0, "wait": 1.0}
 
@@ -34,7 +34,7 @@ def window(world: int, parts: Parts, num_steps: int = 40,
         for r in range(world):
             p = own[r, s] | {"communication": comm_ms + slowest - sum(own[r, s].values())}
             phase_ms = {ph.name: p.get(ph.name, 0.0) for ph in phases.PHASES}
-            rows.append(StepRow(r, s, phase_ms, sum(p.values()), p["wait"],
+            rows.append(row_of(r, s, phase_ms, sum(p.values()), p["wait"],
                                 collective_ms=p["communication"] + 2.0))
     # No warm-up: the window is every step (select_window leaves out at most 5).
     return rank_step_times(select_window(rows, 10_000, world), {})

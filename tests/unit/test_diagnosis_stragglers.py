@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.rows import row_of
 from traceml import phases
 from traceml.diagnosis.finding import Finding
 from traceml.diagnosis.stats import distribution
@@ -21,7 +22,6 @@ from traceml.diagnosis.step_time import (
 from traceml.diagnosis.stragglers import COMPUTE_PARTS, OWN_PARTS, Excess, attribute
 from traceml.diagnosis.thresholds import STRAGGLER_EXPLAINS_FRACTION
 from traceml.diagnosis.window import select_window
-from traceml.records import StepRow
 
 BASE = {"input": 2.0, "forward": 20.0, "backward": 40.0, "optimizer": 6.0,
         "communication": 10.0, "wait": 2.0}  # an 80 ms step
@@ -36,7 +36,7 @@ def times_of(world: int, parts: Callable[[int], dict[str, float]], timed: bool =
         p = BASE | parts(rank)
         total = sum(p.values())
         phase_ms = {phase.name: p.get(phase.name, 0.0) for phase in phases.PHASES}
-        rows += [StepRow(rank, s, phase_ms, total, p["wait"],
+        rows += [row_of(rank, s, phase_ms, total, p["wait"],
                          collective_ms=p["communication"] + 5.0 if timed else None)
                  for s in range(num_steps)]
     return rank_step_times(select_window(rows, 10_000, world), {})
@@ -248,7 +248,7 @@ def test_the_verdict_is_the_finding_with_more_to_win_back(comm_ms: float, first:
 
 def _rank_times(rank: int, comm_by_step: dict[int, float]) -> RankStepTimes:
     """A rank whose typical steps are ``comm_by_step``'s (80 ms, communication as given)."""
-    rows = tuple(StepRow(rank, s, {"forward": 20.0, "backward": 40.0, "communication": c},
+    rows = tuple(row_of(rank, s, {"forward": 20.0, "backward": 40.0, "communication": c},
                          80.0, 80.0 - 60.0 - c) for s, c in sorted(comm_by_step.items()))
     dists = {p: distribution([r.ms(p) for r in rows]) for p in ("total", *OWN_PARTS,
                                                                   "communication", "hook")}

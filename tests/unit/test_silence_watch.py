@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_until
-from tests.rows import step_record
+from tests.rows import sent_by, step_record
 from traceml.launcher import nodes
 from traceml.launcher.nodes import SilenceWatch
 from traceml.protocol import RunStart, Sender
@@ -42,7 +42,7 @@ def _store(folder: Path) -> None:
     writer.save_sender(SenderState(RANK, now - 60, now))
     writer.save_sender(SenderState(NODE0, now - 60, now + 3600))  # node 0 speaks throughout
     writer.save_sender(SenderState(NODE1, now - 60, now - 30))  # node 1: silent for 30 s
-    writer.add_steps(RANK, [step_record(s, t_begin=now - 60 + s, total_ms=10.0) for s in range(5)])
+    writer.add_steps(sent_by(RANK, [step_record(s, t_begin=now - 60 + s, total_ms=10.0) for s in range(5)]))
     writer.close()
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.rows import step_record
+from tests.rows import sent_by, step_record
 from traceml.errors import UsageError
 from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, RunEnd, RunStart, Sender
 from traceml.report.session import load_run
@@ -39,8 +39,8 @@ def _store(path: Path) -> None:
                                    num_dropped=1, said_bye=True))
     writer.save_sender(SenderState(NODE, T0, T0 + 6, num_gaps=2))
     writer.save_rejected({"foreign session": 2})
-    writer.add_steps(RANK, [step_record(s, t_begin=T0 + s, total_ms=10.0, input_ms=1.0)
-                            for s in range(3)])
+    writer.add_steps(sent_by(RANK, [step_record(s, t_begin=T0 + s, total_ms=10.0, input_ms=1.0)
+                            for s in range(3)]))
     writer.add_process(RANK, PROCESS_FIELDS[:3], [[T0, 50.0, 1024]])
     writer.add_system(NODE, SYSTEM_FIELDS, [[T0, 10.0, 20.0, 4096, [[0, 1.0, 2, 3, 4.0, 5.0]]]])
     writer.add_system(Sender("system", "h", 8, -1), SYSTEM_FIELDS, [[T0, 1.0, 2.0, 3, []]])
@@ -59,7 +59,7 @@ def test_what_is_written_reads_back_typed(tmp_path: Path) -> None:
         assert [s.sender for s in reader.senders(role="system")] == [NODE]
         assert reader.num_steps() == 3
         tail = reader.steps_after(0, 2)
-        assert [(s.restart, s.row.step) for s in tail.rows] == [(0, 1), (0, 2)]
+        assert [(s.restart, s.step) for s in tail.rows] == [(0, 1), (0, 2)]
         assert reader.steps_after(tail.last_row_id, 2).rows == ()
     assert (records.start, records.end, dict(records.rejected)) == (
         START, END, {"foreign session": 2})

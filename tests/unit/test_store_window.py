@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.rows import run_start, step_record
+from tests.rows import run_start, sent_by, step_record
 from traceml.diagnosis import window
 from traceml.launcher.ending import phase_table
 from traceml.protocol import RunEnd, Sender
-from traceml.records import Incident
+from traceml.records import Incident, StepRow
 from traceml.report.session import build_summary
-from traceml.store import STORE_FILENAME, SenderState, StepRecord, StoreWriter, reader
+from traceml.store import STORE_FILENAME, SenderState, StoreWriter, reader
 
 T0 = 1.7e9
 STEP_S = 0.05
@@ -50,7 +50,7 @@ class Shape:
         self.ranks = sorted({a.rank for a in self.attempts})
 
 
-def _records(a: Attempt, shape: Shape) -> Iterable[StepRecord]:
+def _records(a: Attempt, shape: Shape) -> Iterable[StepRow]:
     for step in range(a.first, a.last):
         if step in a.skip:
             continue
@@ -63,8 +63,8 @@ def _records(a: Attempt, shape: Shape) -> Iterable[StepRecord]:
                              num_input=1, rss_bytes=(1 << 30) + step * 4096 * (1 + a.rank),
                              **phases)
         evaluated = step % shape.eval_every == shape.eval_every - 1
-        yield dataclasses.replace(
-            record, flops_counted=a.rank == 0 and step in shape.counted, samples=8,
+        yield record.replace(
+            flops_counted=a.rank == 0 and step in shape.counted, samples=8,
             eval_ms=250.0 + a.rank if evaluated else 0.0, num_eval=1 if evaluated else 0)
 
 
@@ -75,7 +75,7 @@ def _write(folder: Path, shape: Shape) -> Path:
     for a in shape.attempts:
         who = Sender("rank", f"h{node_of[a.rank]}", 100 + a.rank, node_of[a.rank], rank=a.rank,
                      local_rank=a.rank, world_size=len(shape.ranks), restart=a.restart)
-        writer.add_steps(who, _records(a, shape))
+        writer.add_steps(sent_by(who, _records(a, shape)))
         writer.save_sender(SenderState(who, T0, T0 + a.last * STEP_S, said_bye=True))
         end_s = a.last * STEP_S
         times = [T0 + i * shape.sample_s for i in range(int(end_s / shape.sample_s) + 1)]
@@ -203,8 +203,8 @@ def test_hundreds_of_crashed_ranks_still_get_their_summary(tmp_path: Path) -> No
     writer.save_run(run_start("w", T0, 50, num_ranks))
     for r in range(num_ranks):
         who = Sender("rank", "h0", 100 + r, 0, rank=r, local_rank=r, world_size=num_ranks)
-        writer.add_steps(who, [step_record(s, t_begin=T0 + s * 0.1, total_ms=100.0, wait_ms=1.0,
-                                           forward_ms=50.0) for s in range(60)])
+        writer.add_steps(sent_by(who, [step_record(s, t_begin=T0 + s * 0.1, total_ms=100.0, wait_ms=1.0,
+                                           forward_ms=50.0) for s in range(60)]))
         writer.save_sender(SenderState(who, T0, T0 + 6))
         at = T0 + 6.0 + r * 0.05  # spread over 30 s: spans that overlap and some that do not
         writer.add_incident(Incident("exit", r, 0, "h0", 100 + r, at, at + 0.1,

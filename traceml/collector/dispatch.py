@@ -14,20 +14,19 @@ incidents: each of its senders is claimed here as if it had spoken.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
-from traceml import phases, protocol, stacks
+from traceml import phases, protocol, stacks, step_fields
 from traceml.collector import intake
 from traceml.collector.config import CollectorConfig
 from traceml.collector.intake import Accepted, Rejected
 from traceml.collector.rank_steps import RankSteps
 from traceml.errors import ProtocolError
 from traceml.protocol import Envelope, IncidentReport, RelayBatch, RunEnd, RunStart, Sender
-from traceml.records import FlopCount, Incident
-from traceml.store import JoinError, SenderState, StepRecord, StoreError
+from traceml.records import FlopCount, Incident, StepRow
+from traceml.store import JoinError, SenderState, StoreError
 
 MAX_SENDERS = 1 << 16
 
@@ -36,8 +35,7 @@ class Store(Protocol):
     """Where the collector puts what it accepted: the SQLite store on node 0
     (`StoreWriter`), or a relay's batch to node 0 (`traceml.collector.relay.Outbox`)."""
 
-    def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int: ...
-    def add_step_rows(self, rows: Sequence[Sequence[Any]]) -> int: ...
+    def add_steps(self, rows: Sequence[StepRow]) -> int: ...
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None: ...
     def add_process(self, sender: Sender, fields: Sequence[str],
                     rows: Iterable[Sequence[Any]]) -> None: ...
@@ -213,14 +211,14 @@ class Collector:
     def _add_steps(self, sender: Sender, batch: protocol.EventBatch) -> None:
         steps = self.rank_steps.get(sender.sender_id)
         if steps is None:
-            steps = self.rank_steps[sender.sender_id] = RankSteps()
+            steps = self.rank_steps[sender.sender_id] = RankSteps(sender)
         records = steps.feed_batch(batch)
         if steps.flop_counts:
             self.store.add_flop_counts(sender, steps.flop_counts)
             steps.flop_counts = []
         plausible = [r for r in records if _plausible(r)]
         self.reject("implausible step times", len(records) - len(plausible))
-        stored = self.store.add_steps(sender, plausible)
+        stored = self.store.add_steps(plausible)
         self.reject("duplicate step", len(plausible) - stored)
         self.num_steps += stored
 
@@ -304,10 +302,10 @@ class Collector:
         index, *values = columns
         prefixes = [None if s is None or s.rank is None else (s.rank, s.restart, s.node_rank)
                     for s in senders]
-        rows = [p + v for p, v in zip(map(prefixes.__getitem__, index), zip(*values))
+        rows = [StepRow(p + v) for p, v in zip(map(prefixes.__getitem__, index), zip(*values))
                 if p is not None]
         self.reject("relayed step of a refused sender", len(index) - len(rows))
-        stored = self.store.add_step_rows(rows)
+        stored = self.store.add_steps(rows)
         self.reject("duplicate step", len(rows) - stored)
         self.num_steps += stored
 
@@ -347,14 +345,10 @@ class Collector:
             self.store_failed = True
 
 
-MAX_STEP_MS = 1e12  # 31 years
-
-
-def _plausible(record: StepRecord) -> bool:
-    """Times a step can take: finite, not negative, under :data:`MAX_STEP_MS`."""
-    times = (record.total_ms, record.wait_ms, *record.phase_ms,
-             *(t for t in (*record.gpu_ms, record.collective_ms) if t is not None))
-    return all(0.0 <= t <= MAX_STEP_MS for t in times) and math.isfinite(record.t_begin)
+def _plausible(row: StepRow) -> bool:
+    """Values a step can have (`traceml.step_fields`): times finite, not negative, under
+    `step_fields.MAX_STEP_MS`; counts and sizes in range."""
+    return all(map(step_fields.admits, step_fields.STEP_FIELDS, row))
 
 
 def _within(sender: Sender, max_world_size: int) -> bool:

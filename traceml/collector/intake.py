@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from traceml import phases, protocol, stacks
+from traceml import protocol, stacks, step_fields
 from traceml.errors import ProtocolError
 from traceml.protocol import (
     GPU_FIELDS,
@@ -28,7 +28,6 @@ from traceml.protocol import (
     RunEnd,
     RunStart,
 )
-from traceml.store import STEP_COLUMNS
 
 MAX_FIELDS = 64  # columnar payloads: fields per row (a sender may add some)
 MAX_GPUS = 1024
@@ -218,10 +217,10 @@ def _incident(payload: dict[str, Any]) -> protocol.IncidentReport:
 
 # -- a node's relay (`traceml.collector.relay`) ---------------------------------------------
 
-_STEP_VALUE_TYPES = frozenset({int, float, type(None)})
-_NONE = {type(None)}
-MAX_STEP_VALUE = 1e30  # FLOPs of one step of the largest model stay under it
-_BOUNDARY_COLUMN = STEP_COLUMNS.index("boundary")
+_MEASURED = step_fields.measured()
+_COLUMN_TYPES: dict[type, frozenset[type]] = {
+    float: frozenset({int, float}), int: frozenset({int}), bool: frozenset({int, bool}),
+    str: frozenset({str})}
 
 
 def _relay(payload: dict[str, Any]) -> protocol.RelayBatch:
@@ -248,26 +247,25 @@ def _relay(payload: dict[str, Any]) -> protocol.RelayBatch:
 
 
 def _step_columns(columns: list[list[Any]], num_senders: int) -> None:
+    """Relayed step rows, column by column: each column's values of its type and
+    within its bounds (`traceml.step_fields`), as node 0 would store them."""
     if not columns:
         return
-    if len(columns) != 1 + len(STEP_COLUMNS):
+    if len(columns) != 1 + len(_MEASURED):
         raise ProtocolError("relayed steps have other columns")
     index, *values = columns
     if set(map(type, index)) != {int} or min(index) < 0 or max(index) >= num_senders:
         raise ProtocolError("relayed step of no relayed sender")
-    for i, column in enumerate(values):
-        if i == _BOUNDARY_COLUMN:
-            if not set(column) <= set(phases.STEP_BOUNDARIES):
-                raise ProtocolError("relayed step boundary unknown")
-            continue
-        types = set(map(type, column))
-        if not types <= _STEP_VALUE_TYPES:
-            raise ProtocolError("relayed step value is not a number")
-        if types == _NONE:
-            continue
-        numbers = [v for v in column if v is not None] if type(None) in types else column
-        if not 0 <= min(numbers) <= max(numbers) <= MAX_STEP_VALUE:
-            raise ProtocolError("relayed step value out of range")
+    for f, column in zip(_MEASURED, values):
+        present = [v for v in column if v is not None] if f.optional else column
+        if not set(map(type, present)) <= _COLUMN_TYPES[f.kind]:
+            raise ProtocolError(f"relayed step {f.name} of another type")
+        if f.kind is str:
+            if not all(map(f.choices.__contains__, present)):
+                raise ProtocolError(f"relayed step {f.name} unknown")
+        elif present and not (step_fields.admits(f, min(present))
+                              and step_fields.admits(f, max(present))):
+            raise ProtocolError(f"relayed step {f.name} out of range")
 
 
 def _relayed_incident(record: list[Any]) -> list[Any]:

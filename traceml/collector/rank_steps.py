@@ -3,7 +3,7 @@
 `RankSteps` holds a rank's `traceml.collector.steps.StepTracker`: it merges each
 events batch (per-code times, device marks, RSS readings, collective spans,
 batch records, FLOP counts) back into one timeline (`merge_events`), replays it,
-and turns each `StepTiming` into the store's `StepRecord` on the wall clock.  A
+and turns each `StepTiming` into the store's `StepRow` on the wall clock (`step_row`).  A
 lost batch resyncs the tracker; a batch that cannot be replayed is dropped whole.
 """
 
@@ -32,9 +32,9 @@ from traceml.protocol import (
     OPTIMIZER_SKIPPED,
     RSS,
     SPAN,
+    Sender,
 )
-from traceml.records import FlopCount
-from traceml.store import StepRecord
+from traceml.records import FlopCount, StepRow
 
 # Events stamped alike.  The rank stamps some so on purpose: an RSS reading as
 # the first event it goes with, a step's device mark with the manual end it
@@ -66,21 +66,24 @@ def merge_events(times: list[list[float]], marks: list[list[Any]],
 
 
 class RankSteps:
-    """One rank's steps in the collector: its event batches in, step records out."""
+    """One rank's steps in the collector: its event batches in, step rows out
+    (``identity``: the sender whose rows they are; a test's rank 0 without)."""
 
-    def __init__(self) -> None:
-        self._records: list[StepRecord] = []
+    def __init__(self, identity: Sender | None = None) -> None:
+        self._records: list[StepRow] = []
+        self._identity = {"rank": identity.rank or 0, "restart": identity.restart,
+                          "node_rank": identity.node_rank} if identity is not None else {}
         self.tracker = StepTracker(self._emit)
         self._last_batch = -1
         self._wall_offset_s = 0.0
         self.flop_counts: list[FlopCount] = []  # this rank's counts, for the store to take
 
-    def feed(self, payload: dict[str, Any]) -> list[StepRecord]:
+    def feed(self, payload: dict[str, Any]) -> list[StepRow]:
         """The steps finished by one events payload; ProtocolError when it is
         malformed (nothing of it is replayed then)."""
         return self.feed_batch(protocol.check_events(payload))
 
-    def feed_batch(self, batch: protocol.EventBatch) -> list[StepRecord]:
+    def feed_batch(self, batch: protocol.EventBatch) -> list[StepRow]:
         """The steps finished by one checked events payload."""
         if batch.batch != self._last_batch + 1:
             # A batch was lost (dropped at a full queue): what follows starts
@@ -102,15 +105,31 @@ class RankSteps:
         return records
 
     def _emit(self, t: StepTiming) -> None:
-        alloc, reserved, *gpu = merge_device_marks(t.marks)
-        self._records.append(StepRecord(
-            step=t.step, t_begin=self._wall_offset_s + t.t_begin, total_ms=t.total_s * 1e3,
-            wait_ms=t.wait_s * 1e3, phase_ms=tuple(s * 1e3 for s in t.phase_s),
-            counts=t.counts, num_skipped=t.num_skipped, rss_bytes=t.rss_bytes,
-            peak_allocated_bytes=alloc, peak_reserved_bytes=reserved, gpu_ms=tuple(gpu),
-            collective_ms=None if t.collective_s is None else t.collective_s * 1e3,
-            samples=t.samples, tokens=t.tokens, flops=t.flops, flops_counted=t.flops_counted,
-            boundary=t.boundary, eval_ms=t.eval_s * 1e3, num_eval=t.num_eval))
+        self._records.append(step_row(t, self._wall_offset_s, self._identity))
+
+
+_TIMING_FIELDS = tuple(f for f in StepTiming._fields if f not in ("phase_s", "counts", "marks"))
+_PHASE_COLUMNS = tuple(p.column for p in phases.PHASES)
+_COUNT_COLUMNS = tuple(p.count_column for p in phases.PHASES)
+
+
+def step_row(t: StepTiming, wall_offset_s: float, identity: dict[str, int]) -> StepRow:
+    """The stored row of a tracked step: each of its fields under its column's name
+    (``_s`` as ``_ms``), its phases and counts one column each, its device marks
+    merged (`merge_device_marks`), its begin on the wall clock."""
+    values: dict[str, Any] = dict(identity)
+    for name in _TIMING_FIELDS:
+        value = getattr(t, name)
+        if name.endswith("_s"):
+            values[name[:-2] + "_ms"] = None if value is None else value * 1e3
+        else:
+            values[name] = value
+    values["t_begin"] = wall_offset_s + t.t_begin
+    values["wait_ms"] = t.wait_s * 1e3
+    values.update(zip(_PHASE_COLUMNS, (s * 1e3 for s in t.phase_s)))
+    values.update(zip(_COUNT_COLUMNS, t.counts))
+    values.update(zip(protocol.DEVICE_MARK_FIELDS, merge_device_marks(t.marks)))
+    return StepRow.of(**values)
 
 
 def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -27,13 +27,13 @@ from typing import Any
 
 import zmq
 
-from traceml import protocol
+from traceml import protocol, step_fields
 from traceml.collector.config import CollectorConfig
 from traceml.collector.server import serve
 from traceml.protocol import Envelope, IncidentReport, RelayBatch, RunEnd, RunStart, Sender
-from traceml.records import FlopCount, Incident
+from traceml.records import FlopCount, Incident, StepRow
 from traceml.security import derive_keys, relay_keys, secure_client
-from traceml.store import JoinError, SenderState, StepRecord
+from traceml.store import JoinError, SenderState
 
 SEND_HWM = 100
 SEND_TIMEOUT_MS = 1000  # node 0 slow or gone: the relay waits this long, then drops the batch
@@ -94,7 +94,7 @@ class Outbox:
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
         self._states: dict[str, SenderState] = {}  # changed since the last batch
-        self._steps: list[tuple[str, tuple[Any, ...]]] = []
+        self._steps: list[tuple[tuple[int, int], tuple[Any, ...]]] = []  # by (rank, attempt)
         self._flops: list[tuple[str, list[Any]]] = []
         self._process: list[tuple[str, dict[str, Any]]] = []
         self._system: list[tuple[str, dict[str, Any]]] = []
@@ -106,13 +106,11 @@ class Outbox:
         self._last_batch = time.monotonic()
         self.num_steps = 0  # forwarded so far
 
-    def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int:
-        rows = [(sender.sender_id, r.values()) for r in records]
-        self._steps += rows
+    def add_steps(self, rows: Sequence[StepRow]) -> int:
+        """The rows' measured columns go to node 0, which takes who ran them from the
+        relayed sender it accepted (a relay speaks for its own node's ranks only)."""
+        self._steps += [((row.rank, row.restart), row[_NUM_IDENTITY:]) for row in rows]
         return len(rows)
-
-    def add_step_rows(self, rows: Sequence[Sequence[Any]]) -> int:
-        raise AssertionError("a relay's listener admits no relay")
 
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
         self._flops += [(sender.sender_id, c.values()) for c in counts]
@@ -183,7 +181,10 @@ class Outbox:
         if self.upstream.identity.node_rank < 0:
             self._learn_node()
         index = {key: i for i, key in enumerate(self._states)}
-        steps = [(index[key], *values) for key, values in self._steps]
+        # A rank's steps came with a message of its sender, whose state is held too.
+        ranks = {(s.sender.rank, s.sender.restart): index[key] for key, s in self._states.items()
+                 if s.sender.rank is not None}
+        steps = [(ranks[key], *values) for key, values in self._steps]
         batch = RelayBatch(
             senders=[(s.sender, s.counters()) for s in self._states.values()],
             step_columns=[list(column) for column in zip(*steps)],
@@ -204,6 +205,9 @@ class Outbox:
             if s.sender.node_rank >= 0 and s.sender.role in ("rank", "system"):
                 self.upstream.adopt_node(s.sender.node_rank)
                 return
+
+
+_NUM_IDENTITY = sum(f.identity for f in step_fields.STEP_FIELDS)
 
 
 def open_outbox(config: CollectorConfig) -> Outbox:

@@ -16,12 +16,13 @@ collective for another rank (`traceml.diagnosis.stragglers`).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from traceml import phases
+from traceml import phases, step_fields
 from traceml.diagnosis import stragglers as attribution
 from traceml.diagnosis import thresholds
 from traceml.diagnosis.finding import (
@@ -53,7 +54,9 @@ class RankStepTimes:
     node_rank: int | None
     num_steps: int  # window steps, outliers included
     dists: Mapping[str, Distribution]  # one of PHASES -> its distribution (outliers left out)
-    collective_ms: Distribution | None = None  # collectives in flight; None: not timed
+    # Each reported step column (`traceml.step_fields`: collectives in flight, ...) -> its
+    # distribution; None: no step measured it.
+    reported: Mapping[str, Distribution | None] = dataclasses.field(default_factory=dict)
     # CUDA: GPU time of the GPU-timed phases, over the steps that carry it (the
     # agent times a sample of steps); None off CUDA or when no step carries it.
     gpu_ms: Distribution | None = None
@@ -101,7 +104,7 @@ class RankStepTimes:
                 "num_outlier_steps": len(outliers.steps) if outliers else 0,
                 "outlier_total_ms": sum(outliers.outlier_ms) if outliers else 0.0,
                 **{f"{p}_ms": self.dists[p] for p in PHASES},
-                "collective_ms": self.collective_ms,
+                **{f.name: self.reported.get(f.name) for f in step_fields.reported()},
                 **{f"{p}_share_pct": self.share_pct(p) for p in SHARES},
                 "gpu_ms": self.gpu_ms, "num_gpu_timed_steps": self.num_gpu_timed_steps}
 
@@ -117,16 +120,22 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
         slow = set(outliers.steps)
         rows = [r for r in every if r.step not in slow]
         dists = {p: distribution(ms_column(rows, p)) for p in PHASES}
-        # Timed once any step timed a collective; a step without one had none in flight.
-        flights = [r.collective_ms for r in rows]
-        collective = None if all(f is None for f in flights) else distribution(
-            [f or 0.0 for f in flights])
+        reported = {f.name: reported_distribution(rows, f.name) for f in step_fields.reported()}
         gpu = [r.gpu_ms for r in every if r.gpu_ms is not None]
         on_cuda = bool(gpu) or any(r.peak_allocated_bytes is not None for r in every)
-        out[rank] = RankStepTimes(rank, node_of.get(rank), len(every), dists, collective,
+        out[rank] = RankStepTimes(rank, node_of.get(rank), len(every), dists, reported,
                                   distribution(gpu) if gpu else None,
                                   len(gpu) if on_cuda else None, outliers, tuple(rows))
     return out
+
+
+def reported_distribution(rows: Sequence[StepRow], name: str) -> Distribution | None:
+    """A reported column's distribution over ``rows``: measured once any step measured
+    it (collectives in flight: a step without one had none in flight); None if none did."""
+    values = [r.value(name) for r in rows]
+    if all(v is None for v in values):
+        return None
+    return distribution([v or 0.0 for v in values])
 
 
 def median_share_pct(times: Mapping[int, RankStepTimes], phase: str) -> float | None:

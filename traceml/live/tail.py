@@ -25,7 +25,7 @@ from traceml.records import (
 )
 from traceml.report.page.snapshot import live_window_steps
 from traceml.report.session import summary_window
-from traceml.store import RunRecords, StoredStep, StoreReader, run_data
+from traceml.store import RunRecords, StoreReader, run_data
 
 LIVE_STEPS_KEPT = 300
 """Steps per rank a live view keeps (its charts' x range)..."""
@@ -75,8 +75,8 @@ class StoreTail:
         self._steps_after = steps.last_row_id
         self._process_after = process.last_row_id
         self._system_after = system.last_row_id
-        for entry in steps.rows:
-            self._add_step(entry)
+        for row in steps.rows:
+            self._add_step(row)
         for sample in process.rows:
             self._add_sample(self._process, sample, sample.rank)
         for system_sample in system.rows:
@@ -88,15 +88,15 @@ class StoreTail:
         floor = 2 * live_window_steps(num_ranks)
         return min(self.steps_kept, max(floor, LIVE_ROWS_KEPT // max(1, num_ranks)))
 
-    def _add_step(self, entry: StoredStep) -> None:
-        rank, restart = entry.row.rank, entry.restart
+    def _add_step(self, row: StepRow) -> None:
+        rank, restart = row.rank, row.restart
         if restart < self._restart.get(rank, restart):
             return  # a late row of an earlier attempt
         if restart > self._restart.get(rank, restart):
             self._steps.pop(rank, None)  # a restarted rank counts its steps from 0 again
         self._restart[rank] = restart
         rows = self._steps.setdefault(rank, {})
-        rows[entry.row.step] = entry.row
+        rows[row.step] = row
         if len(rows) > self._kept:
             for step in sorted(rows)[: len(rows) - self._kept]:
                 del rows[step]

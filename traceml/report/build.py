@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
+from traceml import step_fields
 from traceml.diagnosis.ending import diagnose_ending
 from traceml.diagnosis.finding import severity_rank
 from traceml.diagnosis.process import diagnose_process, rank_process
@@ -120,8 +121,8 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
     times = rank_step_times(window, node_of)
     rows = [times[r] for r in sorted(times)]
     stats = {f"{phase}_ms": _rank_stat(rows, _phase_mean(phase)) for phase in PHASES}
-    stats["collective_ms"] = _rank_stat(
-        rows, lambda t: t.collective_ms.mean if t.collective_ms is not None else None)
+    for f in step_fields.reported():
+        stats[f.name] = _rank_stat(rows, _reported_mean(f.name))
     for phase in SHARES:
         stats[f"{phase}_share_pct"] = _rank_stat(rows, _phase_share(phase))
     stats["gpu_ms"] = _rank_stat(rows, lambda t: t.gpu_ms.mean if t.gpu_ms is not None else None)
@@ -132,6 +133,13 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
         step_boundary=boundary_rule(r for rank_rows in window.by_rank.values() for r in rank_rows),
         input_source=input_source(window.by_rank))
     return Section("step_time", findings, scope, stats, tuple(rows))
+
+
+def _reported_mean(name: str) -> Callable[[RankStepTimes], float | None]:
+    def mean(t: RankStepTimes) -> float | None:
+        dist = t.reported.get(name)
+        return dist.mean if dist is not None else None
+    return mean
 
 
 def _evaluation_stats(run: RunData, node_of: Mapping[int, int]) -> dict[str, MetricStat | None]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from traceml import phases
+from traceml import phases, step_fields
 from traceml.diagnosis.ending import STATES as ENDING_STATES
 from traceml.report.model import SCHEMA_VERSION
 
@@ -101,7 +101,7 @@ _STEP_TIME_ROW = _obj({
     "num_outlier_steps": _INT,
     "outlier_total_ms": _NUM,
     **{p.column: _DIST for p in phases.step_metrics()},
-    "collective_ms": _DIST_OR_NULL,
+    **{f.name: _DIST_OR_NULL for f in step_fields.reported()},
     **{f"{p.name}_share_pct": _NUM_OR_NULL for p in phases.share_metrics()},
     "gpu_ms": _DIST_OR_NULL,
     "num_gpu_timed_steps": _INT_OR_NULL,
@@ -191,7 +191,7 @@ _THROUGHPUT_JOB = _obj({
 
 SECTION_STATS: Mapping[str, tuple[str, ...]] = {
     "step_time": (
-        *(p.column for p in phases.step_metrics()), "collective_ms",
+        *(p.column for p in phases.step_metrics()), *(f.name for f in step_fields.reported()),
         *(f"{p.name}_share_pct" for p in phases.share_metrics()), "gpu_ms",
         "eval_total_ms", "num_eval",
     ),

@@ -3,9 +3,10 @@ statement traceml runs (shared: the collector writes it; the launcher, offline
 analysis and the live views read it).
 
 WAL journal, batched transactions.  One table per kind of record; the steps
-table has one column per phase of `traceml.phases`; the meta table holds the
-launcher's `RunStart` and `RunEnd` (one JSON value per field, keyed by the
-field's name) and the nodes whose options did not match (``join_error/<t>``).
+table has the columns of `traceml.step_fields` (among them one per phase of
+`traceml.phases`); the meta table holds the launcher's `RunStart` and `RunEnd` (one
+JSON value per field, keyed by the field's name) and the nodes whose options did not
+match (``join_error/<t>``).
 `StoreWriter` takes typed records; `StoreReader` gives back `RunData` and the
 same records: every row, what a summary over its window reads (that window's
 rows, the samples taken while it ran, and per-rank sums over the whole run in
@@ -29,14 +30,11 @@ from traceml.store.records import (
     NewRows,
     RunRecords,
     SenderState,
-    StepRecord,
-    StoredStep,
 )
 from traceml.store.rows import run_data
 from traceml.store.schema import (
     JOIN_ERROR_PREFIX,
     SCHEMA_VERSION,
-    STEP_COLUMNS,
     STORE_FILENAME,
     STORE_MODE,
     StoreError,
@@ -46,17 +44,14 @@ from traceml.store.writer import StoreWriter
 __all__ = [
     "JOIN_ERROR_PREFIX",
     "SCHEMA_VERSION",
-    "STEP_COLUMNS",
     "STORE_FILENAME",
     "STORE_MODE",
     "JoinError",
     "NewRows",
     "RunRecords",
     "SenderState",
-    "StepRecord",
     "StoreError",
     "StoreReader",
     "StoreWriter",
-    "StoredStep",
     "run_data",
 ]

@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
+from traceml import step_fields
 from traceml.errors import ProtocolError
 from traceml.protocol import MAX_WORLD_SIZE, RunEnd, RunStart, record_from_json
 from traceml.records import (
@@ -29,12 +30,9 @@ from traceml.records import (
     SystemSample,
     totals_of,
 )
-from traceml.store.records import JoinError, NewRows, RunRecords, SenderState, StoredStep
+from traceml.store.records import JoinError, NewRows, RunRecords, SenderState
 from traceml.store.rows import (
-    LIMIT,
-    READ_STEP_COLUMNS,
     checked_integer,
-    checked_number,
     checked_record,
     checked_text,
     group_totals,
@@ -52,7 +50,6 @@ from traceml.store.schema import (
     JOIN_ERROR_PREFIX,
     LAUNCHER_LOST_KEY,
     LAUNCHER_LOST_ROLE_KEY,
-    STEP_TYPE,
     StoreError,
     sqlite_errors,
 )
@@ -88,7 +85,7 @@ class StoreReader:
 
     def __init__(self, path: str | Path, timeout_s: float = 5.0) -> None:
         self.skipped: dict[str, int] = {}  # stored rows not read back, by reason
-        self._step_columns: str | None = None  # those of READ_STEP_COLUMNS the store has
+        self._step_columns: tuple[str, ...] | None = None  # of the step table, the store's
         with sqlite_errors():
             self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
         self._db.row_factory = sqlite3.Row
@@ -262,16 +259,14 @@ class StoreReader:
                      count: bool = True) -> tuple[StepRow, ...]:
         """The stored steps ``where`` says, by rank, attempt and step; a row that will
         not convert is skipped (and counted, with ``count``)."""
-        if self._step_columns is None:
-            have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
-            self._step_columns = ", ".join(c for c in READ_STEP_COLUMNS if c in have)
+        columns = self._columns()
         checked = self._in_range(where, params)
         with sqlite_errors():
             cursor = self._db.cursor()
             cursor.row_factory = None  # tuples: a dict per row costs more than the row
-            rows = cursor.execute(f"SELECT {self._step_columns} FROM steps WHERE {where} "
+            rows = cursor.execute(f"SELECT {', '.join(columns)} FROM steps WHERE {where} "
                                   "ORDER BY rank, restart, step", params)
-            convert = step_converter(tuple(d[0] for d in cursor.description), not checked)
+            convert = step_converter(columns, not checked)
             out = []
             for row in rows:
                 try:
@@ -281,23 +276,25 @@ class StoreReader:
                         self._skip("stored step row with bad values")
         return tuple(out)
 
+    def _columns(self) -> tuple[str, ...]:
+        """The step table's columns this store has (one written before a column
+        existed lacks it)."""
+        if self._step_columns is None:
+            have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
+            self._step_columns = tuple(n for n in step_fields.names() if n in have)
+        return self._step_columns
+
     def _in_range(self, where: str, params: Sequence[Any]) -> bool:
-        """Whether every number of the steps ``where`` says is one a collector writes:
-        SQL's MIN and MAX of each column tell (a text sorts above every number), so
-        the rows need not be checked one by one."""
-        assert self._step_columns is not None
-        numeric = [c for c in self._step_columns.split(", ") if c not in STEP_TYPE]
-        bounds = self._rows("SELECT " + ", ".join(f"MIN({c}) AS lo_{c}, MAX({c}) AS hi_{c}"
-                                                  for c in numeric)
-                            + f" FROM steps WHERE {where}", params)[0]
-        for c in numeric:
-            low = 0.0 if c.endswith("_ms") else -LIMIT
-            try:
-                checked_number(bounds[f"lo_{c}"], True, low)
-                checked_number(bounds[f"hi_{c}"], True, low)
-            except ValueError:
-                return False
-        return True
+        """Whether every value of the steps ``where`` says is one a collector writes, as
+        SQL's aggregates tell (a text sorts above every number), so the rows need not be
+        checked one by one: each number's MIN and MAX within its column's bounds, no
+        NULL where the column is not optional, the text columns' values among their
+        choices, and the integers that order and key the rows (rank, attempt, step)
+        integers."""
+        fields = [step_fields.field(c) for c in self._columns()]
+        bounds = self._rows(f"SELECT COUNT(*) AS n, {', '.join(_bounds_sql(fields))} "
+                            f"FROM steps WHERE {where}", params)[0]
+        return _bounds_hold(fields, bounds)
 
     def _samples_near(self, table: str, source: str, where: str,
                       span: tuple[float, float] | None, num_sources: int,
@@ -360,11 +357,10 @@ class StoreReader:
     def num_steps(self) -> int:
         return int(self._rows("SELECT COUNT(*) AS n FROM steps")[0]["n"])
 
-    def steps_after(self, row_id: int, limit: int) -> NewRows[StoredStep]:
+    def steps_after(self, row_id: int, limit: int) -> NewRows[StepRow]:
         """The newest ``limit`` steps stored after ``row_id``."""
         rows, last = self._after("steps", row_id, limit)
-        return NewRows(tuple(self._read(
-            rows, lambda r: StoredStep(r["restart"], step_row(r)), "step")), last)
+        return NewRows(tuple(self._read(rows, step_row, "step")), last)
 
     def process_after(self, row_id: int, limit: int) -> NewRows[ProcessSample]:
         rows, last = self._after("process", row_id, limit)
@@ -423,3 +419,38 @@ def _merged_spans(spans: Sequence[tuple[float, float]]) -> list[tuple[float, flo
         else:
             out.append((low, high))
     return out
+
+
+_KEY_COLUMNS = ("rank", "restart", "step")  # integers: they order and key the rows
+
+
+def _bounds_sql(fields: Sequence[step_fields.StepField]) -> list[str]:
+    """The aggregates :meth:`StoreReader._in_range` asks of these columns."""
+    parts = []
+    for f in fields:
+        c = f.name
+        if not f.optional:
+            parts.append(f"COUNT({c}) AS n_{c}")
+        if f.kind is str:
+            choices = ", ".join("'" + v.replace("'", "''") + "'" for v in f.choices)
+            parts.append(f"SUM(typeof({c}) NOT IN ('text', 'null') OR {c} NOT IN ({choices})) "
+                         f"AS bad_{c}")
+            continue
+        parts += [f"MIN({c}) AS lo_{c}", f"MAX({c}) AS hi_{c}"]
+        if c in _KEY_COLUMNS:
+            parts.append(f"SUM(typeof({c}) != 'integer') AS bad_{c}")
+    return parts
+
+
+def _bounds_hold(fields: Sequence[step_fields.StepField], b: Mapping[str, Any]) -> bool:
+    """Whether the aggregates of :func:`_bounds_sql` show every row whole."""
+    for f in fields:
+        c = f.name
+        if not f.optional and b[f"n_{c}"] != b["n"]:
+            return False
+        if b.get(f"bad_{c}"):
+            return False
+        if f.kind is not str and not all(
+                b[k] is None or step_fields.admits(f, b[k]) for k in (f"lo_{c}", f"hi_{c}")):
+            return False
+    return True

@@ -1,6 +1,6 @@
-"""The records the store takes and gives back besides the diagnosis' samples: a
-rank's finished step, a sender's counters, a join error, the run's records, a
-stored step and the rows added after a rowid (shared: the collector writes them;
+"""The records the store takes and gives back besides the shared ones of
+`traceml.records` (steps, samples, incidents): a sender's counters, a join error, the
+run's records and the rows added after a rowid (shared: the collector writes them;
 the launcher, offline analysis and the live views read them)."""
 
 from __future__ import annotations
@@ -9,47 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from traceml import phases
 from traceml.protocol import RunEnd, RunStart, Sender
-from traceml.records import StepRow
-from traceml.store.schema import STEP_COLUMNS
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One finished step of a rank as the collector stores it (times in ms)."""
-
-    step: int
-    t_begin: float  # unix seconds
-    total_ms: float
-    wait_ms: float
-    phase_ms: tuple[float, ...]  # per phase of `traceml.phases.PHASES`
-    counts: tuple[int, ...]  # calls per phase
-    num_skipped: int = 0  # GradScaler steps that skipped the update
-    rss_bytes: int | None = None
-    peak_allocated_bytes: int | None = None
-    peak_reserved_bytes: int | None = None
-    gpu_ms: tuple[float | None, ...] = ()  # per GPU-timed phase; empty off CUDA
-    collective_ms: float | None = None  # any collective in flight; None: none timed
-    samples: int | None = None  # in the step's batches; None: not measured
-    tokens: int | None = None
-    flops: float | None = None  # per step, from the latest count; None: not known
-    flops_counted: bool = False  # the FLOP counter ran in this step
-    boundary: str = phases.STEP_BOUNDARIES[0]  # what ended the step
-    eval_ms: float = 0.0  # evaluation wall time that ended where the step began
-    num_eval: int = 0  # ...in this many evaluation passes
-
-    def values(self) -> tuple[Any, ...]:
-        """The record in :data:`STEP_COLUMNS` order."""
-        gpu = self.gpu_ms or (None,) * len(phases.gpu_timed())
-        return (self.step, self.t_begin, self.total_ms, self.wait_ms, *self.phase_ms,
-                *self.counts, self.num_skipped, self.rss_bytes, self.peak_allocated_bytes,
-                self.peak_reserved_bytes, *gpu, self.collective_ms, self.samples, self.tokens,
-                self.flops, int(self.flops_counted), self.boundary, self.eval_ms, self.num_eval)
-
-    def columns(self) -> dict[str, Any]:
-        """The record by :data:`STEP_COLUMNS` name."""
-        return dict(zip(STEP_COLUMNS, self.values()))
 
 
 @dataclass
@@ -92,14 +52,6 @@ class RunRecords:
     # When the collector saw its launcher vanish before the end (None: it did not).
     launcher_lost_at: float | None = None
     launcher_lost_role: str = "launcher"  # or "process": traceml.init()'s training process
-
-
-@dataclass(frozen=True)
-class StoredStep:
-    """A step row and the attempt (restart) of its rank that ran it."""
-
-    restart: int
-    row: StepRow
 
 
 _T = TypeVar("_T")

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from traceml import phases, stacks
+from traceml import stacks, step_fields
 from traceml.errors import ProtocolError
 from traceml.protocol import MAX_WORLD_SIZE, RunEnd, RunStart, Sender
 from traceml.records import (
@@ -30,7 +30,6 @@ from traceml.records import (
     totals_of,
 )
 from traceml.store.records import RunRecords, SenderState
-from traceml.store.schema import STEP_TYPE
 
 _Run = TypeVar("_Run", RunStart, RunEnd)
 
@@ -90,80 +89,39 @@ def sender_state(r: Mapping[str, Any]) -> SenderState:
                        checked_integer(r["num_dropped"], 0), bool(r["said_bye"]))
 
 
-def _boundary(value: Any) -> str:
-    """A step's boundary rule; a store written before steps kept one: optimizer."""
-    if value is None:
-        return phases.STEP_BOUNDARIES[0]
-    if value not in phases.STEP_BOUNDARIES:
-        raise ValueError(f"{value!r} is not a step boundary")
-    return str(value)
-
-
-_not_none = functools.partial(operator.is_not, None)
-
-
 def step_row(r: Mapping[str, Any]) -> StepRow:
+    """A stored step read by column name (the live tail's rows), checked."""
     return step_converter(tuple(r.keys()))(tuple(r.values()))
-
-
-_OPTIONAL_STEP_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes", "rss_bytes",
-                         "collective_ms", "samples", "tokens", "flops", "flops_counted",
-                         "boundary", "eval_ms", "num_eval", phases.PHASES[0].count_column)
-
-
-READ_STEP_COLUMNS = ("rank", "restart", "step", "t_begin", "total_ms", "wait_ms",
-                     *(p.column for p in phases.PHASES), *(p.gpu_column for p in phases.gpu_timed()),
-                     *_OPTIONAL_STEP_FIELDS)
-"""What a StepRow is made of (and the attempt, which orders them): a bulk read selects
-these only, since every column costs in a read of millions of rows."""
 
 
 @functools.lru_cache(maxsize=8)
 def step_converter(names: tuple[str, ...],
                    check: bool = True) -> Callable[[tuple[Any, ...]], StepRow]:
-    """Stored step rows of these columns -> StepRow; ValueError or TypeError for a row
-    a collector does not write (``check``: every number in range; without, rows whose
-    numbers are known to be).  Built once per query: a summary converts millions."""
+    """Stored step rows of these columns (the store's, of `traceml.step_fields`; others
+    are ignored) -> StepRow; ValueError for a row a collector does not write (``check``:
+    every value; without, rows the reader's SQL bounds showed are whole).  A column
+    the store lacks (written before it existed) reads as its default.  Built once per
+    query: a summary converts millions of rows."""
+    fields = step_fields.STEP_FIELDS
     at = {n: i for i, n in enumerate(names)}
-    missing = len(names)  # a column the store lacks reads as None (the row gets one more)
-    # Several columns each (rank, step, ...; total_ms, wait_ms, ...): the getters give tuples.
-    numeric = operator.itemgetter(*(i for n, i in at.items() if n not in STEP_TYPE))
-    times = operator.itemgetter(*(i for n, i in at.items() if n.endswith("_ms")))
-    # A store written before a phase existed has no column for it: it took 0.
-    phase_names = tuple(p.name for p in phases.PHASES)
-    phase_ms = operator.itemgetter(*(at.get(p.column, missing) for p in phases.PHASES))
-    gpu_ms = operator.itemgetter(*(at.get(p.gpu_column, missing) for p in phases.gpu_timed()),
-                                 missing, missing)  # a tuple, also without GPU-timed phases
-    fields = operator.itemgetter(at["rank"], at["step"], at["total_ms"], at["wait_ms"],
-                                 at["t_begin"],
-                                 *(at.get(f, missing) for f in _OPTIONAL_STEP_FIELDS))
+    whole: Callable[[tuple[Any, ...]], tuple[Any, ...]] = tuple
+    if names != step_fields.names():  # the row, then the defaults: each column from one
+        defaults = tuple(f.default for f in fields)
+        pick = operator.itemgetter(*(at.get(f.name, len(names) + i) for i, f in enumerate(fields)))
+
+        def whole(stored: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(pick(stored + defaults))
+
+    if not check:
+        return lambda stored: StepRow(whole(stored))
+    admits = step_fields.admits
 
     def convert(stored: tuple[Any, ...]) -> StepRow:
-        if check:
-            values = tuple(filter(_not_none, numeric(stored)))
-            # A string or blob fails the sum (TypeError); Inf, or a number far out of
-            # range, takes it out of range (summing is cheaper than comparing each).
-            if not -LIMIT <= sum(values) <= LIMIT * len(values):
-                raise ValueError("a stored number out of range")
-            if min(filter(_not_none, times(stored)), default=0.0) < 0:
-                raise ValueError("a negative time")
-        row = (*stored, None)
-        (rank, step, total_ms, wait_ms, t_begin, peak_allocated, peak_reserved, rss, collective,
-         samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval,
-         num_input) = fields(row)
-        gpu = gpu_ms(row)[:-2]
-        times_ms = phase_ms(row)
-        if None in times_ms:
-            times_ms = tuple(v or 0.0 for v in times_ms)
-        # Positional, in StepRow's field order: a call with keywords costs more.
-        return StepRow(
-            checked_integer(rank, 0, MAX_WORLD_SIZE - 1), checked_integer(step, 0),
-            dict(zip(phase_names, times_ms)), checked_number(total_ms, False, 0.0),
-            checked_number(wait_ms, False, 0.0), peak_allocated, peak_reserved, rss,
-            float(sum(gpu)) if None not in gpu else None,
-            (t_begin + total_ms / 1e3) if t_begin is not None else None, collective,
-            samples, tokens, flops, bool(flops_counted), _boundary(boundary),
-            eval_ms or 0.0, num_eval or 0, num_input or 0)
+        values = whole(stored)
+        for f, v in zip(fields, values):
+            if not admits(f, v):
+                raise ValueError(f"{v!r} is not a stored {f.name}")
+        return StepRow(values)
 
     return convert
 

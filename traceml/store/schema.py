@@ -1,6 +1,7 @@
-"""The store's file name, schema version and schema: the tables (DDL), their column
-lists and INSERT statements, and `StoreError`, what SQLite's exceptions become
-(shared: the collector's writer and every reader use them)."""
+"""The store's file name, schema version and schema: the tables (DDL; the steps table's
+columns are `traceml.step_fields.STEP_FIELDS`), their column lists and INSERT
+statements, and `StoreError`, what SQLite's exceptions become (shared: the
+collector's writer and every reader use them)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextlib
 import sqlite3
 from collections.abc import Iterator, Sequence
 
-from traceml import phases
+from traceml import step_fields
 from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS
 
 STORE_FILENAME = "telemetry.sqlite"
@@ -30,23 +31,8 @@ class StoreError(Exception):
     """The store cannot be read or written (missing, not a store, busy, malformed)."""
 
 
-STEP_COLUMNS: tuple[str, ...] = (
-    "step", "t_begin", "total_ms", "wait_ms",
-    *(p.column for p in phases.PHASES), *(p.count_column for p in phases.PHASES),
-    "num_skipped", "rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-    *(p.gpu_column for p in phases.gpu_timed()), "collective_ms",
-    "samples", "tokens", "flops", "flops_counted", "boundary", "eval_ms", "num_eval",
-)
-"""The steps table's columns after (rank, restart, node_rank), from the phase table."""
-
-
-_STEP_INT = {"step", "num_skipped", "num_eval", "rss_bytes", "peak_allocated_bytes",
-             "peak_reserved_bytes", *(p.count_column for p in phases.PHASES), "samples", "tokens",
-             "flops_counted"}
 FLOP_COUNT_COLUMNS = ("t", "flops", "dtype", "dtype_share", "device_name", "sm_count",
                       "reason", "ran")
-
-STEP_TYPE = {"boundary": "TEXT"}
 
 _SENDER_COLUMNS = ("sender_id", "role", "host", "pid", "node_rank", "rank", "local_rank",
                    "world_size", "restart", "first_seen", "last_seen", "num_messages",
@@ -62,10 +48,9 @@ DDL = [
         num_messages INTEGER NOT NULL DEFAULT 0, num_gaps INTEGER NOT NULL DEFAULT 0,
         last_seq INTEGER NOT NULL DEFAULT -1, num_sent INTEGER NOT NULL DEFAULT 0,
         num_dropped INTEGER NOT NULL DEFAULT 0, said_bye INTEGER NOT NULL DEFAULT 0)""",
-    "CREATE TABLE IF NOT EXISTS steps (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
-    "node_rank INTEGER NOT NULL, "
-    + ", ".join(f"{c} {STEP_TYPE.get(c, 'INTEGER' if c in _STEP_INT else 'REAL')}"
-                for c in STEP_COLUMNS)
+    "CREATE TABLE IF NOT EXISTS steps ("
+    + ", ".join(f"{f.name} {f.sql_type}{'' if f.optional else ' NOT NULL' if f.identity else ''}"
+                for f in step_fields.STEP_FIELDS)
     + ", PRIMARY KEY (rank, restart, step))",
     "CREATE TABLE IF NOT EXISTS flop_counts (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
     "node_rank INTEGER NOT NULL, t REAL NOT NULL, flops REAL, dtype TEXT, dtype_share REAL, "
@@ -99,7 +84,7 @@ def _insert(table: str, columns: Sequence[str], verb: str = "INSERT") -> str:
 
 
 # A stored step is never replaced: a second row for it is a duplicate.
-STEPS_SQL = _insert("steps", ("rank", "restart", "node_rank", *STEP_COLUMNS), "INSERT OR IGNORE")
+STEPS_SQL = _insert("steps", step_fields.names(), "INSERT OR IGNORE")
 PROCESS_SQL = _insert("process", ("rank", "restart", "node_rank", *PROCESS_FIELDS))
 FLOP_COUNT_SQL = _insert("flop_counts", ("rank", "restart", "node_rank", *FLOP_COUNT_COLUMNS))
 SYSTEM_SQL = _insert("system", ("node_rank", "host", *SYSTEM_FIELDS))

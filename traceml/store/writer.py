@@ -13,8 +13,8 @@ import orjson
 
 from traceml import stacks
 from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, RunEnd, RunStart, Sender, record_to_json
-from traceml.records import FlopCount, Incident
-from traceml.store.records import JoinError, SenderState, StepRecord
+from traceml.records import FlopCount, Incident, StepRow
+from traceml.store.records import JoinError, SenderState
 from traceml.store.schema import (
     DDL,
     FLOP_COUNT_SQL,
@@ -100,14 +100,8 @@ class StoreWriter:
         OOM killer): the end it will never be told."""
         self._set_meta({LAUNCHER_LOST_KEY: at, LAUNCHER_LOST_ROLE_KEY: role})
 
-    def add_steps(self, sender: Sender, records: Iterable[StepRecord]) -> int:
+    def add_steps(self, rows: Sequence[StepRow]) -> int:
         """Store the steps; returns how many were new (a step already stored is kept)."""
-        prefix = (sender.rank, sender.restart, sender.node_rank)
-        return self.add_step_rows([prefix + record.values() for record in records])
-
-    def add_step_rows(self, rows: Sequence[Sequence[Any]]) -> int:
-        """Steps as rows of (rank, restart, node_rank, *STEP_COLUMNS values), as a
-        node's relay forwards them; returns how many were new."""
         if not rows:
             return 0
         with sqlite_errors():

@@ -75,7 +75,7 @@ def session(out: Path, name: str, h2d_s: float) -> Path:
     writer.save_run(protocol.RunEnd(ended_at=T0 + 1.0, exit_code=0))
     for rank in (0, 1):
         sender = protocol.Sender("rank", "box", 100 + rank, 0, rank, rank, 2)
-        writer.add_steps(sender, RankSteps().feed(events(h2d_s)))
+        writer.add_steps(RankSteps(sender).feed(events(h2d_s)))
         writer.save_sender(SenderState(sender, T0, T0 + 1.0, said_bye=True))
     writer.close()
     return folder

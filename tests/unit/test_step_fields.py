@@ -1,0 +1,105 @@
+"""The step-field table (traceml/step_fields.py) is the one place a step column is
+declared: every step type, the store, the relay, the intake checks and the summary
+derive from it, and a column appended to it in a child process
+(tests/unit/scripts/added_step_column.py) reaches the store through a node's relay,
+the recorded-scenario JSON and the summary."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from traceml import phases, protocol, step_fields
+from traceml.collector import intake
+from traceml.collector.rank_steps import step_row
+from traceml.collector.steps import StepTiming
+from traceml.records import StepRow
+from traceml.store import StoreWriter
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def test_every_column_of_a_fresh_store_is_the_tables_in_order(tmp_path: Path) -> None:
+    StoreWriter(str(tmp_path / "s.sqlite")).close()
+    db = sqlite3.connect(tmp_path / "s.sqlite")
+    columns = [(r[1], r[2]) for r in db.execute("PRAGMA table_info(steps)")]
+    assert columns == [(f.name, f.sql_type) for f in step_fields.STEP_FIELDS]
+
+
+def test_who_ran_a_step_comes_first_and_a_relay_forwards_the_rest() -> None:
+    identity = [f.name for f in step_fields.STEP_FIELDS if f.identity]
+    assert step_fields.names()[:len(identity)] == tuple(identity) == ("rank", "restart",
+                                                                      "node_rank")
+    assert [f.name for f in intake._MEASURED] == list(step_fields.names()[len(identity):])
+
+
+def test_every_typed_view_of_a_row_is_a_column_of_its_type() -> None:
+    hints = typing.get_type_hints(StepRow)
+    assert len(hints) >= 15
+    for name, hint in hints.items():
+        f = step_fields.field(name)
+        kinds = {k for k in typing.get_args(hint) if k is not type(None)} or {hint}
+        assert kinds == {f.kind}, name
+        assert (type(None) in typing.get_args(hint)) == f.optional, name
+
+
+def test_every_field_the_tracker_measures_is_a_column() -> None:
+    """A StepTiming field is stored under its own name (``_s`` as ``_ms``): one the
+    table lacks fails here, not silently in a run."""
+    for name in StepTiming._fields:
+        if name in ("phase_s", "counts", "marks"):  # a column per phase; the device columns
+            continue
+        step_fields.field(name[:-2] + "_ms" if name.endswith("_s") else name)
+    for name in protocol.DEVICE_MARK_FIELDS:
+        step_fields.field(name)
+
+
+def test_a_tracked_step_lands_in_its_columns() -> None:
+    n = len(phases.PHASES)
+    timing = StepTiming(7, 2.0, 0.5, tuple(0.01 * (i + 1) for i in range(n)),
+                        tuple(range(1, n + 1)), 1, ((10, 20, 1.0, 2.0, 3.0),), 4096, 0.25,
+                        32, 512, 1e9, True, "backward", 1.5, 2)
+    row = step_row(timing, 1000.0, {"rank": 3, "restart": 1, "node_rank": 2})
+    assert (row.rank, row.restart, row.node_rank, row.step, row.t_begin) == (3, 1, 2, 7, 1002.0)
+    assert row.ms("total") == 500.0 and row.ms("forward") == pytest.approx(20.0)
+    assert row.counts == tuple(range(1, n + 1)) and row.num_skipped == 1
+    assert (row.peak_allocated_bytes, row.peak_reserved_bytes, row.gpu_ms) == (10, 20, 6.0)
+    assert (row.rss_bytes, row.collective_ms, row.samples, row.tokens) == (4096, 250.0, 32, 512)
+    assert (row.flops, row.flops_counted, row.boundary) == (1e9, True, "backward")
+    assert (row.eval_ms, row.num_eval) == (1500.0, 2)
+    assert all(map(step_fields.admits, step_fields.STEP_FIELDS, row))
+
+
+@pytest.fixture(scope="module")
+def added(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("added_step_column")
+    done = subprocess.run([sys.executable, str(SCRIPTS / "added_step_column.py"), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_an_added_column_reaches_the_store_through_a_relay(added: Path) -> None:
+    db = sqlite3.connect(added / "dummy" / "telemetry.sqlite")
+    rows = db.execute("SELECT rank, total_ms, dummy_ms FROM steps ORDER BY rank, step").fetchall()
+    assert len(rows) == 60
+    assert all(dummy == pytest.approx(total / 10) for _, total, dummy in rows)
+    assert json.loads((added / "rejected.json").read_text()) == {}
+
+
+def test_an_added_column_is_in_the_run_json_and_the_summary(added: Path) -> None:
+    steps = json.loads((added / "run.json").read_text())["steps"]
+    at = steps["fields"].index("dummy_ms")
+    assert {1.0, 1.4} <= {round(r[at], 6) for r in steps["rows"]}
+    doc = json.loads((added / "dummy" / "final_summary.json").read_text())
+    ranks = doc["step_time"]["ranks"]
+    assert [r["dummy_ms"]["p50"] for r in ranks] == pytest.approx([1.0, 1.4])
+    assert doc["step_time"]["stats"]["dummy_ms"]["worst_rank"] == 1
+    # The summary's schema (closed objects) derives its rank rows from the table too.
+    assert (added / "schema_problems.txt").read_text() == ""
