@@ -52,17 +52,22 @@ import psutil
 import zmq
 from bench_options import parse
 
-from traceml import protocol, step_fields
+from traceml import step_fields
 from traceml.collector.config import CollectorConfig
 from traceml.collector.relay import SEND_HWM as RELAY_SEND_HWM
 from traceml.collector.relay import Outbox
 from traceml.collector.server import RELAY_INTERVAL_S
 from traceml.launcher.collector_process import CollectorProcess
-from traceml.protocol import Envelope, RunEnd, RunStart, Sender
 from traceml.records import StepRow
 from traceml.security import derive_keys, new_secret, relay_keys, secure_client
 from traceml.sender import SEND_HWM
 from traceml.store import SenderState
+from traceml.wire import events as ev
+from traceml.wire.envelope import Envelope, Message, encode
+from traceml.wire.identity import Sender
+from traceml.wire.records import Bye, RunEnd, RunStart
+from traceml.wire.relay import RelayBatch
+from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS, ProcessRows, SystemRows
 
 SESSION = "scale"
 FLUSH_S = 0.5  # as an agent ships its events; the pacing tick (a relay sends every few)
@@ -132,8 +137,8 @@ def run_paced(senders: list[Paced], start_at: float, duration_s: float) -> Tally
     return tally
 
 
-def envelope(p: Paced, kind: str, who: Sender, payload: dict[str, Any]) -> bytes:
-    data = protocol.encode(Envelope(SESSION, kind, who, p.seq, time.time(), payload,
+def envelope(p: Paced, message: Message, who: Sender) -> bytes:
+    data = encode(Envelope(SESSION, who, p.seq, time.time(), message,
                                     num_sent=p.num_sent, num_dropped=p.num_dropped))
     p.seq += 1
     return data
@@ -142,11 +147,11 @@ def envelope(p: Paced, kind: str, who: Sender, payload: dict[str, Any]) -> bytes
 def log_iteration(times: list[list[float]], t: float) -> None:
     """One training iteration's events as a rank logs them: fetch, forward,
     loss, backward, optimizer."""
-    for code, at in ((protocol.INPUT, t), (protocol.END, t + 0.001),
-                     (protocol.FORWARD, t + 0.001), (protocol.END, t + 0.02),
-                     (protocol.FORWARD, t + 0.02), (protocol.END_UNCOUNTED, t + 0.021),
-                     (protocol.BACKWARD, t + 0.021), (protocol.END, t + 0.06),
-                     (protocol.OPTIMIZER, t + 0.06), (protocol.OPTIMIZER_END, t + 0.07)):
+    for code, at in ((ev.INPUT, t), (ev.END, t + 0.001),
+                     (ev.FORWARD, t + 0.001), (ev.END, t + 0.02),
+                     (ev.FORWARD, t + 0.02), (ev.END_UNCOUNTED, t + 0.021),
+                     (ev.BACKWARD, t + 0.021), (ev.END, t + 0.06),
+                     (ev.OPTIMIZER, t + 0.06), (ev.OPTIMIZER_END, t + 0.07)):
         times[code].append(at)
 
 
@@ -158,19 +163,18 @@ def rank_sender(r: int, world: int, host: str, steps_per_s: float) -> Paced:
     wall = time.time()
 
     def messages(tick: int, last: bool) -> list[tuple[bytes, int]]:
-        times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
+        times: list[list[float]] = [[] for _ in range(ev.NUM_EVENT_CODES)]
         for i in range(per_flush):
             log_iteration(times, (tick * per_flush + i) / steps_per_s)
         if last:
-            times[protocol.CLOSE].append(times[protocol.OPTIMIZER_END][-1])
-        out = [(envelope(p, protocol.KIND_EVENTS, who, protocol.events_payload(
-            tick, wall, times, [], [(times[protocol.INPUT][0], 300 << 20)])), per_flush)]
+            times[ev.CLOSE].append(times[ev.OPTIMIZER_END][-1])
+        out = [(envelope(p, ev.EventBatch(tick, wall, times, [], [(times[ev.INPUT][0], 300 << 20)]),
+                         who), per_flush)]
         if tick % 2 == 0:
-            out.append((envelope(p, protocol.KIND_PROCESS, who, protocol.rows_payload(
-                protocol.PROCESS_FIELDS, [(time.time(), 95.0, 300 << 20, 64 << 30, 2, None,
-                                           None, None)])), 0))
+            out.append((envelope(p, ProcessRows(PROCESS_FIELDS, [
+                (time.time(), 95.0, 300 << 20, 64 << 30, 2, None, None, None)]), who), 0))
         if last:
-            out.append((envelope(p, protocol.KIND_BYE, who, {"t": time.time()}), 0))
+            out.append((envelope(p, Bye(time.time()), who), 0))
         return out
 
     p = Paced((r * 0.618034 % 1.0) * FLUSH_S, messages)
@@ -211,16 +215,16 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
     per_flush = max(1, round(steps_per_s * FLUSH_S))
     every = max(1, round(RELAY_INTERVAL_S / FLUSH_S))  # ticks per batch
 
-    def template(num_ticks: int, with_samples: bool, last: bool) -> protocol.RelayBatch:
+    def template(num_ticks: int, with_samples: bool, last: bool) -> RelayBatch:
         outbox = Outbox(Unsent(relay))  # type: ignore[arg-type]  # only take() is used
         for who in ranks:
             outbox.add_steps([step_record(who, i, start) for i in range(per_flush * num_ticks)])
             if with_samples:
-                outbox.add_process(who, protocol.PROCESS_FIELDS, [
-                    [start, 95.0, 300 << 20, 64 << 30, 2, None, None, None]])
+                outbox.add_process(who, ProcessRows(PROCESS_FIELDS, [
+                    [start, 95.0, 300 << 20, 64 << 30, 2, None, None, None]]))
             outbox.save_sender(SenderState(who, start, start, said_bye=last))
         if with_samples:
-            outbox.add_system(system, protocol.SYSTEM_FIELDS, [[start, 50.0, 40.0, 64 << 30, []]])
+            outbox.add_system(system, SystemRows(SYSTEM_FIELDS, [[start, 50.0, 40.0, 64 << 30, []]]))
         outbox.save_sender(SenderState(system, start, start, said_bye=last))
         batch = outbox.take()
         assert batch is not None
@@ -242,10 +246,10 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
         done[0] = tick + 1
         columns[step_col] = [first + i for _ in ranks for i in range(per_flush * n)]
         columns[t_col] = [start + s / steps_per_s for s in columns[step_col]]
-        payload = protocol.relay_payload(replace(batch, step_columns=columns))
-        out = [(envelope(p, protocol.KIND_RELAY, relay, payload), per_flush * n * len(ranks))]
+        message = replace(batch, step_columns=columns)
+        out = [(envelope(p, message, relay), per_flush * n * len(ranks))]
         if last:
-            out.append((envelope(p, protocol.KIND_BYE, relay, {"t": time.time()}), 0))
+            out.append((envelope(p, Bye(time.time()), relay), 0))
         return out
 
     p = Paced((node * 0.618034 % 1.0) * FLUSH_S, messages, rows_kind="relay")

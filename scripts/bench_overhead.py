@@ -60,10 +60,11 @@ from traceml.agent.runtime import AgentRuntime
 from traceml.collector.config import CollectorConfig
 from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
-from traceml.protocol import CLOSE, Sender
 from traceml.report.page.render import SNAPSHOT_PATH
 from traceml.security import new_secret
 from traceml.store import StoreReader
+from traceml.wire.events import CLOSE
+from traceml.wire.identity import Sender
 
 
 def make_loop(width: int, depth: int, batch: int, steps: int,  # type: ignore[no-untyped-def]

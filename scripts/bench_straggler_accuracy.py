@@ -166,7 +166,7 @@ def stored_steps(session: Path) -> list[Any]:
     """Every step row a session's store holds."""
     reader = StoreReader(session / STORE_FILENAME)
     try:
-        return [s.row for s in reader.steps_after(0, 1_000_000).rows]
+        return list(reader.steps_after(0, 1_000_000).rows)
     finally:
         reader.close()
 

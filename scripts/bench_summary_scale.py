@@ -27,9 +27,11 @@ from pathlib import Path
 from bench_options import parse
 
 from traceml import phases
-from traceml.protocol import RunEnd, RunStart, Sender
 from traceml.records import StepRow
 from traceml.store import STORE_FILENAME, SenderState, StoreWriter
+from traceml.wire.identity import Sender
+from traceml.wire.records import RunEnd, RunStart
+from traceml.wire.rows import ProcessRows, SystemRows
 
 STEP_S = 0.05  # 20 steps/s per rank
 RANKS_PER_NODE = 8
@@ -101,12 +103,12 @@ def _add_samples(writer: StoreWriter, senders: list[Sender], num_ranks: int,
     fields = ("t", "cpu_pct", "rss_bytes", "host_ram_total_bytes", "num_cpus")
     times = [STARTED_AT + s for s in range(int(duration_s) + 1)]
     for sender in senders:
-        writer.add_process(sender, fields, [(t, 95.0, 2 << 30, 64 << 30, 16) for t in times])
+        writer.add_process(sender, ProcessRows(fields, [(t, 95.0, 2 << 30, 64 << 30, 16) for t in times]))
         writer.commit()
     for node in range(num_nodes):
         who = Sender("system", f"node{node}", 900 + node, node)
-        writer.add_system(who, ("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus"),
-                          [(t, 40.0, 30.0, 64 << 30, []) for t in times])
+        writer.add_system(who, SystemRows(("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus"),
+                          [(t, 40.0, 30.0, 64 << 30, []) for t in times]))
         writer.save_sender(SenderState(who, STARTED_AT, STARTED_AT + duration_s, said_bye=True))
         writer.commit()
 

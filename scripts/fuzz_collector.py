@@ -39,9 +39,12 @@ import psutil
 import zmq
 from bench_options import parse
 
-from traceml import protocol
-from traceml.protocol import Envelope, RunEnd, RunStart, Sender
 from traceml.security import derive_keys, secure_client
+from traceml.wire import events as ev
+from traceml.wire.envelope import KINDS, Envelope, encode_payload
+from traceml.wire.identity import Sender
+from traceml.wire.records import CONTROL_KIND, Hello, RunEnd, RunStart, StopCollector
+from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS, ProcessRows, SystemRows
 
 SESSION = "fuzz"
 SECRET = "fuzz secret"
@@ -80,34 +83,34 @@ def free_port() -> int:
 
 def events(batch: int, t0: float) -> dict[str, Any]:
     """Three training iterations with an RSS reading and a collective, as a rank logs them."""
-    times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
+    times: list[list[float]] = [[] for _ in range(ev.NUM_EVENT_CODES)]
     spans = []
     for i in range(3):
         t = t0 + 0.01 * i
-        for code, start, end in ((protocol.INPUT, 0.0, 0.001), (protocol.FORWARD, 0.001, 0.003),
-                                 (protocol.BACKWARD, 0.003, 0.007)):
+        for code, start, end in ((ev.INPUT, 0.0, 0.001), (ev.FORWARD, 0.001, 0.003),
+                                 (ev.BACKWARD, 0.003, 0.007)):
             times[code].append(t + start)
-            times[protocol.END].append(t + end)
-        times[protocol.OPTIMIZER].append(t + 0.007)
-        times[protocol.OPTIMIZER_END].append(t + 0.008)
+            times[ev.END].append(t + end)
+        times[ev.OPTIMIZER].append(t + 0.007)
+        times[ev.OPTIMIZER_END].append(t + 0.008)
         spans.append((t + 0.004, t + 0.006))
-    return protocol.events_payload(batch, time.time() - t0, times, [], [(t0, 300 << 20)], spans)
+    return ev.EventBatch(batch, time.time() - t0, times, [], [(t0, 300 << 20)], spans).payload()
 
 
 def genuine(kind: str, batch: int) -> dict[str, Any]:
     now = time.time()
-    if kind == protocol.KIND_EVENTS:
+    if kind == ev.EventBatch.KIND:
         return events(batch, 1000.0 + batch)
-    if kind == protocol.KIND_PROCESS:
-        return protocol.rows_payload(protocol.PROCESS_FIELDS,
-                                     [(now, 95.0, 300 << 20, 64 << 30, 2, None, None, None)])
-    if kind == protocol.KIND_SYSTEM:
-        return protocol.rows_payload(protocol.SYSTEM_FIELDS, [
-            (now, 40.0, 30.0, 64 << 30, [[0, 90.0, 10 << 30, 80 << 30, 60, 300.0]])])
-    if kind == protocol.KIND_CONTROL:
-        return protocol.control_payload(random.choice([
+    if kind == ProcessRows.KIND:
+        return ProcessRows(PROCESS_FIELDS,
+                           [(now, 95.0, 300 << 20, 64 << 30, 2, None, None, None)]).payload()
+    if kind == SystemRows.KIND:
+        return SystemRows(SYSTEM_FIELDS, [
+            (now, 40.0, 30.0, 64 << 30, [[0, 90.0, 10 << 30, 80 << 30, 60, 300.0]])]).payload()
+    if kind == CONTROL_KIND:
+        return random.choice([
             RunStart(SESSION, ("train.py",), now, "x", "x", "x", 0, "run", 64),
-            RunEnd(now, 1), protocol.StopCollector()]))
+            RunEnd(now, 1), StopCollector()]).payload()
     return {"t": now, "num_batches": batch}
 
 
@@ -194,7 +197,7 @@ def stored_steps(db: Path) -> dict[int, int]:
 
     try:
         with StoreReader(db, timeout_s=1.0) as reader:
-            return dict(collections_count(r.row.rank for r in reader.steps_after(0, 10**9).rows))
+            return dict(collections_count(r.rank for r in reader.steps_after(0, 10**9).rows))
     except StoreError:
         return {}
 
@@ -219,15 +222,15 @@ def fuzz(n: int, endpoint: str, collector: psutil.Process | None) -> tuple[dict[
     real = Sender("rank", socket.gethostname(), os.getpid(), 0, rank=0, local_rank=0,
                   world_size=2)
     system = Sender("system", socket.gethostname(), os.getpid(), 0)
-    kinds = sorted(protocol.KINDS)
+    kinds = sorted(KINDS)
     by_mutation: dict[str, int] = {}
     peak_rss = 0
     seq = 0
     for i in range(n):
         kind = random.choice(kinds)
-        who = {protocol.KIND_SYSTEM: system}.get(kind, random.choice([own, own, own, real]))
-        env = orjson.loads(protocol.encode(Envelope(SESSION, kind, who, seq, time.time(),
-                                                    genuine(kind, i))))
+        who = {SystemRows.KIND: system}.get(kind, random.choice([own, own, own, real]))
+        env = orjson.loads(encode_payload(Envelope(SESSION, who, seq, time.time(), Hello()),
+                                          kind, genuine(kind, i)))
         seq += 1
         name, data = mutate(env)
         by_mutation[name] = by_mutation.get(name, 0) + 1

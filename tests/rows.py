@@ -8,8 +8,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from traceml import phases, step_fields
-from traceml.protocol import RunStart, Sender
 from traceml.records import StepRow
+from traceml.wire.identity import Sender
+from traceml.wire.records import RunStart
 
 _OLD_ORDER = ("peak_allocated_bytes", "peak_reserved_bytes", "rss_bytes", "gpu_ms", "t",
               "collective_ms", "samples", "tokens", "flops", "flops_counted", "boundary",

@@ -249,7 +249,7 @@ class RunMeta:
 class Incident:
     """A stall or a crash of one rank, as the collector stored it."""
 
-    what: str  # "stall" | "exception" | "exit" (`traceml.protocol.INCIDENTS`)
+    what: str  # "stall" | "exception" | "exit" (`traceml.wire.incidents.INCIDENTS`)
     rank: int
     node_rank: int
     host: str

@@ -18,16 +18,17 @@ from typing import Any
 
 import zmq
 
-from traceml import protocol
 from traceml.errors import WarnOnce
-from traceml.protocol import Envelope, Sender
 from traceml.security import CurveKeys, secure_client
+from traceml.wire.envelope import Envelope, Message, encode
+from traceml.wire.identity import Sender
+from traceml.wire.records import Hello
 
 SEND_HWM = 1000
 EXIT_LINGER_MS = 1000
 
-# Called by the thread each flush: returns (kind, payload) messages to send.
-Producer = Callable[[], list[tuple[str, dict[str, Any]]]]
+# Called by the thread each flush: returns the messages to send.
+Producer = Callable[[], list[Message]]
 
 
 class BatchSender:
@@ -76,7 +77,7 @@ class BatchSender:
     def _run(self) -> None:
         try:
             self._open()
-            self.send(protocol.KIND_HELLO, {"t": time.time()})
+            self.send(Hello(time.time()))
             while not self._stop.is_set():
                 self._wake.wait(self.interval_s)
                 self._wake.clear()
@@ -112,24 +113,21 @@ class BatchSender:
 
     def _flush(self, producers: list[Producer]) -> None:
         for produce in producers:
-            for kind, payload in produce():
-                self.send(kind, payload)
+            for message in produce():
+                self.send(message)
 
-    def send(self, kind: str, payload: dict[str, Any], identity: Sender | None = None) -> None:
+    def send(self, message: Message, identity: Sender | None = None) -> None:
         """Send now, never blocking; ``identity`` speaks for another sender
         (the watch sampler reports each rank it watches under that rank)."""
         who = identity or self.identity
         seq = self._seqs.get(who, 0)
         self._seqs[who] = seq + 1
-        env = Envelope(
-            session_id=self.session_id, kind=kind, sender=who, seq=seq,
-            sent_at=time.time(), payload=payload,
-            num_sent=self.num_sent, num_dropped=self.num_dropped,
-        )
+        env = Envelope(session_id=self.session_id, sender=who, seq=seq, sent_at=time.time(),
+                       message=message, num_sent=self.num_sent, num_dropped=self.num_dropped)
         try:
-            self._socket.send(protocol.encode(env), zmq.NOBLOCK)
+            self._socket.send(encode(env), zmq.NOBLOCK)
             self.num_sent += 1
             if identity is None:
-                self.last_seq[kind] = seq
+                self.last_seq[message.KIND] = seq
         except zmq.Again:
             self.num_dropped += 1

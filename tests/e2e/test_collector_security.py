@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import sqlite3
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,34 +18,37 @@ import pytest
 import zmq
 
 from tests.conftest import wait_until
-from traceml import protocol
+from tests.raw_wire import empty_times, envelope_bytes
 from traceml.collector.config import CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
-from traceml.protocol import Envelope, RunEnd, RunStart, Sender
 from traceml.report.session import write_summary
 from traceml.security import CurveKeys, derive_keys, new_secret, secure_client
+from traceml.wire import events as ev
+from traceml.wire.identity import Sender
+from traceml.wire.incidents import IncidentReport
+from traceml.wire.records import Bye, RunEnd, RunStart, StopCollector
 
-_ITERATION = ((protocol.INPUT, 0.0), (protocol.END, 1.0), (protocol.FORWARD, 1.0),
-              (protocol.END, 2.0), (protocol.BACKWARD, 2.0), (protocol.END, 3.0),
-              (protocol.OPTIMIZER, 3.0), (protocol.OPTIMIZER_END, 4.0))
+_ITERATION = ((ev.INPUT, 0.0), (ev.END, 1.0), (ev.FORWARD, 1.0),
+              (ev.END, 2.0), (ev.BACKWARD, 2.0), (ev.END, 3.0),
+              (ev.OPTIMIZER, 3.0), (ev.OPTIMIZER_END, 4.0))
 RANK0 = Sender("rank", "genuine", 101, 0, rank=0, local_rank=0, world_size=2)
 T0 = 1_767_225_600.0
 
 
 def _events(rows: int, start: float = 0.0, batch: int = 0) -> dict[str, Any]:
     """``rows`` whole training steps, closed at the end."""
-    times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
+    times = empty_times()
     for i in range(rows):
         for code, dt in _ITERATION:
             times[code].append(start + 10.0 * i + dt)
-    times[protocol.CLOSE].append(start + 10.0 * rows)
-    return protocol.events_payload(batch, T0, times, [], [])
+    times[ev.CLOSE].append(start + 10.0 * rows)
+    return ev.EventBatch(batch, T0, times).payload()
 
 
 def _envelope(session: str, seq: int, rows: int = 1, sender: Sender = RANK0,
-              kind: str = protocol.KIND_EVENTS, payload: dict[str, Any] | None = None) -> bytes:
-    return protocol.encode(Envelope(session, kind, sender, seq, time.time(),
-                                    _events(rows) if payload is None else payload))
+              kind: str = ev.EventBatch.KIND, payload: dict[str, Any] | None = None) -> bytes:
+    return envelope_bytes(session, kind, sender, seq,
+                          _events(rows) if payload is None else payload)
 
 
 def _rows(db_path: Path, sql: str) -> list[tuple[Any, ...]]:
@@ -141,10 +143,10 @@ def _forgeries(good: bytes) -> dict[str, list[bytes]]:
     """Messages an authenticated sender could forge, by the reason each must be
     rejected for."""
     stranger = Sender("rank", "rogue", 666, 0, rank=0, world_size=2)
-    run_start = protocol.control_payload(RunStart(
+    run_start = RunStart(
         session_id="safe", command=("\x1b[2Jevil",), started_at=T0, traceml_version="",
         torch_version="", python_version="", summary_window_rows=0, mode="run",
-        expected_world_size=64))
+        expected_world_size=64).payload()
     env = orjson.loads(good)
 
     def edited(**changes: Any) -> bytes:
@@ -156,9 +158,9 @@ def _forgeries(good: bytes) -> dict[str, list[bytes]]:
                   {**env["p"], "marks": [[1.0, [None] * 99]]}, {**env["p"], "batch": -1}]
     return {
         "control message from a sender other than the launcher": [
-            _envelope("safe", 0, kind=protocol.KIND_CONTROL, payload={"op": "stop"},
+            _envelope("safe", 0, kind=StopCollector.KIND, payload={"op": "stop"},
                       sender=Sender("launcher", "rogue", 1, 0)),
-            _envelope("safe", 1, kind=protocol.KIND_CONTROL, payload=run_start,
+            _envelope("safe", 1, kind=StopCollector.KIND, payload=run_start,
                       sender=Sender("launcher", "rogue", 1, 0))],
         "rank or node claimed by another sender": [_envelope("safe", 0, 50, sender=stranger)],
         "replayed or duplicate message": [good],
@@ -190,7 +192,7 @@ def test_forged_messages_change_nothing_in_the_summary(
     for messages in forged.values():
         for message in messages:
             sock.send(message)
-    sock.send(_envelope("safe", 1, kind=protocol.KIND_BYE, payload={"t": T0}))
+    sock.send(_envelope("safe", 1, kind=Bye.KIND, payload={"t": T0}))
     expected = {reason: len(m) for reason, m in forged.items() if m}
     assert wait_until(lambda: all(_rejected(db).get(r, 0) == n for r, n in expected.items())), \
         (_rejected(db), expected)
@@ -276,8 +278,6 @@ def test_an_insider_cannot_grow_the_world_nor_fail_a_successful_run(
     """A holder of the session's key (a rank's child, say) claims ranks past what the
     launcher starts, or reports a crash of a run that exits 0: the claims are refused and
     counted, and the launcher's exit status decides the ending."""
-    from traceml.protocol import IncidentReport
-
     collector, pushes, db = live
     collector.record(RunStart(
         session_id="safe", command=("train.py",), started_at=T0, traceml_version="t",
@@ -290,10 +290,10 @@ def test_an_insider_cannot_grow_the_world_nor_fail_a_successful_run(
     beyond = Sender("rank", "genuine", 103, 0, rank=7, local_rank=7, world_size=8)
     for sender in (huge, beyond):
         sock.send(_envelope("safe", 0, rows=3, sender=sender))
-    sock.send(_envelope("safe", 1, kind=protocol.KIND_INCIDENT, payload=protocol.incident_payload(
-        IncidentReport("exception", T0 + 30, T0 + 30, detail={"type": "RuntimeError",
-                                                              "message": "forged"}))))
-    sock.send(_envelope("safe", 2, kind=protocol.KIND_BYE, payload={"t": T0}))
+    sock.send(_envelope("safe", 1, kind=IncidentReport.KIND, payload=IncidentReport(
+        "exception", T0 + 30, T0 + 30, detail={"type": "RuntimeError",
+                                               "message": "forged"}).payload()))
+    sock.send(_envelope("safe", 2, kind=Bye.KIND, payload={"t": T0}))
     reason = "rank or world size beyond what the launcher starts"
     assert wait_until(lambda: _rejected(db).get(reason, 0) == 2), _rejected(db)
     assert wait_until(lambda: _rows(db, "SELECT COUNT(*) FROM incidents") == [(1,)])

@@ -20,8 +20,8 @@ from tests.rows import run_start, sent_by, step_record
 from traceml.collector.config import CollectorConfig
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.live.dashboard import Dashboard
-from traceml.protocol import Sender
 from traceml.store import SenderState, StoreWriter
+from traceml.wire.identity import Sender
 
 
 def get(url: str, host: str | None = None) -> tuple[int, str, bytes]:

@@ -15,10 +15,11 @@ import pytest
 from tests.live.conftest import GIB, T0, artifact, open_page, wait_for, wide_phases, wide_run
 from tests.rows import run_start, sent_by, step_record
 from traceml.live import dashboard
-from traceml.protocol import PROCESS_FIELDS, Sender
 from traceml.report import build_report
 from traceml.report.html import write_html
 from traceml.store import SenderState, StoreWriter
+from traceml.wire.identity import Sender
+from traceml.wire.rows import PROCESS_FIELDS, ProcessRows
 
 NUM_RANKS = 1024
 SLOW_RANK = 677
@@ -107,8 +108,8 @@ def _wide_store(path: Path, num_steps: int) -> None:
                                        total_ms=total, wait_ms=total - inp - fwd - bwd - opt,
                                        rss_bytes=2 * GIB))
         writer.add_steps(sent_by(sender, records))
-        writer.add_process(sender, PROCESS_FIELDS,
-                           [[T0 + 1, 90.0, 2 * GIB, 256 * GIB, 64, None, None, None]])
+        writer.add_process(sender, ProcessRows(PROCESS_FIELDS,
+                           [[T0 + 1, 90.0, 2 * GIB, 256 * GIB, 64, None, None, None]]))
     writer.close()
 
 

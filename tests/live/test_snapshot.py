@@ -8,7 +8,6 @@ from pathlib import Path
 from tests.live.conftest import GIB, T0, comm_run, fixed_run
 from tests.rows import run_start, sent_by, step_record, step_row
 from traceml.live.tail import StoreTail
-from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, Sender
 from traceml.records import RunData, StepRow
 from traceml.report import build_report, report_to_json
 from traceml.report.page.series import build_series, series_to_json
@@ -20,6 +19,8 @@ from traceml.report.page.snapshot import (
     snapshot_to_json,
 )
 from traceml.store import SenderState, StoreWriter
+from traceml.wire.identity import Sender
+from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS, ProcessRows, SystemRows
 
 
 def row(rank: int, step: int, total_ms: float = 10.0) -> StepRow:
@@ -95,9 +96,9 @@ def test_tail_reads_only_new_rows_and_keeps_a_bounded_history(tmp_path: Path) ->
     for rank in (0, 1):
         writer.save_sender(SenderState(_sender(rank), T0, T0))
         _steps(writer, rank, range(8))
-        writer.add_process(_sender(rank), PROCESS_FIELDS,
-                           [[T0 + i, 50.0, GIB, 64 * GIB, 8, None, None, None] for i in range(5)])
-    writer.add_system(_sender(0), SYSTEM_FIELDS, [[T0, 10.0, 20.0, 64 * GIB, []]])
+        writer.add_process(_sender(rank), ProcessRows(PROCESS_FIELDS,
+                           [[T0 + i, 50.0, GIB, 64 * GIB, 8, None, None, None] for i in range(5)]))
+    writer.add_system(_sender(0), SystemRows(SYSTEM_FIELDS, [[T0, 10.0, 20.0, 64 * GIB, []]]))
     writer.commit()
     tail = StoreTail(db, steps_kept=5, samples_kept=3)
     run, window_rows = tail.poll()

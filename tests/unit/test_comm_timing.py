@@ -24,7 +24,7 @@ from traceml.agent.patches import Instrumentation
 from traceml.agent.probe import Probe
 from traceml.collector.rank_steps import merge_events
 from traceml.collector.steps import StepTiming, StepTracker
-from traceml.protocol import END
+from traceml.wire.events import END
 
 COMM = phases.code("communication")
 

@@ -16,7 +16,7 @@ from traceml.agent.cuda_timing import (
     StepSampler,
     allocator_bytes,
 )
-from traceml.protocol import BACKWARD, FORWARD, OPTIMIZER
+from traceml.wire.events import BACKWARD, FORWARD, OPTIMIZER
 
 
 class FakeCuda:

@@ -337,9 +337,9 @@ def test_under_traceml_init_the_lost_one_is_the_training_process() -> None:
 def test_a_recorded_end_outweighs_a_lost_launcher() -> None:
     """The launcher's own end record (it came back, or its collector saw a stale parent)
     decides: no LAUNCHER LOST then."""
-    from traceml.protocol import RunEnd, RunStart
     from traceml.store.records import RunRecords
     from traceml.store.rows import run_data
+    from traceml.wire.records import RunEnd, RunStart
 
     start = RunStart(session_id="s", command=("t",), started_at=T0, traceml_version="",
                      torch_version="", python_version="", summary_window_rows=0, mode="run")

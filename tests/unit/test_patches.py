@@ -203,7 +203,7 @@ def test_a_module_call_patched_by_another_tool_is_called_as_it_is() -> None:
 
 
 def test_evaluating_the_trained_model_is_told_from_a_teacher(steps: Steps) -> None:
-    from traceml.protocol import EVAL_FORWARD, NOGRAD_FORWARD
+    from traceml.wire.events import EVAL_FORWARD, NOGRAD_FORWARD
 
     model, teacher = nn.Linear(8, 1), nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -221,7 +221,7 @@ def test_evaluating_the_trained_model_is_told_from_a_teacher(steps: Steps) -> No
 
 def test_host_to_device_copies_are_timed_outside_the_phases_only() -> None:
     # No accelerator here: the meta device stands in for one (a non-CPU result).
-    from traceml.protocol import COPY
+    from traceml.wire.events import COPY
 
     probe = Probe(time.perf_counter, lambda e: None)
     inst = Instrumentation(probe, copies=True)

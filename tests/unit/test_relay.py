@@ -16,16 +16,23 @@ import pytest
 import zmq
 
 from tests.conftest import free_port
-from traceml import protocol
+from tests.raw_wire import envelope_bytes
 from traceml.collector.config import CollectorConfig
 from traceml.collector.dispatch import Collector
 from traceml.collector.rank_steps import RankSteps
 from traceml.collector.relay import Outbox, open_outbox
 from traceml.collector.server import Listener
-from traceml.protocol import Envelope, IncidentReport, Sender
 from traceml.records import Incident
 from traceml.security import derive_keys, relay_keys, secure_client
 from traceml.store import SenderState, StoreWriter
+from traceml.wire import events as ev
+from traceml.wire.envelope import Envelope, Message, encode
+from traceml.wire.events import EventBatch
+from traceml.wire.identity import Sender
+from traceml.wire.incidents import EXIT, RESUMED, STALL, IncidentReport
+from traceml.wire.records import Bye, Hello
+from traceml.wire.relay import RelayBatch
+from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS, ProcessRows, SystemRows
 
 SESSION, SECRET = "relay-test", "a secret"
 HOST = socket.gethostname()
@@ -33,20 +40,20 @@ HOST = socket.gethostname()
 
 def iteration(times: list[list[float]], t: float) -> None:
     """One training iteration's events as an agent logs them."""
-    for code, at in ((protocol.INPUT, t), (protocol.END, t + 0.001),
-                     (protocol.FORWARD, t + 0.001), (protocol.END, t + 0.02),
-                     (protocol.BACKWARD, t + 0.02), (protocol.END, t + 0.06),
-                     (protocol.OPTIMIZER, t + 0.06), (protocol.OPTIMIZER_END, t + 0.07)):
+    for code, at in ((ev.INPUT, t), (ev.END, t + 0.001),
+                     (ev.FORWARD, t + 0.001), (ev.END, t + 0.02),
+                     (ev.BACKWARD, t + 0.02), (ev.END, t + 0.06),
+                     (ev.OPTIMIZER, t + 0.06), (ev.OPTIMIZER_END, t + 0.07)):
         times[code].append(at)
 
 
-def events(batch: int, steps: range, close: bool = False) -> dict[str, Any]:
-    times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
+def events(batch: int, steps: range, close: bool = False) -> EventBatch:
+    times: list[list[float]] = [[] for _ in range(ev.NUM_EVENT_CODES)]
     for i in steps:
         iteration(times, 0.1 * i)
     if close:
-        times[protocol.CLOSE].append(0.1 * steps.stop)
-    return protocol.events_payload(batch, 1.7e9, times, [], [])
+        times[ev.CLOSE].append(0.1 * steps.stop)
+    return EventBatch(batch, 1.7e9, times)
 
 
 def rank(r: int, node: int = 1) -> Sender:
@@ -61,9 +68,8 @@ class Agent:
     identity: Sender
     seq: int = 0
 
-    def send(self, kind: str, payload: dict[str, Any]) -> None:
-        self.sock.send(protocol.encode(Envelope(SESSION, kind, self.identity, self.seq,
-                                                time.time(), payload)))
+    def send(self, message: Message) -> None:
+        self.sock.send(encode(Envelope(SESSION, self.identity, self.seq, time.time(), message)))
         self.seq += 1
 
 
@@ -132,23 +138,22 @@ def test_relay_forwards_steps_states_samples_and_incidents_in_few_messages(
     system = nodes.agent(Sender("system", HOST, 30_000, 1))
     tracker = RankSteps()  # rank 9's events replayed here, for where its crash is placed
     for a in agents:
-        a.send(protocol.KIND_HELLO, {"t": time.time()})
+        a.send(Hello(time.time()))
         for b in range(4):
-            payload = events(b, range(5 * b, 5 * b + 5), close=b == 3)
-            a.send(protocol.KIND_EVENTS, payload)
+            batch = events(b, range(5 * b, 5 * b + 5), close=b == 3)
+            a.send(batch)
             if a.identity.rank == 9:
-                tracker.feed(payload)
-        a.send(protocol.KIND_PROCESS, protocol.rows_payload(
-            protocol.PROCESS_FIELDS, [(time.time(), 50.0, 1 << 28, 1 << 34, 2, None, None, None)]))
-    system.send(protocol.KIND_SYSTEM, protocol.rows_payload(
-        protocol.SYSTEM_FIELDS, [(time.time(), 12.0, 30.0, 1 << 34, [])]))
+                tracker.feed_batch(batch)
+        a.send(ProcessRows(PROCESS_FIELDS,
+                           [(time.time(), 50.0, 1 << 28, 1 << 34, 2, None, None, None)]))
+    system.send(SystemRows(SYSTEM_FIELDS, [(time.time(), 12.0, 30.0, 1 << 34, [])]))
     nodes.pump_until(lambda: nodes.rows("SELECT COUNT(*) FROM steps") == [(40,)])
     now = time.time()
-    system.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
-        protocol.EXIT, now, now, rank=9, pid=20_009, detail={"exit_code": 1})))
+    system.send(IncidentReport(
+        EXIT, now, now, rank=9, pid=20_009, detail={"exit_code": 1}))
     nodes.pump_until(lambda: nodes.rows("SELECT COUNT(*) FROM incidents") == [(1,)])
     for a in (*agents, system):
-        a.send(protocol.KIND_BYE, {"t": time.time()})
+        a.send(Bye(time.time()))
     nodes.pump_until(lambda: len(nodes.collector0.senders) == 4 and all(
         s.said_bye for s in nodes.collector0.senders.values() if s.sender.role != "relay"))
     steps = nodes.rows("SELECT rank, node_rank, COUNT(*) FROM steps GROUP BY rank")
@@ -172,12 +177,12 @@ def test_relay_forwards_steps_states_samples_and_incidents_in_few_messages(
 
 def test_a_stall_the_relay_placed_clears_on_node_0(nodes: Nodes) -> None:
     a = nodes.agent(rank(8))
-    a.send(protocol.KIND_EVENTS, events(0, range(3)))  # steps 0 and 1 done, 2 open
-    a.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
-        protocol.STALL, 1.7e9, 1.7e9 + 5)))
+    a.send(events(0, range(3)))  # steps 0 and 1 done, 2 open
+    a.send(IncidentReport(
+        STALL, 1.7e9, 1.7e9 + 5))
     nodes.pump_until(lambda: nodes.rows("SELECT COUNT(*) FROM incidents") == [(1,)])
-    a.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
-        protocol.RESUMED, 1.7e9, 1.7e9 + 9)))
+    a.send(IncidentReport(
+        RESUMED, 1.7e9, 1.7e9 + 9))
     nodes.pump_until(lambda: nodes.rows("SELECT cleared_at FROM incidents") == [(1.7e9 + 9,)])
     assert nodes.rows("SELECT what, step, phase FROM incidents") == [("stall", 2, None)]
 
@@ -186,20 +191,20 @@ def test_relay_rejections_are_counted_on_node_0(nodes: Nodes) -> None:
     stranger = nodes.agent(rank(8))
     stranger.sock.send(b"not a message")
     forged = nodes.agent(rank(9))
-    forged.send(protocol.KIND_HELLO, {"t": time.time()})
+    forged.send(Hello(time.time()))
     forged.identity = Sender("rank", HOST, 1, 1, rank=9, local_rank=1, world_size=16)
-    forged.send(protocol.KIND_HELLO, {"t": time.time()})  # rank 9, another process
+    forged.send(Hello(time.time()))  # rank 9, another process
     nodes.pump_until(lambda: nodes.rows("SELECT reason, count FROM rejected ORDER BY reason") == [
         ("not an envelope of this protocol", 1), ("rank or node claimed by another sender", 1)])
 
 
 def test_node_0_takes_relay_batches_from_the_relay_key_only(nodes: Nodes) -> None:
-    batch = protocol.RelayBatch([], [], [], [], [], [], [], {})
+    batch = RelayBatch([], [], [], [], [], [], [], {})
     agent = nodes.agent(Sender("relay", HOST, 4, 1), port=nodes.listener0.port)
-    agent.send(protocol.KIND_RELAY, protocol.relay_payload(batch))
+    agent.send(batch)
     relay_key = relay_keys(nodes.keys, SECRET, SESSION)
     relay = nodes.agent(Sender("relay", HOST, 5, 1), port=nodes.listener0.port, keys=relay_key)
-    relay.send(protocol.KIND_RELAY, protocol.relay_payload(batch))
+    relay.send(batch)
     ours = nodes.outbox.upstream.identity.sender_id  # the relay under test said hello
     nodes.pump_until(lambda: len(nodes.collector0.senders) == 2)
     assert nodes.collector0.rejected == {"relay batch from a sender other than a relay": 1}
@@ -208,11 +213,11 @@ def test_node_0_takes_relay_batches_from_the_relay_key_only(nodes: Nodes) -> Non
 
 def test_a_rank_that_spoke_to_node_0_cannot_be_relayed(nodes: Nodes) -> None:
     direct = nodes.agent(rank(8), port=nodes.listener0.port)
-    direct.send(protocol.KIND_HELLO, {"t": time.time()})
+    direct.send(Hello(time.time()))
     nodes.pump_until(lambda: rank(8).sender_id in nodes.collector0.senders)
     relayed = nodes.agent(rank(8))
     relayed.identity = Sender("rank", HOST, 77, 1, rank=8, local_rank=0, world_size=16)
-    relayed.send(protocol.KIND_EVENTS, events(0, range(3)))
+    relayed.send(events(0, range(3)))
     nodes.pump_until(lambda: nodes.collector0.rejected.get("relayed step of a refused sender"))
     assert nodes.collector0.rejected["rank or node claimed by another sender"] == 1
     assert nodes.rows("SELECT COUNT(*) FROM steps") == [(0,)]
@@ -249,15 +254,15 @@ def test_node_0_survives_mutated_relay_batches(nodes: Nodes, tmp_path: Path) -> 
     import orjson
 
     a = nodes.agent(rank(8))
-    a.send(protocol.KIND_EVENTS, events(0, range(3)))
-    a.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
-        protocol.STALL, 1.7e9, 1.7e9 + 5)))
+    a.send(events(0, range(3)))
+    a.send(IncidentReport(
+        STALL, 1.7e9, 1.7e9 + 5))
     deadline = time.monotonic() + 10
     while not (nodes.outbox._incidents and nodes.outbox._steps) and time.monotonic() < deadline:
         nodes.listener1.poll(10, nodes.relay)  # not flushed: the batch stays in the outbox
     outbox_batch = nodes.outbox.take()
     assert outbox_batch is not None
-    genuine = protocol.relay_payload(outbox_batch)
+    genuine = outbox_batch.payload()
     relay = Sender("relay", HOST, 6, 1)
     collector = nodes.collector0
     random.seed(19)
@@ -268,8 +273,8 @@ def test_node_0_survives_mutated_relay_batches(nodes: Nodes, tmp_path: Path) -> 
         for key in path[:-1]:
             parent = parent[key]
         parent[path[-1]] = random.choice(ODD_VALUES)
-        collector.handle(protocol.encode(Envelope(SESSION, protocol.KIND_RELAY, relay, seq,
-                                                  time.time(), payload)), from_relay=True)
+        collector.handle(envelope_bytes(SESSION, RelayBatch.KIND, relay, seq, payload),
+                         from_relay=True)
     collector.flush()
     assert not collector.store_failed
     assert collector.rejected.get("bad relay payload", 0) > 100, collector.rejected
@@ -279,7 +284,7 @@ def test_a_c10d_relay_takes_its_node_rank_from_its_ranks(tmp_path: Path) -> None
     nodes = Nodes(tmp_path, relay_node=-1)  # started before the rendezvous gave a node rank
     try:
         agent = nodes.agent(rank(8, node=3))  # kept: a closed socket drops what it holds
-        agent.send(protocol.KIND_HELLO, {"t": time.time()})
+        agent.send(Hello(time.time()))
         nodes.pump_until(lambda: {s.sender.node_rank for s in nodes.collector0.senders.values()
                                   if s.sender.role == "relay"} == {-1, 3})
         relays = sorted((s.sender.node_rank, s.said_bye, s.num_gaps)
@@ -294,15 +299,15 @@ def test_a_relay_cannot_report_a_crash_of_another_nodes_rank(nodes: Nodes) -> No
     speaks to node 0 directly: refused and counted, and rank 0's ending untouched."""
     direct = nodes.agent(Sender("rank", HOST, 4242, 0, rank=0, local_rank=0, world_size=16),
                          port=nodes.listener0.port)
-    direct.send(protocol.KIND_HELLO, {"t": time.time()})
+    direct.send(Hello(time.time()))
     nodes.pump_until(lambda: any(s.sender.rank == 0 for s in nodes.collector0.senders.values()))
     sampler = nodes.agent(Sender("system", HOST, 31337, 1))
-    sampler.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
-        protocol.EXIT, 1.7e9, 1.7e9 + 1, rank=0, pid=4242,
-        detail={"exit_code": -9, "signal": "SIGKILL"})))
+    sampler.send(IncidentReport(
+        EXIT, 1.7e9, 1.7e9 + 1, rank=0, pid=4242,
+        detail={"exit_code": -9, "signal": "SIGKILL"}))
     own = nodes.agent(rank(8))  # and one about its own rank still arrives
-    own.send(protocol.KIND_INCIDENT, protocol.incident_payload(IncidentReport(
-        protocol.STALL, 1.7e9, 1.7e9 + 5)))
+    own.send(IncidentReport(
+        STALL, 1.7e9, 1.7e9 + 5))
     nodes.pump_until(lambda: nodes.collector0.rejected.get("incident about a rank of another node"))
     nodes.pump_until(lambda: nodes.rows("SELECT what, rank FROM incidents") == [("stall", 8)])
 
@@ -319,7 +324,7 @@ def test_a_batch_node_0_did_not_take_gives_its_states_to_the_next(tmp_path: Path
         outbox.save_sender(SenderState(who, 1.7e9, 1.7e9 + 1, said_bye=True))
         outbox.add_incident(Incident("exit", 8, 1, HOST, who.pid, 1.7e9, 1.7e9 + 1,
                                      detail={"signal": "SIGKILL"}))
-        while outbox.upstream.send(protocol.KIND_HELLO, {"t": time.time()}):
+        while outbox.upstream.send(Hello(time.time())):
             pass  # queued for the connection until the high-water mark: then it waits, drops
         dropped = outbox.upstream.num_dropped
         outbox.commit()
@@ -344,8 +349,8 @@ def test_node_0_under_a_flood_returns_to_commit_on_time(nodes: Nodes) -> None:
     flood = Agent(sock, Sender("rank", HOST, 20_100, 0, rank=0, local_rank=0, world_size=16))
     num = 60  # under the receive high-water mark: all of them wait in the socket at once
     for _ in range(num):
-        flood.send(protocol.KIND_PROCESS, protocol.rows_payload(
-            protocol.PROCESS_FIELDS, [(time.time(), 50.0, 1 << 28, 1 << 34, 2, None, None, None)]))
+        flood.send(ProcessRows(PROCESS_FIELDS,
+                               [(time.time(), 50.0, 1 << 28, 1 << 34, 2, None, None, None)]))
     sock.close(linger=-1)
     context.term()  # returns once every message went out
     handled: list[int] = []

@@ -15,14 +15,16 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.unit.test_cuda_timing import FakeCuda
-from traceml import protocol
 from traceml.agent.cuda_timing import SamplingRule
 from traceml.agent.patches import Instrumentation
 from traceml.agent.probe import Probe
 from traceml.agent.runtime import AgentRuntime
 from traceml.collector.rank_steps import RankSteps
 from traceml.environment import AgentEnv
-from traceml.protocol import CLOSE, END, INPUT, Sender
+from traceml.wire.envelope import Envelope, Message, decode, encode
+from traceml.wire.events import CLOSE, END, INPUT, EventBatch
+from traceml.wire.identity import Sender
+from traceml.wire.records import Bye
 
 
 @pytest.fixture
@@ -56,13 +58,14 @@ class Collector:
     def __init__(self) -> None:
         self.rank_steps = RankSteps()
 
-    def steps(self, messages: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    def steps(self, messages: list[Message]) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
-        for kind, payload in messages:
-            if kind == protocol.KIND_EVENTS:
-                wire = protocol.decode(protocol.encode(protocol.Envelope(
-                    "unit", kind, Sender("rank", "h", 1, 0, rank=0), 0, 0.0, payload)))
-                rows += [r.columns() for r in self.rank_steps.feed(wire.payload)]
+        for message in messages:
+            if isinstance(message, EventBatch):
+                wire = decode(encode(Envelope("unit", Sender("rank", "h", 1, 0, rank=0), 0, 0.0,
+                                              message))).message
+                assert isinstance(wire, EventBatch)
+                rows += [r.columns() for r in self.rank_steps.feed_batch(wire)]
         return rows
 
 
@@ -76,7 +79,8 @@ def test_the_last_flush_ships_everything_up_to_exit(runtime: AgentRuntime) -> No
     assert all((s["num_input"], s["num_forward"], s["num_backward"], s["num_optimizer"])
                == (1, 1, 1, 1) for s in steps)
     assert all(s["rss_bytes"] > 0 for s in steps)  # stamped by the sender thread
-    assert messages[-1] == (protocol.KIND_BYE, {"num_batches": 1, "t": messages[-1][1]["t"]})
+    last = messages[-1]
+    assert isinstance(last, Bye) and last.num_batches == 1 and last.t is not None
     assert not any(runtime.probe.streams)
 
 
@@ -91,7 +95,7 @@ def test_events_wait_for_the_flush_interval_and_travel_in_order(runtime: AgentRu
     runtime.probe.log(CLOSE)
     steps = collector.steps(first) + collector.steps(runtime._bye())
     assert [s["step"] for s in steps] == list(range(6))
-    assert [m[1]["batch"] for m in first] == [0]
+    assert [m.batch for m in first if isinstance(m, EventBatch)] == [0] and len(first) == 1
 
 
 class TickingModel(nn.Module):
@@ -125,7 +129,7 @@ def test_a_tick_in_the_middle_of_a_step_splits_nothing(runtime: AgentRuntime) ->
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
     assert all((s["num_input"], s["num_forward"], s["num_backward"], s["num_optimizer"])
                == (1, 1, 1, 1) for s in steps)
-    assert runtime.num_batches == 5
+    assert runtime.outbox.num_batches == 5
 
 
 def test_a_take_keeps_what_was_stamped_after_its_horizon() -> None:

@@ -16,9 +16,10 @@ from tests.conftest import wait_until
 from tests.rows import sent_by, step_record
 from traceml.launcher import nodes
 from traceml.launcher.nodes import SilenceWatch
-from traceml.protocol import RunStart, Sender
 from traceml.report import session
 from traceml.store import SenderState, StoreWriter
+from traceml.wire.identity import Sender
+from traceml.wire.records import RunStart
 
 RANK = Sender(role="rank", host="h0", pid=10, node_rank=0, rank=0, local_rank=0, world_size=2)
 NODE0 = Sender(role="system", host="h0", pid=9, node_rank=0)

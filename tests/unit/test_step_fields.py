@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from traceml import phases, protocol, step_fields
-from traceml.collector import intake
+from traceml import phases, step_fields
 from traceml.collector.rank_steps import step_row
 from traceml.collector.steps import StepTiming
 from traceml.records import StepRow
 from traceml.store import StoreWriter
+from traceml.wire import events, relay
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -36,7 +36,7 @@ def test_who_ran_a_step_comes_first_and_a_relay_forwards_the_rest() -> None:
     identity = [f.name for f in step_fields.STEP_FIELDS if f.identity]
     assert step_fields.names()[:len(identity)] == tuple(identity) == ("rank", "restart",
                                                                       "node_rank")
-    assert [f.name for f in intake._MEASURED] == list(step_fields.names()[len(identity):])
+    assert [f.name for f in relay._MEASURED] == list(step_fields.names()[len(identity):])
 
 
 def test_every_typed_view_of_a_row_is_a_column_of_its_type() -> None:
@@ -56,7 +56,7 @@ def test_every_field_the_tracker_measures_is_a_column() -> None:
         if name in ("phase_s", "counts", "marks"):  # a column per phase; the device columns
             continue
         step_fields.field(name[:-2] + "_ms" if name.endswith("_s") else name)
-    for name in protocol.DEVICE_MARK_FIELDS:
+    for name in events.DEVICE_MARK_FIELDS:
         step_fields.field(name)
 
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from traceml import protocol
+from tests.raw_wire import empty_times
 from traceml.collector.rank_steps import RankSteps, merge_device_marks
 from traceml.collector.steps import HOLD_BACKWARD_STEPS, StepTiming, StepTracker
 from traceml.errors import ProtocolError
-from traceml.protocol import (
+from traceml.wire.events import (
     BACKWARD,
     CLOSE,
     COPY,
@@ -30,6 +30,7 @@ from traceml.protocol import (
     OPTIMIZER_END,
     OPTIMIZER_SKIPPED,
     RSS,
+    EventBatch,
 )
 
 
@@ -340,7 +341,7 @@ def test_rss_events_stamp_the_steps_that_finish_after_them() -> None:
 def _batch(n: int, events: list[list[Any]], offset: float = 1000.0) -> dict[str, Any]:
     """The wire form of a timeline: times per code; a mark or RSS reading is
     stamped with the time of the event before it, as the rank stamps them."""
-    times: list[list[Any]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
+    times: list[list[Any]] = empty_times()
     marks: list[Any] = []
     rss: list[Any] = []
     last = 0.0
@@ -354,7 +355,7 @@ def _batch(n: int, events: list[list[Any]], offset: float = 1000.0) -> dict[str,
             last = value if isinstance(value, float) else last
         else:
             times.append([code, value])  # malformed on purpose
-    return protocol.events_payload(n, offset, times, marks, rss)
+    return EventBatch(n, offset, times, marks, rss).payload()
 
 
 def _iteration(t: float, mark: list[Any] | None = None) -> list[list[Any]]:

@@ -8,7 +8,7 @@ import pytest
 from tests.unit.test_steps import Script
 from traceml import phases
 from traceml.collector.steps import InFlight
-from traceml.protocol import BACKWARD, CLOSE, END, FORWARD, INPUT, NOGRAD_FORWARD, OPTIMIZER, SPAN
+from traceml.wire.events import BACKWARD, CLOSE, END, FORWARD, INPUT, NOGRAD_FORWARD, OPTIMIZER, SPAN
 
 COMM = phases.code("communication")
 

@@ -10,7 +10,6 @@ import pytest
 
 from tests.rows import sent_by, step_record
 from traceml.errors import UsageError
-from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, RunEnd, RunStart, Sender
 from traceml.report.session import load_run
 from traceml.store import (
     SCHEMA_VERSION,
@@ -20,6 +19,9 @@ from traceml.store import (
     StoreReader,
     StoreWriter,
 )
+from traceml.wire.identity import Sender
+from traceml.wire.records import RunEnd, RunStart
+from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS, ProcessRows, SystemRows
 
 T0 = 1_700_000_000.0
 START = RunStart(session_id="s1", command=("traceml", "run", "train.py"), started_at=T0,
@@ -41,9 +43,9 @@ def _store(path: Path) -> None:
     writer.save_rejected({"foreign session": 2})
     writer.add_steps(sent_by(RANK, [step_record(s, t_begin=T0 + s, total_ms=10.0, input_ms=1.0)
                             for s in range(3)]))
-    writer.add_process(RANK, PROCESS_FIELDS[:3], [[T0, 50.0, 1024]])
-    writer.add_system(NODE, SYSTEM_FIELDS, [[T0, 10.0, 20.0, 4096, [[0, 1.0, 2, 3, 4.0, 5.0]]]])
-    writer.add_system(Sender("system", "h", 8, -1), SYSTEM_FIELDS, [[T0, 1.0, 2.0, 3, []]])
+    writer.add_process(RANK, ProcessRows(PROCESS_FIELDS[:3], [[T0, 50.0, 1024]]))
+    writer.add_system(NODE, SystemRows(SYSTEM_FIELDS, [[T0, 10.0, 20.0, 4096, [[0, 1.0, 2, 3, 4.0, 5.0]]]]))
+    writer.add_system(Sender("system", "h", 8, -1), SystemRows(SYSTEM_FIELDS, [[T0, 1.0, 2.0, 3, []]]))
     writer.save_run(END)
     writer.close()
 

@@ -14,10 +14,12 @@ import pytest
 from tests.rows import run_start, sent_by, step_record
 from traceml.diagnosis import window
 from traceml.launcher.ending import phase_table
-from traceml.protocol import RunEnd, Sender
 from traceml.records import Incident, StepRow
 from traceml.report.session import build_summary
 from traceml.store import STORE_FILENAME, SenderState, StoreWriter, reader
+from traceml.wire.identity import Sender
+from traceml.wire.records import RunEnd
+from traceml.wire.rows import ProcessRows, SystemRows
 
 T0 = 1.7e9
 STEP_S = 0.05
@@ -79,16 +81,16 @@ def _write(folder: Path, shape: Shape) -> Path:
         writer.save_sender(SenderState(who, T0, T0 + a.last * STEP_S, said_bye=True))
         end_s = a.last * STEP_S
         times = [T0 + i * shape.sample_s for i in range(int(end_s / shape.sample_s) + 1)]
-        writer.add_process(who, ("t", "cpu_pct", "rss_bytes", "host_ram_total_bytes",
+        writer.add_process(who, ProcessRows(("t", "cpu_pct", "rss_bytes", "host_ram_total_bytes",
                                  "num_cpus"),
-                           [(t, 90.0 + (t - T0) % 7, 1 << 30, 64 << 30, 4) for t in times])
+                           [(t, 90.0 + (t - T0) % 7, 1 << 30, 64 << 30, 4) for t in times]))
     duration_s = max(a.last for a in shape.attempts) * STEP_S
     for node in sorted(set(node_of.values())):
         who = Sender("system", f"h{node}", 50 + node, node)
         times = [T0 + i * shape.sample_s for i in range(int(duration_s / shape.sample_s) + 1)]
-        writer.add_system(who, ("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus"),
+        writer.add_system(who, SystemRows(("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus"),
                           [(t, 30.0 + (t - T0) % 5, 40.0 + (t - T0) % 50, 64 << 30, [])
-                           for t in times])
+                           for t in times]))
         writer.save_sender(SenderState(who, T0, T0 + duration_s, said_bye=True))
     if shape.kill_at is not None:
         writer.add_incident(Incident("exit", 0, 0, "h0", 100, shape.kill_at, shape.kill_at,
@@ -210,8 +212,8 @@ def test_hundreds_of_crashed_ranks_still_get_their_summary(tmp_path: Path) -> No
         writer.add_incident(Incident("exit", r, 0, "h0", 100 + r, at, at + 0.1,
                                      detail={"exit_code": -6, "signal": "SIGABRT"}))
     system = Sender("system", "h0", 50, 0)
-    writer.add_system(system, ("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus"),
-                      [(T0 + i, 10.0, 40.0 + i, 64 << 30, []) for i in range(60)])
+    writer.add_system(system, SystemRows(("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus"),
+                      [(T0 + i, 10.0, 40.0 + i, 64 << 30, []) for i in range(60)]))
     writer.save_sender(SenderState(system, T0, T0 + 60, said_bye=True))
     writer.save_run(RunEnd(ended_at=T0 + 60, exit_code=1))
     writer.close()
@@ -229,14 +231,14 @@ def test_a_watch_summary_reads_the_latest_samples_of_each_source(
     writer = StoreWriter(str(tmp_path / STORE_FILENAME))
     writer.save_run(dataclasses.replace(run_start("w", T0, 100, 1), mode="watch"))
     who = Sender("rank", "h0", 100, 0, rank=0, local_rank=0, world_size=1)
-    writer.add_process(who, ("t", "cpu_pct", "rss_bytes", "host_ram_total_bytes", "num_cpus"),
+    writer.add_process(who, ProcessRows(("t", "cpu_pct", "rss_bytes", "host_ram_total_bytes", "num_cpus"),
                        [(T0 + i, 50.0 if i < 200 else 5.0, 1 << 30, 64 << 30, 4)
-                        for i in range(400)])
+                        for i in range(400)]))
     writer.save_sender(SenderState(who, T0, T0 + 400, said_bye=True))
     system = Sender("system", "h0", 50, 0)
-    writer.add_system(system, ("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus"),
+    writer.add_system(system, SystemRows(("t", "cpu_pct", "ram_pct", "ram_total_bytes", "gpus"),
                       [(T0 + i, 90.0 if i < 200 else 10.0, 40.0, 64 << 30, [])
-                       for i in range(400)])
+                       for i in range(400)]))
     writer.save_sender(SenderState(system, T0, T0 + 400, said_bye=True))
     writer.save_run(RunEnd(ended_at=T0 + 400, exit_code=0))
     writer.close()

@@ -4,28 +4,33 @@ logs, fake clock), the batch rule of the agent's batch watch, and the wire check
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pytest
 import torch
 
+from tests.raw_wire import empty_times
 from tests.unit.test_steps import Script
-from traceml import protocol
 from traceml.agent.batch import BatchWatch, batch_size, first_tensor_path
 from traceml.agent.probe import Probe
 from traceml.errors import ProtocolError
-from traceml.protocol import (
+from traceml.wire.envelope import Envelope, decode, encode
+from traceml.wire.events import (
     BACKWARD,
     BATCH,
     BATCH_FROM_FETCH,
     BATCH_FROM_FORWARD,
     CLOSE,
+    END,
     FLOP_COUNT,
     FORWARD,
     INPUT,
     NOGRAD_FORWARD,
     OPTIMIZER,
+    EventBatch,
 )
+from traceml.wire.identity import Sender
 
 
 def batch(s: Script, samples: int | None, tokens: int | None = None,
@@ -43,7 +48,7 @@ def fetch(s: Script, samples: int | None = None, changed: bool = False, **kw: An
     s.t += 1
     if changed:
         batch(s, samples, **kw)
-    s.log(protocol.END)
+    s.log(END)
 
 
 def test_every_fetch_of_a_step_adds_its_batch_and_eval_fetches_do_not() -> None:
@@ -187,20 +192,20 @@ def test_the_watch_logs_only_changes() -> None:
 
 
 def payload(**kw: Any) -> dict[str, Any]:
-    times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
-    return protocol.events_payload(0, 0.0, times, [], [], [], **kw)
+    """An events payload as the collector reads it off the wire (JSON lists)."""
+    return json.loads(json.dumps(EventBatch(0, 0.0, empty_times(), **kw).payload()))
 
 
 def test_batches_and_counts_are_checked() -> None:
-    good = payload(batches=[(1.0, 8, None, None, BATCH_FROM_FETCH)],
-                   flop_counts=[(2.0, 6e9, "bf16", 0.9, "NVIDIA H200", 132, None, True)])
-    checked = protocol.check_events(protocol.decode(protocol.encode(protocol.Envelope(
-        "s", protocol.KIND_EVENTS, protocol.Sender("rank", "h", 1, 0, 0), 0, 0.0, good)))
-        .payload)
+    good = EventBatch(0, 0.0, empty_times(), batches=[(1.0, 8, None, None, BATCH_FROM_FETCH)],
+                      flop_counts=[(2.0, 6e9, "bf16", 0.9, "NVIDIA H200", 132, None, True)])
+    message = decode(encode(Envelope("s", Sender("rank", "h", 1, 0, 0), 0, 0.0, good))).message
+    assert isinstance(message, EventBatch)
+    checked = message
     assert checked.batches == [[1.0, 8, None, None, 0]]
     assert checked.flop_counts[0][1] == 6e9
     for bad in (payload(batches=[(1.0, "8", None, None, 0)]),
                 payload(batches=[(1.0, 8, None, None, 7)]),
                 payload(flop_counts=[(2.0, 6e9, "bf16", 0.9, "x", 132, None, "yes")])):
         with pytest.raises(ProtocolError):
-            protocol.check_events(bad)
+            EventBatch.from_payload(bad)

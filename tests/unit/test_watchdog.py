@@ -18,17 +18,9 @@ from traceml.agent.watchdog import (
     out_of_memory_detail,
 )
 from traceml.errors import ProtocolError
-from traceml.protocol import (
-    BACKWARD,
-    FORWARD,
-    NUM_EVENT_CODES,
-    OPTIMIZER_END,
-    RESUMED,
-    STALL,
-    check_incident,
-    incident_payload,
-)
 from traceml.stacks import Frame
+from traceml.wire.events import BACKWARD, FORWARD, NUM_EVENT_CODES, OPTIMIZER_END
+from traceml.wire.incidents import RESUMED, STALL, IncidentReport
 
 WALL = 1_700_000_000.0
 
@@ -108,13 +100,13 @@ def test_reports_survive_the_wire_and_bad_ones_are_refused() -> None:
     w = watch(1.0, {7: sys._getframe()})
     w.observe(events(forward=[1.0]), 1.0)
     (report,) = w.observe(events(), 2.5)
-    assert check_incident(incident_payload(report)) == report
+    assert IncidentReport.from_payload(report.payload()) == report
     for bad in ({"what": "nap", "began_at": 1.0, "at": 2.0},
                 {"what": STALL, "began_at": float("nan"), "at": 2.0},
                 {"what": STALL, "began_at": 1.0, "at": 2.0, "stack": [["f", "x", "g"]]},
                 {"what": STALL, "began_at": 1.0, "at": 2.0, "detail": {"k": [1]}}):
         with pytest.raises(ProtocolError):
-            check_incident(bad)
+            IncidentReport.from_payload(bad)
 
 
 def test_faulthandler_output_is_parsed_for_the_main_thread() -> None:

@@ -12,7 +12,7 @@ measured (None), never guessed.
 The walk runs once: the path to the first tensor is kept as a chain of C-level
 getters, so a batch costs a few getter calls and one shape compare.  Only a
 change (a new shape, the last short batch of an epoch) is logged, as one
-record `protocol.BATCH_FIELDS`; the collector credits every fetch (or forward)
+record `wire.events.BATCH_FIELDS`; the collector credits every fetch (or forward)
 with the record in effect (`traceml.collector.steps`).
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from traceml.agent.probe import Probe
-from traceml.protocol import BATCH_FROM_FETCH
+from traceml.wire.events import BATCH_FROM_FETCH
 
 MAX_DEPTH = 4  # nesting levels searched for the first tensor
 MAX_ITEMS = 32  # items per level searched

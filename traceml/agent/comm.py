@@ -54,7 +54,7 @@ import torch.distributed as dist
 from traceml import phases
 from traceml.agent.ddp_buckets import FirstBucket
 from traceml.agent.probe import Probe
-from traceml.protocol import END
+from traceml.wire.events import END
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",

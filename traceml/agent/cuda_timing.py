@@ -39,7 +39,7 @@ from typing import Any
 from traceml import phases
 
 TIMED = tuple(phases.code(p.name) for p in phases.gpu_timed())
-"""The wire codes of the phases CUDA events time, in `protocol.DEVICE_MARK_FIELDS` order."""
+"""The wire codes of the phases CUDA events time, in `wire.events.DEVICE_MARK_FIELDS` order."""
 POOL_MAX = 4096
 SHARE_WITHIN_S = 10e-6
 """A phase starting this soon after the previous one ended shares its end event;

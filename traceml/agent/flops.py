@@ -5,7 +5,7 @@ sender thread, which then arms the count), the next batch whose
 shape has no count yet starts torch's own FLOP counter
 (`torch.utils.flop_counter.FlopCounterMode`, forward and backward); the
 iteration's optimizer step ends it.  The count is logged as one record
-(`protocol.FLOP_COUNT_FIELDS`) at that moment: the collector marks the step it
+(`wire.events.FLOP_COUNT_FIELDS`) at that moment: the collector marks the step it
 lands in as counted, and the summary leaves that step out of its timing window
 (the counter slows the step it runs in).  Later batches of the same shape reuse
 the count, so no other step pays anything; a new shape (the last short batch of

@@ -5,7 +5,7 @@ time.  Every wrapper passes straight through when the probe is off, when it
 runs on a thread other than the main one, or while a forward/backward is
 already being timed, so nested modules and autograd re-entry cost one
 attribute check.  A timed wrapper only appends ``clock()`` to its event code's
-list (codes in `traceml.protocol`): the step state machine runs in the
+list (codes in `traceml.wire.events`): the step state machine runs in the
 collector process (`traceml.collector.steps`), so the training thread pays a
 clock read and a list append per event.  Python frames are the other cost per
 step, so the hot paths avoid helper calls.
@@ -52,7 +52,7 @@ from torch.utils.data import dataloader as _dataloader
 
 from traceml.agent.comm import CommTiming
 from traceml.agent.probe import Probe
-from traceml.protocol import (
+from traceml.wire.events import (
     BACKWARD,
     COPY,
     END,

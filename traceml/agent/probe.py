@@ -11,7 +11,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
 
-from traceml.protocol import NUM_EVENT_CODES
+from traceml.wire.events import NUM_EVENT_CODES
 
 # One timestamp.  A mark (CUDA) also carries a payload: (time, payload).
 Mark = tuple[float, Any]
@@ -20,7 +20,7 @@ Mark = tuple[float, Any]
 class Probe:
     """What the patches share: the event log, the clock and the guards.
 
-    The log is one list of times per event code (`traceml.protocol`): the
+    The log is one list of times per event code (`traceml.wire.events`): the
     training thread records an event by appending a ``clock()`` float to its
     code's list, the cheapest record Python has (no tuple, and nothing else
     allocated that outlives the call).  The sender thread takes the lists
@@ -38,7 +38,7 @@ class Probe:
         self.spans: list[tuple[float, float]] = []
         self._held_spans: list[tuple[float, float]] = []
         # Batch sizes when they change, and FLOP counts: (time, *fields) records of
-        # `protocol.BATCH_FIELDS` / `FLOP_COUNT_FIELDS` (`traceml.agent.batch`, `flops`).
+        # `wire.events.BATCH_FIELDS` / `FLOP_COUNT_FIELDS` (`traceml.agent.batch`, `flops`).
         self.batches: list[tuple[Any, ...]] = []
         self.flop_counts: list[tuple[Any, ...]] = []
         self._held_records: tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] = ([], [])

@@ -17,9 +17,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from traceml import protocol
 from traceml.agent.cuda_timing import allocator_bytes
 from traceml.host import usable_cpus
+from traceml.wire.envelope import Message
+from traceml.wire.rows import PROCESS_FIELDS, ProcessRows
 
 
 class RssReader:
@@ -91,8 +92,8 @@ class ProcessSampler:
         return [(time.time(), round(cpu_pct, 2), self.rss.read(), self.ram_total,
                  self.num_cpus, alloc, reserved, total)]
 
-    def produce(self) -> list[tuple[str, dict[str, Any]]]:
+    def produce(self) -> list[Message]:
         rows = self.sample()
         if not rows:
             return []
-        return [(protocol.KIND_PROCESS, protocol.rows_payload(protocol.PROCESS_FIELDS, rows))]
+        return [ProcessRows(PROCESS_FIELDS, rows)]

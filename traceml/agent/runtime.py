@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from traceml import phases, protocol
+from traceml import phases
 from traceml.agent import watchdog
 from traceml.agent.cuda_timing import (
     CudaPhaseTimer,
@@ -27,15 +27,30 @@ from traceml.agent.cuda_timing import (
     StepSampler,
     allocator_bytes,
 )
+from traceml.agent.outbox import EventOutbox
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
 from traceml.agent.watchdog import FaultFiles, Heartbeat, StallWatch
 from traceml.environment import AgentEnv, TorchRank
 from traceml.errors import WarnOnce
-from traceml.protocol import CLOSE, MANUAL_ENTER, MANUAL_EXIT, NUM_EVENT_CODES, Sender
 from traceml.security import session_keys
 from traceml.sender import BatchSender
 from traceml.stacks import StackFiles
+from traceml.wire.envelope import Message
+from traceml.wire.events import (
+    BATCH_FROM_FETCH,
+    BATCH_FROM_FORWARD,
+    CLOSE,
+    MANUAL_ENTER,
+    MANUAL_EXIT,
+    MAX_EVENTS_PER_MESSAGE,
+    OPTIMIZER_END,
+    OPTIMIZER_SKIPPED,
+    EventBatch,
+)
+from traceml.wire.identity import Sender
+from traceml.wire.incidents import IncidentReport
+from traceml.wire.records import Bye
 
 _ACTIVE: AgentRuntime | None = None
 RSS_TICK_S = 0.1  # the sender thread drains the log, stamped with RSS, this often
@@ -69,20 +84,11 @@ class AgentRuntime:
         self.env = env
         self.identity = identity
         self._final = False  # at exit, marks whose GPU events are not done go without
-        # Events taken from the log, waiting for the next send: times per
-        # code, marks, RSS readings.
-        self._outbox: list[list[float]] = [[] for _ in range(NUM_EVENT_CODES)]
-        self._outbox_marks: list[tuple[float, Any]] = []
-        self._outbox_rss: list[tuple[float, int | None]] = []
-        self._outbox_spans: list[tuple[float, float]] = []
-        self._outbox_batches: list[tuple[Any, ...]] = []
-        self._outbox_flops: list[tuple[Any, ...]] = []
+        self.outbox = EventOutbox()  # events taken from the log, waiting for the next send
         self._num_steps_seen = 0  # optimizer steps (or manual steps) taken from the log
         self.flops: Any = None  # FlopCounting, in run mode
-        self._num_queued = 0
         self._next_send = 0.0
         self._send_now = False  # traceml.summary() wants the steps in the store now
-        self.num_batches = 0  # events messages sent
         self._cuda: Any = None
         # CUDA phase timing: which steps are timed, and the timer that resolves
         # their marks (armed in the probe only for a timed step).
@@ -97,7 +103,7 @@ class AgentRuntime:
         self._warnings = WarnOnce()  # one warning per failing part
         self.process_sampler = ProcessSampler(env.sample_interval_s)
         self.stall = StallWatch(env.stall_timeout_s, self.probe.thread_id, self._wall_offset)
-        self._incidents: list[protocol.IncidentReport] = []  # sent with the last flush
+        self._incidents: list[IncidentReport] = []  # sent with the last flush
         self._heartbeat: Heartbeat | None = None
         self._faults: FaultFiles | None = None
         self.sender = BatchSender(
@@ -217,9 +223,9 @@ class AgentRuntime:
         probe = self.probe
         self.flops = FlopCounting(probe, self.env.count_flops, self._part_failed)
         self.flops.force_batches = self._force_batches
-        probe.fetch_watch = BatchWatch(probe, protocol.BATCH_FROM_FETCH, self.flops.on_shape,
+        probe.fetch_watch = BatchWatch(probe, BATCH_FROM_FETCH, self.flops.on_shape,
                                        self._watch_failed)
-        probe.forward_watch = BatchWatch(probe, protocol.BATCH_FROM_FORWARD,
+        probe.forward_watch = BatchWatch(probe, BATCH_FROM_FORWARD,
                                          self.flops.on_shape, self._watch_failed)
 
     def _force_batches(self) -> None:
@@ -244,7 +250,7 @@ class AgentRuntime:
         if self.flops is None:
             return
         self._num_steps_seen += sum(len(times[c]) for c in (
-            protocol.OPTIMIZER_END, protocol.OPTIMIZER_SKIPPED, MANUAL_EXIT))
+            OPTIMIZER_END, OPTIMIZER_SKIPPED, MANUAL_EXIT))
         if self._num_steps_seen >= self.flops_after_steps:
             self.flops.arm()
             if self.flops.waiting():
@@ -321,55 +327,40 @@ class AgentRuntime:
         self._warnings.to_stderr(
             "instrumentation", f"step instrumentation disabled after an internal error: {exc!r}")
 
-    def _drain_events(self) -> list[tuple[str, dict[str, Any]]]:
+    def _drain_events(self) -> list[Message]:
         """Sender thread, every tick: take what the training thread logged,
         with a host RSS reading (off the training path), and send it as one
         batch once per flush interval."""
-        probe = self.probe
+        probe, outbox = self.probe, self.outbox
         horizon = math.inf if self._final else probe.clock()
         resolve = None
         if probe.on_optimizer_end is not None:  # device marks: sent once the GPU is done
             # A GPU that stays behind (hung, or far behind) must not hold the
             # log without bound: past one message's worth, marks go without
             # GPU times.
-            give_up = probe.num_held() > protocol.MAX_EVENTS_PER_MESSAGE
+            give_up = probe.num_held() > MAX_EVENTS_PER_MESSAGE
             resolve = functools.partial(self._device_mark, give_up=give_up)
         times, marks = probe.take(horizon, resolve)
-        self._outbox_spans += probe.take_spans()
+        spans = probe.take_spans()
         incidents = self._watch_progress(times)
         batches, flop_counts = probe.take_records()
-        self._outbox_batches += batches
-        self._outbox_flops += flop_counts
+        outbox.add_records(spans, batches, flop_counts)
         self._arm_flops(times)
         if any(times) or marks or batches or flop_counts:
             # Read after these events, so it goes with the steps they finish:
             # stamped as the first of them.
             first = min([ts[0] for ts in times if ts] + [m[0] for m in marks[:1]])
-            self._outbox_rss.append((first, self._rss.read()))
-            for out, ts in zip(self._outbox, times):
-                out += ts
-                self._num_queued += len(ts)
-            self._outbox_marks += marks
+            outbox.add(times, marks, (first, self._rss.read()))
         now = time.monotonic()
-        # Every take with events brings an RSS reading: none, nothing to send.
-        if not self._outbox_rss or (now < self._next_send and not self._final
-                                    and not self._send_now and not incidents
-                                    and self._num_queued < protocol.MAX_EVENTS_PER_MESSAGE):
-            return incidents
+        if not outbox.has_events() or (now < self._next_send and not self._final
+                                       and not self._send_now and not incidents
+                                       and outbox.num_queued < MAX_EVENTS_PER_MESSAGE):
+            return list(incidents)
         self._send_now = False
         self._next_send = now + self.env.flush_interval_s
-        payload = protocol.events_payload(self.num_batches, self._wall_offset, self._outbox,
-                                          self._outbox_marks, self._outbox_rss,
-                                          self._outbox_spans, self._outbox_batches,
-                                          self._outbox_flops)
-        self.num_batches += 1
-        self._outbox = [[] for _ in range(NUM_EVENT_CODES)]
-        self._outbox_marks, self._outbox_rss, self._outbox_spans = [], [], []
-        self._outbox_batches, self._outbox_flops = [], []
-        self._num_queued = 0
-        return [(protocol.KIND_EVENTS, payload), *incidents]
+        return [outbox.take(self._wall_offset), *incidents]
 
-    def _watch_progress(self, times: list[list[float]]) -> list[tuple[str, dict[str, Any]]]:
+    def _watch_progress(self, times: list[list[float]]) -> list[IncidentReport]:
         """Sender thread: stall reports, and the heartbeat the launcher watches."""
         stall = self.stall
         now = self.probe.clock()
@@ -380,11 +371,11 @@ class AgentRuntime:
             except OSError as exc:
                 self._heartbeat = None
                 self._warnings.to_stderr("heartbeat", f"heartbeat file not written: {exc!r}")
-        return [(protocol.KIND_INCIDENT, protocol.incident_payload(r)) for r in reports]
+        return reports
 
     def _device_mark(self, value: tuple[Any, Any] | None, give_up: bool = False
                      ) -> list[Any] | None:
-        """A logged mark as `protocol.DEVICE_MARK_FIELDS` (all None for an untimed
+        """A logged mark as `wire.events.DEVICE_MARK_FIELDS` (all None for an untimed
         step); None while the GPU has not passed its events (unless ``give_up``:
         then without GPU times)."""
         gpu: tuple[float | None, ...] = (None,) * len(phases.gpu_timed())
@@ -405,12 +396,10 @@ class AgentRuntime:
             gpu = resolved or gpu
         return [allocated, reserved, *gpu]
 
-    def _bye(self) -> list[tuple[str, dict[str, Any]]]:
+    def _bye(self) -> list[Message]:
         self._final = True
-        crashes = [(protocol.KIND_INCIDENT, protocol.incident_payload(r))
-                   for r in self._incidents]
-        return self._drain_events() + crashes + [
-            (protocol.KIND_BYE, {"num_batches": self.num_batches, "t": time.time()})]
+        return [*self._drain_events(), *self._incidents,
+                Bye(time.time(), self.outbox.num_batches)]
 
     def flush_events(self, timeout_s: float = 2.0) -> int | None:
         """Send the logged events now (user thread, for ``traceml.summary()``);
@@ -421,7 +410,7 @@ class AgentRuntime:
         deadline = time.monotonic() + timeout_s
         while self.sender.num_flushes <= before and time.monotonic() < deadline:
             time.sleep(0.01)
-        return self.sender.last_seq.get(protocol.KIND_EVENTS)
+        return self.sender.last_seq.get(EventBatch.KIND)
 
     def step_enter(self) -> None:
         """``trace_step`` entered (main thread)."""

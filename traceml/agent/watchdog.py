@@ -41,17 +41,9 @@ from typing import Any
 import orjson
 
 from traceml import stacks
-from traceml.protocol import (
-    END,
-    EXCEPTION,
-    MANUAL_EXIT,
-    OPTIMIZER_END,
-    OPTIMIZER_SKIPPED,
-    RESUMED,
-    STALL,
-    IncidentReport,
-)
 from traceml.stacks import StackFiles
+from traceml.wire.events import END, MANUAL_EXIT, OPTIMIZER_END, OPTIMIZER_SKIPPED
+from traceml.wire.incidents import EXCEPTION, RESUMED, STALL, IncidentReport
 
 AUTO_FLOOR_S = 30.0
 AUTO_STEPS = 20

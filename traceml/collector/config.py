@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from traceml import protocol
+from traceml.wire import envelope
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class CollectorConfig:
     port: int  # 0: any free port
     db_path: str
     parent_pid: int
-    max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
+    max_message_bytes: int = envelope.MAX_MESSAGE_BYTES
     # --mode=dashboard: the live page's server runs in this process (see LiveServer).
     dashboard_port: int | None = None
     dashboard_host: str = "127.0.0.1"

@@ -18,15 +18,21 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
-from traceml import phases, protocol, stacks, step_fields
+from traceml import phases, stacks, step_fields
 from traceml.collector import intake
 from traceml.collector.config import CollectorConfig
-from traceml.collector.intake import Accepted, Rejected
+from traceml.collector.intake import Rejected
 from traceml.collector.rank_steps import RankSteps
 from traceml.errors import ProtocolError
-from traceml.protocol import Envelope, IncidentReport, RelayBatch, RunEnd, RunStart, Sender
 from traceml.records import FlopCount, Incident, StepRow
 from traceml.store import JoinError, SenderState, StoreError
+from traceml.wire.envelope import Envelope
+from traceml.wire.events import EventBatch
+from traceml.wire.identity import Sender
+from traceml.wire.incidents import RESUMED, STALL, IncidentReport
+from traceml.wire.records import Bye, Control, Hello, RunEnd, RunStart, StopCollector
+from traceml.wire.relay import RelayBatch, RelayedIncident
+from traceml.wire.rows import ProcessRows, SystemRows
 
 MAX_SENDERS = 1 << 16
 
@@ -37,10 +43,8 @@ class Store(Protocol):
 
     def add_steps(self, rows: Sequence[StepRow]) -> int: ...
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None: ...
-    def add_process(self, sender: Sender, fields: Sequence[str],
-                    rows: Iterable[Sequence[Any]]) -> None: ...
-    def add_system(self, sender: Sender, fields: Sequence[str],
-                   rows: Iterable[Sequence[Any]]) -> None: ...
+    def add_process(self, sender: Sender, samples: ProcessRows) -> None: ...
+    def add_system(self, sender: Sender, samples: SystemRows) -> None: ...
     def add_incident(self, i: Incident) -> int: ...
     def clear_stall(self, row_id: int, cleared_at: float) -> None: ...
     def save_sender(self, s: SenderState) -> None: ...
@@ -81,8 +85,8 @@ class Collector:
         """One message; ``from_launcher`` / ``from_relay``: it came with the
         launcher's key / the relays' key."""
         try:
-            msg = intake.accept(data, self._prefix, self.config.max_message_bytes)
-            self._dispatch(msg, from_launcher, from_relay)
+            env = intake.accept(data, self._prefix, self.config.max_message_bytes)
+            self._dispatch(env, from_launcher, from_relay)
         except Rejected as exc:
             self.reject(exc.reason)
         except (ProtocolError, ValueError, TypeError, KeyError, ArithmeticError):
@@ -138,29 +142,32 @@ class Collector:
         state.num_sent = max(state.num_sent, env.num_sent + 1)
         state.num_dropped = max(state.num_dropped, env.num_dropped)
 
-    def _dispatch(self, msg: Accepted, from_launcher: bool, from_relay: bool = False) -> None:
-        env = msg.envelope
-        if env.kind == protocol.KIND_CONTROL:
+    def _dispatch(self, env: Envelope, from_launcher: bool, from_relay: bool = False) -> None:
+        message = env.message
+        if isinstance(message, (RunStart, RunEnd, StopCollector)):
             if not from_launcher:
                 raise Rejected("control message from a sender other than the launcher")
-            self._control(msg.payload)
+            self._control(message)
             return
-        if env.kind == protocol.KIND_RELAY and not (from_relay and env.sender.role == "relay"):
+        if isinstance(message, RelayBatch) and not (from_relay and env.sender.role == "relay"):
             raise Rejected("relay batch from a sender other than a relay")
         state = self._state(env)
-        if env.kind == protocol.KIND_RELAY:
-            self._relayed(env.sender, msg.payload)
-        elif env.kind == protocol.KIND_EVENTS:
-            self._add_steps(env.sender, msg.payload)
-        elif env.kind == protocol.KIND_PROCESS:
-            self.store.add_process(env.sender, *msg.payload)
-        elif env.kind == protocol.KIND_SYSTEM:
-            self.store.add_system(env.sender, *msg.payload)
-        elif env.kind == protocol.KIND_INCIDENT:
-            self._incident(env.sender, msg.payload)
-        elif env.kind == protocol.KIND_BYE:
-            state.said_bye = True
-            self.rank_steps.pop(state.sender.sender_id, None)  # its last events came before
+        match message:
+            case RelayBatch():
+                self._relayed(env.sender, message)
+            case EventBatch():
+                self._add_steps(env.sender, message)
+            case ProcessRows():
+                self.store.add_process(env.sender, message)
+            case SystemRows():
+                self.store.add_system(env.sender, message)
+            case IncidentReport():
+                self._incident(env.sender, message)
+            case Bye():
+                state.said_bye = True
+                self.rank_steps.pop(state.sender.sender_id, None)  # its last events came before
+            case Hello():
+                pass
         self._track(state, env)
         self.store.save_sender(state)
 
@@ -176,29 +183,29 @@ class Collector:
         if who.host != sender.host:  # a node's launcher speaks for its own ranks only
             raise Rejected("incident about a rank of another node")
         key = (rank, pid)
-        if report.what == protocol.RESUMED:
+        if report.what == RESUMED:
             row = self.open_stalls.pop(key, None)
             if row is not None:
                 self.store.clear_stall(row, report.at)
                 return
-        elif report.what == protocol.STALL and key in self.open_stalls:
+        elif report.what == STALL and key in self.open_stalls:
             return  # already reported (by the rank, or from outside)
         steps = self.rank_steps.get(who.sender_id)
         step, codes = steps.tracker.position() if steps is not None else (None, ())
         open_phases = tuple(phases.PHASES[c].name for c in codes if c < len(phases.PHASES))
         phase = open_phases[-1] if open_phases else None
-        if report.what == protocol.STALL and who is sender:  # every event came before
+        if report.what == STALL and who is sender:  # every event came before
             phase = phase or stacks.phase_of(report.stack)
         elif report.stack:  # taken now, while the events may lag: the stack says
             phase = stacks.phase_of(report.stack)
-        what = protocol.STALL if report.what == protocol.RESUMED else report.what
+        what = STALL if report.what == RESUMED else report.what
         row = self.store.add_incident(Incident(
             what=what, rank=rank, node_rank=who.node_rank, host=who.host, pid=pid,
             began_at=report.began_at, detected_at=time.time(),
-            cleared_at=report.at if report.what == protocol.RESUMED else None,
+            cleared_at=report.at if report.what == RESUMED else None,
             step=step, phase=phase, open_phases=open_phases, stack=report.stack,
             stack_source=report.stack_source, detail=report.detail))
-        if report.what == protocol.STALL:
+        if report.what == STALL:
             self.open_stalls[key] = row
 
     def _index(self, sender: Sender) -> None:
@@ -208,7 +215,7 @@ class Collector:
     def _rank_sender(self, rank: int, pid: int) -> Sender | None:
         return next((s for s in self.rank_senders.get(rank, {}).values() if s.pid == pid), None)
 
-    def _add_steps(self, sender: Sender, batch: protocol.EventBatch) -> None:
+    def _add_steps(self, sender: Sender, batch: EventBatch) -> None:
         steps = self.rank_steps.get(sender.sender_id)
         if steps is None:
             steps = self.rank_steps[sender.sender_id] = RankSteps(sender)
@@ -232,29 +239,34 @@ class Collector:
         for i, *count in batch.flop_counts:
             if senders[i] is not None:
                 self.store.add_flop_counts(senders[i], [FlopCount(*count)])
-        for part, add in ((batch.process, self.store.add_process),
-                          (batch.system, self.store.add_system)):
-            for i, fields, rows in part:
-                if senders[i] is not None:
-                    add(senders[i], fields, rows)
-        for row_id, node_rank, cleared_at, step, phase, open_phases, r in batch.incidents:
-            speaker = self._relayed_rank(relay, r.rank, r.pid)
-            if speaker is False:
-                self.reject("incident about a rank of another node")
-                continue
-            if speaker is not None:
-                node_rank = speaker.node_rank
-            row = self.store.add_incident(Incident(
-                what=r.what, rank=r.rank, node_rank=node_rank, host=relay.host, pid=r.pid,
-                began_at=r.began_at, detected_at=r.at, cleared_at=cleared_at, step=step,
-                phase=phase, open_phases=open_phases, stack=r.stack,
-                stack_source=r.stack_source, detail=r.detail))
-            if r.what == protocol.STALL and cleared_at is None:
-                self.relayed_rows[(relay.sender_id, row_id)] = row
+        for i, process in batch.process:
+            if (who := senders[i]) is not None:
+                self.store.add_process(who, process)
+        for i, system in batch.system:
+            if (who := senders[i]) is not None:
+                self.store.add_system(who, system)
+        for relayed in batch.incidents:
+            self._relayed_incident(relay, relayed)
         for row_id, at in batch.clears:
             if (relay.sender_id, row_id) in self.relayed_rows:
                 self.store.clear_stall(self.relayed_rows.pop((relay.sender_id, row_id)), at)
         self.relayed_rejected[(relay.host, relay.pid)] = batch.rejected
+
+    def _relayed_incident(self, relay: Sender, relayed: RelayedIncident) -> None:
+        r = relayed.report
+        speaker = self._relayed_rank(relay, r.rank, r.pid)
+        if speaker is False:
+            self.reject("incident about a rank of another node")
+            return
+        assert r.rank is not None and r.pid is not None  # the relay batch's decode checked
+        node_rank = relayed.node_rank if speaker is None else speaker.node_rank
+        row = self.store.add_incident(Incident(
+            what=r.what, rank=r.rank, node_rank=node_rank, host=relay.host, pid=r.pid,
+            began_at=r.began_at, detected_at=r.at, cleared_at=relayed.cleared_at,
+            step=relayed.step, phase=relayed.phase, open_phases=relayed.open_phases,
+            stack=r.stack, stack_source=r.stack_source, detail=r.detail))
+        if r.what == STALL and relayed.cleared_at is None:
+            self.relayed_rows[(relay.sender_id, relayed.row_id)] = row
 
     def _relayed_rank(self, relay: Sender, rank: int | None,
                       pid: int | None) -> Sender | None | Literal[False]:
@@ -317,7 +329,7 @@ class Collector:
                 total[reason] = total.get(reason, 0) + n
         return total
 
-    def _control(self, record: protocol.Control) -> None:
+    def _control(self, record: Control) -> None:
         if isinstance(record, RunStart) and record.session_id != self.config.session_id:
             raise Rejected("run start of another session")
         if isinstance(record, RunStart):

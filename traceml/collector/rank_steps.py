@@ -3,8 +3,8 @@
 `RankSteps` holds a rank's `traceml.collector.steps.StepTracker`: it merges each
 events batch (per-code times, device marks, RSS readings, collective spans,
 batch records, FLOP counts) back into one timeline (`merge_events`), replays it,
-and turns each `StepTiming` into the store's `StepRow` on the wall clock (`step_row`).  A
-lost batch resyncs the tracker; a batch that cannot be replayed is dropped whole.
+and turns each `StepTiming` into the store's `StepRow` on the wall clock
+(`step_row`).  A lost batch resyncs the tracker; a batch that cannot be replayed is dropped whole.
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from traceml import phases, protocol
+from traceml import phases
 from traceml.collector.steps import StepTiming, StepTracker
 from traceml.errors import ProtocolError
-from traceml.protocol import (
+from traceml.records import FlopCount, StepRow
+from traceml.wire.events import (
     BATCH,
     CLOSE,
     COPY,
+    DEVICE_MARK_FIELDS,
     END,
     END_EXHAUSTED,
     END_UNCOUNTED,
@@ -32,9 +34,9 @@ from traceml.protocol import (
     OPTIMIZER_SKIPPED,
     RSS,
     SPAN,
-    Sender,
+    EventBatch,
 )
-from traceml.records import FlopCount, StepRow
+from traceml.wire.identity import Sender
 
 # Events stamped alike.  The rank stamps some so on purpose: an RSS reading as
 # the first event it goes with, a step's device mark with the manual end it
@@ -81,9 +83,9 @@ class RankSteps:
     def feed(self, payload: dict[str, Any]) -> list[StepRow]:
         """The steps finished by one events payload; ProtocolError when it is
         malformed (nothing of it is replayed then)."""
-        return self.feed_batch(protocol.check_events(payload))
+        return self.feed_batch(EventBatch.from_payload(payload))
 
-    def feed_batch(self, batch: protocol.EventBatch) -> list[StepRow]:
+    def feed_batch(self, batch: EventBatch) -> list[StepRow]:
         """The steps finished by one checked events payload."""
         if batch.batch != self._last_batch + 1:
             # A batch was lost (dropped at a full queue): what follows starts
@@ -128,17 +130,17 @@ def step_row(t: StepTiming, wall_offset_s: float, identity: dict[str, int]) -> S
     values["wait_ms"] = t.wait_s * 1e3
     values.update(zip(_PHASE_COLUMNS, (s * 1e3 for s in t.phase_s)))
     values.update(zip(_COUNT_COLUMNS, t.counts))
-    values.update(zip(protocol.DEVICE_MARK_FIELDS, merge_device_marks(t.marks)))
+    values.update(zip(DEVICE_MARK_FIELDS, merge_device_marks(t.marks)))
     return StepRow.of(**values)
 
 
 def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A step's device marks (`protocol.DEVICE_MARK_FIELDS` each) as one: the
+    """A step's device marks (`wire.events.DEVICE_MARK_FIELDS` each) as one: the
     highest memory peaks, and the GPU times summed over its marks when every
     mark has them (a step whose optimizer steps were only partly timed, as the
     agent times a sample of them, has none rather than too little)."""
     if not marks:
-        return (None,) * len(protocol.DEVICE_MARK_FIELDS)
+        return (None,) * len(DEVICE_MARK_FIELDS)
 
     def highest(i: int) -> int | None:
         values = [m[i] for m in marks if m[i] is not None]
@@ -149,4 +151,4 @@ def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:
         return None if None in values else float(sum(values))
 
     return (highest(0), highest(1),
-            *(total(i) for i in range(2, len(protocol.DEVICE_MARK_FIELDS))))
+            *(total(i) for i in range(2, len(DEVICE_MARK_FIELDS))))

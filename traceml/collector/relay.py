@@ -6,7 +6,7 @@ node's system sampler) and runs the collector's own intake on what they send
 (`traceml.collector.dispatch.Collector`: the same validators, CURVE keys, replay
 and claim checks, rejected counts, and the step tracker with its incident
 placement), but over an `Outbox` instead of the store: what node 0 would store
-is collected into one `protocol.RelayBatch` and sent to node 0's collector every
+is collected into one `relay.RelayBatch` and sent to node 0's collector every
 `server.RELAY_INTERVAL_S` with the relays' key (node 0 accepts relay batches
 from that key alone).  So node 0 stores compact step rows and replays no rank's
 events: its work grows with the number of nodes, not of ranks.
@@ -27,13 +27,18 @@ from typing import Any
 
 import zmq
 
-from traceml import protocol, step_fields
+from traceml import step_fields
 from traceml.collector.config import CollectorConfig
 from traceml.collector.server import serve
-from traceml.protocol import Envelope, IncidentReport, RelayBatch, RunEnd, RunStart, Sender
 from traceml.records import FlopCount, Incident, StepRow
 from traceml.security import derive_keys, relay_keys, secure_client
 from traceml.store import JoinError, SenderState
+from traceml.wire.envelope import Envelope, Message, encode
+from traceml.wire.identity import Sender
+from traceml.wire.incidents import IncidentReport
+from traceml.wire.records import Bye, Hello, RunEnd, RunStart
+from traceml.wire.relay import RelayBatch, RelayedIncident
+from traceml.wire.rows import ProcessRows, SystemRows
 
 SEND_HWM = 100
 SEND_TIMEOUT_MS = 1000  # node 0 slow or gone: the relay waits this long, then drops the batch
@@ -57,14 +62,14 @@ class Upstream:
         secure_client(self.sock, keys)
         self.sock.connect(endpoint)
         self.seq = self.num_sent = self.num_dropped = 0
-        self.send(protocol.KIND_HELLO, {"t": time.time()})
+        self.send(Hello(time.time()))
 
-    def send(self, kind: str, payload: dict[str, Any]) -> bool:
-        env = Envelope(self.session_id, kind, self.identity, self.seq, time.time(), payload,
+    def send(self, message: Message) -> bool:
+        env = Envelope(self.session_id, self.identity, self.seq, time.time(), message,
                        num_sent=self.num_sent, num_dropped=self.num_dropped)
         self.seq += 1
         try:
-            self.sock.send(protocol.encode(env))
+            self.sock.send(encode(env))
         except zmq.Again:
             self.num_dropped += 1
             return False
@@ -75,13 +80,13 @@ class Upstream:
         """Speak as the relay of ``node_rank`` from now on (c10d: the rendezvous gave
         this node its rank after the relay started): a goodbye under the old identity,
         then a hello under the new one, whose sequence and counts start afresh."""
-        self.send(protocol.KIND_BYE, {"t": time.time()})
+        self.send(Bye(time.time()))
         self.identity = replace(self.identity, node_rank=node_rank)
         self.seq = self.num_sent = self.num_dropped = 0
-        self.send(protocol.KIND_HELLO, {"t": time.time()})
+        self.send(Hello(time.time()))
 
     def close(self) -> None:
-        self.send(protocol.KIND_BYE, {"t": time.time()})
+        self.send(Bye(time.time()))
         self.sock.setsockopt(zmq.LINGER, EXIT_LINGER_MS)
         self.sock.close()
         self.context.term()
@@ -96,10 +101,10 @@ class Outbox:
         self._states: dict[str, SenderState] = {}  # changed since the last batch
         self._steps: list[tuple[tuple[int, int], tuple[Any, ...]]] = []  # by (rank, attempt)
         self._flops: list[tuple[str, list[Any]]] = []
-        self._process: list[tuple[str, dict[str, Any]]] = []
-        self._system: list[tuple[str, dict[str, Any]]] = []
-        self._incidents: list[list[Any]] = []
-        self._clears: list[list[Any]] = []
+        self._process: list[tuple[str, ProcessRows]] = []
+        self._system: list[tuple[str, SystemRows]] = []
+        self._incidents: list[RelayedIncident] = []
+        self._clears: list[tuple[int, float]] = []
         self._rejected: dict[str, int] = {}
         self._rejected_sent: dict[str, int] = {}
         self._next_id = 0
@@ -115,25 +120,23 @@ class Outbox:
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
         self._flops += [(sender.sender_id, c.values()) for c in counts]
 
-    def add_process(self, sender: Sender, fields: Sequence[str],
-                    rows: Iterable[Sequence[Any]]) -> None:
-        self._process.append((sender.sender_id, {"fields": list(fields), "rows": list(rows)}))
+    def add_process(self, sender: Sender, samples: ProcessRows) -> None:
+        self._process.append((sender.sender_id, samples))
 
-    def add_system(self, sender: Sender, fields: Sequence[str],
-                   rows: Iterable[Sequence[Any]]) -> None:
-        self._system.append((sender.sender_id, {"fields": list(fields), "rows": list(rows)}))
+    def add_system(self, sender: Sender, samples: SystemRows) -> None:
+        self._system.append((sender.sender_id, samples))
 
     def add_incident(self, i: Incident) -> int:
         """A stall or crash placed at the rank's step here; node 0 stores it."""
         self._next_id += 1
         report = IncidentReport(i.what, i.began_at, i.detected_at, i.stack, i.stack_source,
                                 i.rank, i.pid, i.detail)
-        self._incidents.append([self._next_id, i.node_rank, i.cleared_at, i.step, i.phase,
-                                list(i.open_phases), protocol.incident_payload(report)])
+        self._incidents.append(RelayedIncident(self._next_id, i.node_rank, i.cleared_at, i.step,
+                                               i.phase, i.open_phases, report))
         return self._next_id
 
     def clear_stall(self, row_id: int, cleared_at: float) -> None:
-        self._clears.append([row_id, cleared_at])
+        self._clears.append((row_id, cleared_at))
 
     def save_sender(self, s: SenderState) -> None:
         self._states[s.sender.sender_id] = s
@@ -161,8 +164,7 @@ class Outbox:
         never lost with it (its steps and samples are, counted as one drop)."""
         held = self._states, self._incidents, self._clears, self._rejected_sent
         batch = self.take()
-        if batch is not None and not self.upstream.send(
-                protocol.KIND_RELAY, protocol.relay_payload(batch)):
+        if batch is not None and not self.upstream.send(batch):
             # Nothing arrived since the take (one thread): what it held is all there is.
             self._states, self._incidents, self._clears, self._rejected_sent = held
 
@@ -189,8 +191,8 @@ class Outbox:
             senders=[(s.sender, s.counters()) for s in self._states.values()],
             step_columns=[list(column) for column in zip(*steps)],
             flop_counts=[[index[key], *values] for key, values in self._flops],
-            process=[[index[key], p] for key, p in self._process],
-            system=[[index[key], p] for key, p in self._system],
+            process=[(index[key], p) for key, p in self._process],
+            system=[(index[key], p) for key, p in self._system],
             incidents=self._incidents, clears=self._clears, rejected=dict(self._rejected))
         self.num_steps += len(steps)
         self._rejected_sent = batch.rejected

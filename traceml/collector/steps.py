@@ -1,7 +1,7 @@
 """Step detection and exclusive phase timing (collector side).
 
 A rank's training thread only logs event times, one list per event code
-(`traceml.protocol` has the codes; `traceml.agent.patches` logs them), and
+(`traceml.wire.events` has the codes; `traceml.agent.patches` logs them), and
 ships them in batches; `traceml.collector.rank_steps.RankSteps` merges each
 batch back into one timeline and one `StepTracker` per rank replays it, emitting
 one `StepTiming` per training step, so the rank spends nothing on the state
@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from traceml import phases
-from traceml.protocol import (
+from traceml.wire.events import (
     BACKWARD,
     BATCH,
     BATCH_FROM_FORWARD,
@@ -140,7 +140,7 @@ class StepTracker:
         self._marks: list[Any] = []
         self._rss: int | None = None
         self._in_flight = InFlight()
-        self._batch: Any = None  # the batch record in effect (`protocol.BATCH_FIELDS`)
+        self._batch: Any = None  # the batch record in effect (`wire.events.BATCH_FIELDS`)
         self._tally = BatchTally()
         self._pending_tally = BatchTally()
         self._flops: float | None = None

@@ -32,7 +32,7 @@ from traceml.config import (
 )
 from traceml.environment import parse_stall_timeout
 from traceml.errors import UsageError
-from traceml.protocol import MAX_NODES, MAX_WORLD_SIZE
+from traceml.wire.identity import MAX_NODES, MAX_WORLD_SIZE
 
 # dest names of the options traceml adds; everything else belongs to torch.
 OWN_DESTS = (

@@ -20,13 +20,15 @@ from typing import IO, Any
 import orjson
 import zmq
 
-from traceml import environment, protocol
+from traceml import environment
 from traceml.collector.config import CollectorConfig
 from traceml.errors import UsageError
-from traceml.protocol import Control, Envelope, RunEnd, RunStart, Sender, StopCollector
 from traceml.security import derive_keys, launcher_keys, new_secret, secure_client
 from traceml.store import StoreError, StoreWriter
 from traceml.version import __version__
+from traceml.wire.envelope import Envelope, encode
+from traceml.wire.identity import Sender
+from traceml.wire.records import Control, RunEnd, RunStart, StopCollector
 
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
@@ -104,14 +106,11 @@ class CollectorProcess:
         self._send(run)
 
     def _send(self, control: Control) -> None:
-        env = Envelope(
-            session_id=self.config.session_id, kind=protocol.KIND_CONTROL,
-            sender=self._identity, seq=self._seq, sent_at=time.time(),
-            payload=protocol.control_payload(control),
-        )
+        env = Envelope(session_id=self.config.session_id, sender=self._identity, seq=self._seq,
+                       sent_at=time.time(), message=control)
         self._seq += 1
         try:
-            self._control.send(protocol.encode(env), zmq.NOBLOCK)
+            self._control.send(encode(env), zmq.NOBLOCK)
         except zmq.Again:
             pass  # collector gone; the launcher reports that at the end
 

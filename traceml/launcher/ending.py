@@ -16,11 +16,11 @@ from tabulate import tabulate
 from traceml import phases
 from traceml.diagnosis.throughput import RankThroughput
 from traceml.errors import UsageError
-from traceml.protocol import RunEnd
 from traceml.records import RunData, rank_totals
 from traceml.report.model import Report
 from traceml.report.text import THROUGHPUT_UNITS, format_count
 from traceml.store import STORE_FILENAME
+from traceml.wire.records import RunEnd
 
 PARTS = (*phases.stacked(), phases.TOTAL)
 

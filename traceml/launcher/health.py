@@ -29,10 +29,11 @@ from typing import Any
 import orjson
 import psutil
 
-from traceml import protocol, stacks
-from traceml.protocol import EXIT, STALL, IncidentReport
+from traceml import stacks
 from traceml.records import Incident
 from traceml.stacks import STACKS_DIR, StackFiles
+from traceml.wire.envelope import Message
+from traceml.wire.incidents import EXIT, STALL, IncidentReport
 
 DUMP_WAIT_S = 3.0
 """How long faulthandler gets to write a signalled rank's stacks."""
@@ -68,14 +69,14 @@ class StackWatch:
         self._reports: list[IncidentReport] = []
         self._lock = threading.Lock()
 
-    def produce(self) -> list[tuple[str, dict[str, Any]]]:
+    def produce(self) -> list[Message]:
         """Sender thread, every sample interval."""
         if self.folder.is_dir():
             for path in self.folder.glob("*.json"):
                 self._look(path)
         with self._lock:
             reports, self._reports = self._reports, []
-        return [(protocol.KIND_INCIDENT, protocol.incident_payload(r)) for r in reports]
+        return list(reports)
 
     def _look(self, path: Path) -> None:
         try:

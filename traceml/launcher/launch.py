@@ -39,9 +39,9 @@ from traceml.launcher.process_watcher import ProcessWatcher
 from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
-from traceml.protocol import MAX_WORLD_SIZE
 from traceml.security import new_secret, session_keys
 from traceml.store import STORE_FILENAME, STORE_MODE, StoreError, StoreReader
+from traceml.wire.identity import MAX_WORLD_SIZE
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
 PEER_COLLECTOR_S = READY_TIMEOUT_S + 10.0

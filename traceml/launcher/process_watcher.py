@@ -11,16 +11,16 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
 
 import psutil
 
-from traceml import protocol
 from traceml.environment import TorchRank
 from traceml.host import usable_cpus
-from traceml.protocol import Sender
 from traceml.security import CurveKeys
 from traceml.sender import BatchSender
+from traceml.wire.envelope import Message
+from traceml.wire.identity import Sender
+from traceml.wire.rows import PROCESS_FIELDS, ProcessRows
 
 
 class ProcessWatcher:
@@ -68,7 +68,7 @@ class ProcessWatcher:
                       local_rank=rank.local_rank, world_size=rank.world_size,
                       restart=rank.restart_count)
 
-    def produce(self) -> list[tuple[str, dict[str, Any]]]:
+    def produce(self) -> list[Message]:
         self._discover()
         for pid, (proc, who) in list(self.workers.items()):
             try:
@@ -78,6 +78,5 @@ class ProcessWatcher:
             except psutil.Error:
                 del self.workers[pid]
                 continue
-            self.sender.send(protocol.KIND_PROCESS,
-                             protocol.rows_payload(protocol.PROCESS_FIELDS, [row]), who)
+            self.sender.send(ProcessRows(PROCESS_FIELDS, [row]), who)
         return []

@@ -15,11 +15,13 @@ from typing import Any
 
 import psutil
 
-from traceml import protocol
 from traceml.environment import TorchRank
-from traceml.protocol import Sender
 from traceml.security import CurveKeys
 from traceml.sender import BatchSender, Producer
+from traceml.wire.envelope import Message
+from traceml.wire.identity import Sender
+from traceml.wire.records import Bye
+from traceml.wire.rows import SYSTEM_FIELDS, SystemRows
 
 
 def visible_gpu_indices(count: int, visible: str | None) -> list[int]:
@@ -111,7 +113,7 @@ class SystemSampler:
                                   final_producers=[self.produce, *extra, self._bye],
                                   keys=keys)
 
-    def produce(self) -> list[tuple[str, dict[str, Any]]]:
+    def produce(self) -> list[Message]:
         if self.node_rank is None:
             self.node_rank = workers_node_rank()
             if self.node_rank is None:
@@ -119,12 +121,12 @@ class SystemSampler:
             self.sender.identity = replace(self.sender.identity, node_rank=self.node_rank)
         mem = psutil.virtual_memory()
         row = (time.time(), psutil.cpu_percent(None), mem.percent, mem.total, self.nvml.sample())
-        return [(protocol.KIND_SYSTEM, protocol.rows_payload(protocol.SYSTEM_FIELDS, [row]))]
+        return [SystemRows(SYSTEM_FIELDS, [row])]
 
-    def _bye(self) -> list[tuple[str, dict[str, Any]]]:
+    def _bye(self) -> list[Message]:
         if self.node_rank is None:
             return []
-        return [(protocol.KIND_BYE, {"t": time.time()})]
+        return [Bye(time.time())]
 
     def start(self) -> None:
         self.sender.start()

@@ -24,13 +24,13 @@ import orjson
 from traceml.config import DEFAULT_WINDOW_ROWS
 from traceml.diagnosis.window import ANALYSIS_WINDOW
 from traceml.errors import UsageError
-from traceml.protocol import RunEnd, RunStart
 from traceml.records import RunData
 from traceml.report.build import build_report
 from traceml.report.json_codec import report_to_json
 from traceml.report.model import Report
 from traceml.report.text import render_text
 from traceml.store import STORE_FILENAME, StoreError, StoreReader
+from traceml.wire.records import RunEnd, RunStart
 
 JSON_NAME = "final_summary.json"
 TEXT_NAME = "final_summary.txt"

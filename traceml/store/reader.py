@@ -18,7 +18,6 @@ import orjson
 
 from traceml import step_fields
 from traceml.errors import ProtocolError
-from traceml.protocol import MAX_WORLD_SIZE, RunEnd, RunStart, record_from_json
 from traceml.records import (
     TOTALED,
     FlopCount,
@@ -53,6 +52,8 @@ from traceml.store.schema import (
     StoreError,
     sqlite_errors,
 )
+from traceml.wire.identity import MAX_WORLD_SIZE
+from traceml.wire.records import RunEnd, RunStart, record_from_json
 
 _T = TypeVar("_T")
 _Run = TypeVar("_Run", RunStart, RunEnd)

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from traceml.protocol import RunEnd, RunStart, Sender
+from traceml.wire.identity import Sender
+from traceml.wire.records import RunEnd, RunStart
 
 
 @dataclass

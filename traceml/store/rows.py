@@ -15,7 +15,6 @@ import orjson
 
 from traceml import stacks, step_fields
 from traceml.errors import ProtocolError
-from traceml.protocol import MAX_WORLD_SIZE, RunEnd, RunStart, Sender
 from traceml.records import (
     TOTALED,
     GpuSample,
@@ -30,6 +29,8 @@ from traceml.records import (
     totals_of,
 )
 from traceml.store.records import RunRecords, SenderState
+from traceml.wire.identity import MAX_WORLD_SIZE, Sender
+from traceml.wire.records import RunEnd, RunStart
 
 _Run = TypeVar("_Run", RunStart, RunEnd)
 

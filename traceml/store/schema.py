@@ -10,7 +10,7 @@ import sqlite3
 from collections.abc import Iterator, Sequence
 
 from traceml import step_fields
-from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS
+from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS
 
 STORE_FILENAME = "telemetry.sqlite"
 SCHEMA_VERSION = 5  # 2: a column per phase (communication), collective_ms

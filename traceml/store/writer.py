@@ -12,7 +12,6 @@ from typing import Any
 import orjson
 
 from traceml import stacks
-from traceml.protocol import PROCESS_FIELDS, SYSTEM_FIELDS, RunEnd, RunStart, Sender, record_to_json
 from traceml.records import FlopCount, Incident, StepRow
 from traceml.store.records import JoinError, SenderState
 from traceml.store.schema import (
@@ -33,6 +32,9 @@ from traceml.store.schema import (
     StoreError,
     sqlite_errors,
 )
+from traceml.wire.identity import Sender
+from traceml.wire.records import RunEnd, RunStart, record_to_json
+from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS, ProcessRows, SystemRows
 
 
 def _pick(fields: Sequence[str], wanted: Sequence[str],
@@ -112,19 +114,17 @@ class StoreWriter:
         self._executemany(FLOP_COUNT_SQL, [
             (*prefix, *c.values()) for c in counts])
 
-    def add_process(self, sender: Sender, fields: Sequence[str],
-                    rows: Iterable[Sequence[Any]]) -> None:
-        """Process samples as columnar rows of ``fields`` (of `protocol.PROCESS_FIELDS`)."""
+    def add_process(self, sender: Sender, samples: ProcessRows) -> None:
+        """Process samples of a rank (the fields of `wire.rows.PROCESS_FIELDS` it sent)."""
         prefix = (sender.rank, sender.restart, sender.node_rank)
-        self._executemany(PROCESS_SQL, [(*prefix, *values)
-                                         for values in _pick(fields, PROCESS_FIELDS, rows)])
+        self._executemany(PROCESS_SQL, [(*prefix, *values) for values in _pick(
+            samples.fields, PROCESS_FIELDS, samples.rows)])
 
-    def add_system(self, sender: Sender, fields: Sequence[str],
-                   rows: Iterable[Sequence[Any]]) -> None:
-        """System samples as columnar rows of ``fields`` (of `protocol.SYSTEM_FIELDS`)."""
+    def add_system(self, sender: Sender, samples: SystemRows) -> None:
+        """System samples of a node (the fields of `wire.rows.SYSTEM_FIELDS` it sent)."""
         gpus = SYSTEM_FIELDS.index("gpus")
         batch = []
-        for values in _pick(fields, SYSTEM_FIELDS, rows):
+        for values in _pick(samples.fields, SYSTEM_FIELDS, samples.rows):
             values[gpus] = orjson.dumps(values[gpus] or []).decode()
             batch.append((sender.node_rank, sender.host, *values))
         self._executemany(SYSTEM_SQL, batch)

@@ -21,7 +21,6 @@ phases.PHASES = (*phases.PHASES, phases.Phase("h2d", "Host to device", "#17becf"
 
 from rich.console import Console  # noqa: E402
 
-from traceml import protocol  # noqa: E402
 from traceml.collector.rank_steps import RankSteps  # noqa: E402
 from traceml.compare.cli import main as compare_main  # noqa: E402
 from traceml.launcher.ending import phase_table  # noqa: E402
@@ -31,6 +30,10 @@ from traceml.report.page.snapshot import live_snapshot  # noqa: E402
 from traceml.report.schema import validate_summary  # noqa: E402
 from traceml.report.session import write_summary  # noqa: E402
 from traceml.store import SenderState, StoreWriter  # noqa: E402
+from traceml.wire import events as ev  # noqa: E402
+from traceml.wire.envelope import Envelope, decode, encode  # noqa: E402
+from traceml.wire.identity import Sender  # noqa: E402
+from traceml.wire.records import RunEnd, RunStart  # noqa: E402
 
 H2D = phases.code("h2d")
 T0 = 1_767_225_600.0
@@ -40,42 +43,42 @@ NUM_STEPS = 40
 def iteration(t: float, h2d_s: float) -> list[tuple[int, float]]:
     """One training iteration's events: fetch, copy to the device, forward,
     backward, optimizer step (seconds on the rank's clock)."""
-    marks = [(protocol.INPUT, 0.0), (protocol.END, 0.001), (H2D, 0.001),
-             (protocol.END, 0.001 + h2d_s)]
+    marks = [(ev.INPUT, 0.0), (ev.END, 0.001), (H2D, 0.001),
+             (ev.END, 0.001 + h2d_s)]
     at = 0.001 + h2d_s
-    for code, length in ((protocol.FORWARD, 0.002), (protocol.BACKWARD, 0.004),
-                         (protocol.OPTIMIZER, 0.001)):
-        marks += [(code, at), (protocol.OPTIMIZER_END if code == protocol.OPTIMIZER
-                               else protocol.END, at + length)]
+    for code, length in ((ev.FORWARD, 0.002), (ev.BACKWARD, 0.004),
+                         (ev.OPTIMIZER, 0.001)):
+        marks += [(code, at), (ev.OPTIMIZER_END if code == ev.OPTIMIZER
+                               else ev.END, at + length)]
         at += length
     return [(code, t + dt) for code, dt in marks]
 
 
-def events(h2d_s: float) -> dict[str, object]:
+def events(h2d_s: float) -> ev.EventBatch:
     """A rank's events message of NUM_STEPS steps, as the collector receives it."""
-    times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
+    times: list[list[float]] = [[] for _ in range(ev.NUM_EVENT_CODES)]
     step_s = 0.0085 + h2d_s  # 0.5 ms of it outside every phase
     for step in range(NUM_STEPS):
         for code, t in iteration(step * step_s, h2d_s):
             times[code].append(t)
-    times[protocol.CLOSE].append(NUM_STEPS * step_s)
-    payload = protocol.events_payload(0, T0, times, [], [(0.0, 1 << 30)])
-    sender = protocol.Sender("rank", "box", 1, 0, 0)
-    envelope = protocol.Envelope("s", protocol.KIND_EVENTS, sender, 0, T0, payload)
-    return protocol.decode(protocol.encode(envelope)).payload
+    times[ev.CLOSE].append(NUM_STEPS * step_s)
+    batch = ev.EventBatch(0, T0, times, [], [(0.0, 1 << 30)])
+    wire = decode(encode(Envelope("s", Sender("rank", "box", 1, 0, 0), 0, T0, batch))).message
+    assert isinstance(wire, ev.EventBatch)
+    return wire
 
 
 def session(out: Path, name: str, h2d_s: float) -> Path:
     folder = out / name
     folder.mkdir(parents=True)
     writer = StoreWriter(str(folder / "telemetry.sqlite"))
-    writer.save_run(protocol.RunStart(
+    writer.save_run(RunStart(
         session_id=name, command=(), started_at=T0, traceml_version="", torch_version="",
         python_version="", summary_window_rows=10000, mode="run", expected_world_size=2))
-    writer.save_run(protocol.RunEnd(ended_at=T0 + 1.0, exit_code=0))
+    writer.save_run(RunEnd(ended_at=T0 + 1.0, exit_code=0))
     for rank in (0, 1):
-        sender = protocol.Sender("rank", "box", 100 + rank, 0, rank, rank, 2)
-        writer.add_steps(RankSteps(sender).feed(events(h2d_s)))
+        sender = Sender("rank", "box", 100 + rank, 0, rank, rank, 2)
+        writer.add_steps(RankSteps(sender).feed_batch(events(h2d_s)))
         writer.save_sender(SenderState(sender, T0, T0 + 1.0, said_bye=True))
     writer.close()
     return folder

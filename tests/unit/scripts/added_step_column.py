@@ -24,7 +24,6 @@ step_fields.STEP_FIELDS = (*step_fields.STEP_FIELDS,
                            step_fields.StepField("dummy_ms", float, 0.0, reported=True,
                                                  high=step_fields.MAX_STEP_MS))
 
-from traceml import protocol  # noqa: E402
 from traceml.collector import rank_steps  # noqa: E402
 from traceml.collector.config import CollectorConfig  # noqa: E402
 from traceml.collector.dispatch import Collector  # noqa: E402
@@ -33,6 +32,10 @@ from traceml.records import to_jsonable  # noqa: E402
 from traceml.report.schema import validate_summary  # noqa: E402
 from traceml.report.session import load_run, write_summary  # noqa: E402
 from traceml.store import StoreWriter  # noqa: E402
+from traceml.wire import events as ev  # noqa: E402
+from traceml.wire.envelope import Envelope, Message, encode  # noqa: E402
+from traceml.wire.identity import Sender  # noqa: E402
+from traceml.wire.records import Bye, RunEnd, RunStart  # noqa: E402
 
 SESSION = "dummy"
 T0 = 1_767_225_600.0
@@ -53,29 +56,29 @@ class Upstream:
     """The relay's upstream: node 0's collector itself, handed each batch's bytes."""
 
     def __init__(self, node0: Collector) -> None:
-        self.identity = protocol.Sender("relay", "box", 9, 1)
+        self.identity = Sender("relay", "box", 9, 1)
         self.node0, self.seq = node0, 0
 
-    def send(self, kind: str, payload: dict[str, object]) -> bool:
-        env = protocol.Envelope(SESSION, kind, self.identity, self.seq, T0, payload)
+    def send(self, message: Message) -> bool:
+        env = Envelope(SESSION, self.identity, self.seq, T0, message)
         self.seq += 1
-        self.node0.handle(protocol.encode(env), from_relay=True)
+        self.node0.handle(encode(env), from_relay=True)
         return True
 
 
-def events(rank: int) -> dict[str, object]:
+def events(rank: int) -> ev.EventBatch:
     """NUM_STEPS iterations of rank ``rank`` (r1's backward 4 ms longer)."""
-    times: list[list[float]] = [[] for _ in range(protocol.NUM_EVENT_CODES)]
+    times: list[list[float]] = [[] for _ in range(ev.NUM_EVENT_CODES)]
     step_s = 0.010 + 0.004 * rank
     for step in range(NUM_STEPS):
         at = step * step_s
-        for code, dt in ((protocol.INPUT, 0.0), (protocol.END, 0.001), (protocol.FORWARD, 0.001),
-                         (protocol.END, 0.003), (protocol.BACKWARD, 0.003),
-                         (protocol.END, 0.008 + 0.004 * rank), (protocol.OPTIMIZER, 0.008 + 0.004 * rank),
-                         (protocol.OPTIMIZER_END, 0.009 + 0.004 * rank)):
+        for code, dt in ((ev.INPUT, 0.0), (ev.END, 0.001), (ev.FORWARD, 0.001),
+                         (ev.END, 0.003), (ev.BACKWARD, 0.003),
+                         (ev.END, 0.008 + 0.004 * rank), (ev.OPTIMIZER, 0.008 + 0.004 * rank),
+                         (ev.OPTIMIZER_END, 0.009 + 0.004 * rank)):
             times[code].append(at + dt)
-    times[protocol.CLOSE].append(NUM_STEPS * step_s)
-    return protocol.events_payload(0, T0, times, [], [(0.0, 1 << 30)])
+    times[ev.CLOSE].append(NUM_STEPS * step_s)
+    return ev.EventBatch(0, T0, times, [], [(0.0, 1 << 30)])
 
 
 def main() -> None:
@@ -83,18 +86,17 @@ def main() -> None:
     folder.mkdir(parents=True)
     node0 = Collector(CollectorConfig(SESSION, "127.0.0.1", 0, "", 0),
                       StoreWriter(str(folder / "telemetry.sqlite")))
-    node0.store.save_run(protocol.RunStart(
+    node0.store.save_run(RunStart(
         session_id=SESSION, command=(), started_at=T0, traceml_version="", torch_version="",
         python_version="", summary_window_rows=10000, mode="run", expected_world_size=2))
     outbox = Outbox(Upstream(node0))  # type: ignore[arg-type]
     relay = Collector(CollectorConfig(SESSION, "127.0.0.1", 0, "", 0, node_rank=1), outbox)
     for rank in (0, 1):
-        who = protocol.Sender("rank", "box", 100 + rank, 1, rank, rank, 2)
-        for seq, (kind, payload) in enumerate(((protocol.KIND_EVENTS, events(rank)),
-                                               (protocol.KIND_BYE, {"t": T0 + 1}))):
-            relay.handle(protocol.encode(protocol.Envelope(SESSION, kind, who, seq, T0, payload)))
+        who = Sender("rank", "box", 100 + rank, 1, rank, rank, 2)
+        for seq, message in enumerate((events(rank), Bye(T0 + 1))):
+            relay.handle(encode(Envelope(SESSION, who, seq, T0, message)))
     outbox.commit()
-    node0.store.save_run(protocol.RunEnd(ended_at=T0 + 1.0, exit_code=0))
+    node0.store.save_run(RunEnd(ended_at=T0 + 1.0, exit_code=0))
     node0.close()
     files = write_summary(folder)
     (folder.parent / "schema_problems.txt").write_text("\n".join(validate_summary(files.summary)))
