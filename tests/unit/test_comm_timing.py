@@ -23,7 +23,8 @@ from traceml.agent.ddp_buckets import MAX_HOOKED_PARAMS, first_bucket
 from traceml.agent.patches import Instrumentation
 from traceml.agent.probe import Probe
 from traceml.collector.rank_steps import merge_events
-from traceml.collector.steps import StepTiming, StepTracker
+from traceml.collector.step_parts import StepTiming
+from traceml.collector.steps import StepTracker
 from traceml.wire.events import END
 
 COMM = phases.code("communication")

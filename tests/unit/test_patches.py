@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from traceml.agent.patches import Instrumentation
 from traceml.agent.probe import Probe
 from traceml.collector.rank_steps import merge_events
-from traceml.collector.steps import StepTiming, StepTracker
+from traceml.collector.step_parts import StepTiming
+from traceml.collector.steps import StepTracker
 
 
 class Steps:

@@ -17,7 +17,7 @@ import pytest
 
 from traceml import phases, step_fields
 from traceml.collector.rank_steps import step_row
-from traceml.collector.steps import StepTiming
+from traceml.collector.step_parts import StepTiming
 from traceml.records import StepRow
 from traceml.store import StoreWriter
 from traceml.wire import events, relay

@@ -10,7 +10,8 @@ import pytest
 
 from tests.raw_wire import empty_times
 from traceml.collector.rank_steps import RankSteps, merge_device_marks
-from traceml.collector.steps import HOLD_BACKWARD_STEPS, StepTiming, StepTracker
+from traceml.collector.step_parts import StepTiming
+from traceml.collector.steps import HOLD_BACKWARD_STEPS, StepTracker
 from traceml.errors import ProtocolError
 from traceml.wire.events import (
     BACKWARD,

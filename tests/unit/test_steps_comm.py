@@ -7,7 +7,7 @@ import pytest
 
 from tests.unit.test_steps import Script
 from traceml import phases
-from traceml.collector.steps import InFlight
+from traceml.collector.step_parts import InFlight
 from traceml.wire.events import BACKWARD, CLOSE, END, FORWARD, INPUT, NOGRAD_FORWARD, OPTIMIZER, SPAN
 
 COMM = phases.code("communication")

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from traceml import phases
-from traceml.collector.steps import StepTiming, StepTracker
+from traceml.collector.step_parts import StepTiming
+from traceml.collector.steps import StepTracker
 from traceml.errors import ProtocolError
 from traceml.records import FlopCount, StepRow
 from traceml.wire.events import (

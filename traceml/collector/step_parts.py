@@ -1,0 +1,227 @@
+"""A step as the step tracker (`traceml.collector.steps`) emits it (`StepTiming`), the
+parts it accumulates while the step runs, and the time that still waits to learn what
+it was for (collector side)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from traceml import phases
+from traceml.wire.events import BATCH_FROM_FORWARD, INPUT
+
+OPTIMIZER_RULE, BACKWARD_RULE, MANUAL_RULE = phases.STEP_BOUNDARIES
+
+MAX_DEPTH = 256
+"""Deeper phase nesting, or more device marks or disjoint collective spans in one step,
+than any training loop makes: the events are not a rank's, and are dropped (or
+folded)."""
+
+
+class StepTiming(NamedTuple):
+    """One finished training step of a rank (times in seconds, on its clock)."""
+
+    step: int
+    t_begin: float
+    total_s: float
+    phase_s: tuple[float, ...]  # exclusive time per phase of `traceml.phases.PHASES`
+    counts: tuple[int, ...]
+    num_skipped: int
+    marks: tuple[Any, ...] = ()  # MARK payloads logged while the step ran
+    rss_bytes: int | None = None  # the rank's RSS when the step finished
+    collective_s: float | None = None  # time any collective was in flight; None: none timed
+    samples: int | None = None  # in the batches the step consumed; None: not measured
+    tokens: int | None = None
+    flops: float | None = None  # per step, counted once for the batch shape; None: not known
+    flops_counted: bool = False  # the FLOP counter ran in this step (slowed it)
+    boundary: str = OPTIMIZER_RULE  # what ended it: one of `traceml.phases.STEP_BOUNDARIES`
+    eval_s: float = 0.0  # evaluation wall time that ended where this step began
+    num_eval: int = 0  # ...and how many evaluation passes
+
+    @property
+    def wait_s(self) -> float:
+        return max(0.0, self.total_s - sum(self.phase_s))
+
+
+class OpenStep:
+    """What the running step accumulated: per phase its exclusive time and calls,
+    skipped GradScaler steps, device marks, collectives in flight, batch sizes, whether
+    the FLOP counter ran in it."""
+
+    __slots__ = ("begin", "acc", "counts", "num_skipped", "marks", "in_flight", "tally",
+                 "counted")
+
+    def __init__(self, begin: float) -> None:
+        self.begin = begin
+        self.acc = [0.0] * len(phases.PHASES)
+        self.counts = [0] * len(phases.PHASES)
+        self.num_skipped = 0
+        self.marks: list[Any] = []
+        self.in_flight = InFlight()
+        self.tally = BatchTally()
+        self.counted = False
+
+    def merge(self, held: Sequence[Any]) -> None:
+        """Steps a backward ended (`steps.StepTiming`s, held back) that the first
+        optimizer step shows were gradient accumulation: they and this one are one
+        step, from the first one's begin."""
+        self.begin = held[0].t_begin
+        for step in held:
+            for i, (s, n) in enumerate(zip(step.phase_s, step.counts)):
+                self.acc[i] += s
+                self.counts[i] += n
+            self.num_skipped += step.num_skipped
+            self.in_flight.add_total(step.collective_s)
+        self.marks = [m for step in held for m in step.marks] + self.marks
+        tally = BatchTally()  # their batches are this step's too
+        for step in held:
+            if step.samples is not None or step.tokens is not None:
+                tally.add(step.samples, step.tokens)
+            self.counted = self.counted or step.flops_counted
+        tally.absorb(self.tally)
+        self.tally = tally
+
+
+class Evaluations:
+    """Evaluation passes, kept out of the steps: the one running (since ``start``),
+    those that ended before the next step begins, and those that ended where the open
+    step began (``of_step``: wall seconds and passes, which go with it)."""
+
+    __slots__ = ("start", "waiting_s", "num_waiting", "of_step")
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.waiting_s, self.num_waiting = 0.0, 0
+        self.of_step = (0.0, 0)
+
+    def begin(self, t: float) -> None:
+        if self.start is None:
+            self.start = t
+
+    def step_begins(self, t: float) -> None:
+        """A step begins at ``t``: the running pass ends there, and every pass since the
+        last step began goes with the new one."""
+        if self.start is not None:
+            self.waiting_s += max(0.0, t - self.start)
+            self.num_waiting += 1
+            self.start = None
+        self.of_step = (self.waiting_s, self.num_waiting)
+        self.waiting_s, self.num_waiting = 0.0, 0
+
+    def step_dropped(self) -> None:
+        """The open step is not kept: its passes go with the next one."""
+        self.waiting_s += self.of_step[0]
+        self.num_waiting += self.of_step[1]
+
+    def merge(self, held: Sequence[Any]) -> None:
+        """Held steps merged into the open one (`OpenStep.merge`): their passes too."""
+        self.of_step = (self.of_step[0] + sum(h.eval_s for h in held),
+                        self.of_step[1] + sum(h.num_eval for h in held))
+
+
+class Pending:
+    """Time that waits for the next model activity to say what it was for: fetches (a
+    training step's input, or an evaluation loop's?) and the collectives and copies
+    since, per phase, with the batches the fetches took."""
+
+    __slots__ = ("start", "fetch_s", "num_fetches", "comm_s", "num_comm", "spans", "tally")
+
+    def __init__(self) -> None:
+        self.start: float | None = None  # where the first pending fetch began
+        self.fetch_s = 0.0
+        self.num_fetches = 0
+        self.comm_s = [0.0] * len(phases.PHASES)  # per phase (input: copies)
+        self.num_comm = [0] * len(phases.PHASES)
+        self.spans: list[Any] = []  # collectives' (launch, completion)
+        self.tally = BatchTally()
+
+    def holds_time(self) -> bool:
+        """Whether anything besides fetches is pending."""
+        return bool(self.spans) or any(self.comm_s)
+
+    def add_fetch(self, start: float, own_s: float, batch: Any) -> None:
+        """A fetch ended (``batch``: the batch record in effect)."""
+        if self.start is None:
+            self.start = start
+        self.fetch_s += own_s
+        self.num_fetches += 1
+        if batch is not None and batch[3] != BATCH_FROM_FORWARD:
+            self.tally.add(batch[0], batch[1])
+
+    def absorb_into(self, step: OpenStep) -> bool:
+        """The pending time is ``step``'s: its fetches input, its collectives and
+        copies their phases; True when fetches were among it."""
+        fetched = bool(self.num_fetches)
+        if fetched:
+            step.acc[INPUT] += self.fetch_s
+            step.counts[INPUT] += self.num_fetches
+            step.tally.absorb(self.tally)
+        for phase, n in enumerate(self.num_comm):
+            if n or self.comm_s[phase]:  # copies are input time, not a fetch
+                step.acc[phase] += self.comm_s[phase]
+                step.counts[phase] += n
+        for launch, done in self.spans:
+            step.in_flight.add(max(launch, step.begin), done)
+        return fetched
+
+
+class BatchTally:
+    """Samples and tokens of the batches a step consumed; None once one was not measured."""
+
+    __slots__ = ("num", "samples", "tokens")
+
+    def __init__(self) -> None:
+        self.num = 0
+        self.samples: int | None = 0
+        self.tokens: int | None = 0
+
+    def add(self, samples: int | None, tokens: int | None) -> None:
+        self.num += 1
+        self.samples = None if samples is None or self.samples is None else self.samples + samples
+        self.tokens = None if tokens is None or self.tokens is None else self.tokens + tokens
+
+    def absorb(self, other: BatchTally) -> None:
+        if other.num:
+            self.num += other.num
+            self.samples = (None if other.samples is None or self.samples is None
+                            else self.samples + other.samples)
+            self.tokens = (None if other.tokens is None or self.tokens is None
+                           else self.tokens + other.tokens)
+
+    def result(self) -> tuple[int | None, int | None]:
+        """(samples, tokens); None for a step no batch was seen in."""
+        return (self.samples, self.tokens) if self.num else (None, None)
+
+
+class InFlight:
+    """The union of a step's collective spans, fed in order of completion: the
+    time at least one collective was in flight, however many overlapped."""
+
+    def __init__(self) -> None:
+        self._blocks: list[list[float]] = []  # disjoint [start, end], by end
+        self._folded_s = 0.0  # blocks folded away (too many to keep)
+        self._any = False
+
+    def add(self, launch: float, done: float) -> None:
+        blocks = self._blocks
+        start, end = launch, done
+        while blocks and blocks[-1][1] >= launch:  # a late span may end before them
+            popped = blocks.pop()
+            start, end = min(start, popped[0]), max(end, popped[1])
+        blocks.append([start, end])
+        self._any = True
+        if len(blocks) > MAX_DEPTH:
+            first = blocks.pop(0)
+            self._folded_s += first[1] - first[0]
+
+    def add_total(self, total_s: float | None) -> None:
+        """Add an earlier step's time in flight (a merged step)."""
+        if total_s is not None:
+            self._folded_s += total_s
+            self._any = True
+
+    def total_s(self) -> float | None:
+        """Seconds in flight; None when no collective was timed."""
+        if not self._any:
+            return None
+        return self._folded_s + sum(end - start for start, end in self._blocks)
