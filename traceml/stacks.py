@@ -134,13 +134,13 @@ def from_json(items: Any) -> tuple[Frame, ...]:
 # forward is communication).
 _MARKERS: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     ("input", "torch/utils/data/dataloader.py", frozenset({"__next__"})),
-    ("input", "traceml/agent/patches.py", frozenset({"__next__"})),
+    ("input", "traceml/agent/input_patches.py", frozenset({"__next__"})),
     ("forward", "torch/nn/modules/module.py", frozenset({"_call_impl", "_wrapped_call_impl"})),
-    ("forward", "traceml/agent/patches.py", frozenset({"__call__"})),
+    ("forward", "traceml/agent/model_patches.py", frozenset({"__call__"})),
     ("backward", "torch/_tensor.py", frozenset({"backward"})),
     ("backward", "torch/autograd/__init__.py", frozenset({"backward", "grad"})),
     ("backward", "torch/autograd/graph.py", frozenset({"_engine_run_backward"})),
-    ("backward", "traceml/agent/patches.py", frozenset({"backward"})),
+    ("backward", "traceml/agent/model_patches.py", frozenset({"backward"})),
     ("optimizer", "torch/optim/optimizer.py", None),
     ("optimizer", "torch/amp/grad_scaler.py", frozenset({"step"})),
     ("communication", "torch/distributed/distributed_c10d.py", None),
