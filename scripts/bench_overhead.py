@@ -191,10 +191,10 @@ def measure_cuda(runtime: AgentRuntime, inst: Instrumentation, timings: list[str
     for name, loop, num_blocks in cuda_loops(blocks, long_ms):
         for timing in timings:
             label, rule = CUDA_TIMINGS[timing]
-            runtime.use_sampling(rule)
+            runtime.device.use_sampling(rule)
             print(f"-- {name}, CUDA timing: {label}")
             measure(name, loop, inst, num_blocks)
-            sampler = runtime.sampler
+            sampler = runtime.device.sampler
             cost, step = sampler.cost_s, sampler.step_s
             if cost is not None and step is not None:
                 print(f"{name:<11}timed 1 step in {sampler.every} ({sampler.num_timed} timed); "
@@ -399,7 +399,7 @@ def main() -> None:
         runtime = AgentRuntime(env, Sender("rank", socket.gethostname(), os.getpid(), 0, rank=0))
         runtime.watch_batches()
         runtime.sender.start()
-        if args.device.startswith("cuda") and not runtime.watch_cuda():
+        if args.device.startswith("cuda") and not runtime.device.watch():
             parser.error("--device cuda: torch sees no CUDA device")
         inst = Instrumentation(runtime.probe)
         mode = "with the live dashboard polled 1/s" if args.dashboard else "summary mode"

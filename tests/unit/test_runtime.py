@@ -192,7 +192,7 @@ class StandInTimer:
 
 def log_device_marks(runtime: AgentRuntime, timer: StandInTimer) -> None:
     runtime.probe.cuda_timer = timer  # armed: every step timed
-    runtime.cuda_timer = timer  # type: ignore[assignment]  # resolves the marks
+    runtime.device.cuda_timer = timer  # type: ignore[assignment]  # resolves the marks
     ends = iter(range(1000))
     runtime.probe.on_optimizer_end = lambda t=None: runtime.probe.mark(
         ((100, 200), [next(ends)]), t)
@@ -305,7 +305,7 @@ def train_on_stand_in(runtime: AgentRuntime, step_bytes: list[int],
                       num_optimizers: int = 1) -> list[dict[str, Any]]:
     """One iteration per ``step_bytes`` entry (its transient allocation), through the
     real patches, then exit as shutdown does; the steps the collector makes."""
-    cuda = runtime._cuda
+    cuda = runtime.device.cuda
     install(runtime)
     models = [GpuModel(cuda) for _ in range(num_optimizers)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
@@ -318,7 +318,7 @@ def train_on_stand_in(runtime: AgentRuntime, step_bytes: list[int],
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-    runtime._flush_device_peaks()  # what shutdown does before it logs CLOSE
+    runtime.device.flush_peaks()  # what shutdown does before it logs CLOSE
     runtime.probe.log(CLOSE)
     return Collector().steps(runtime._bye())
 
@@ -330,8 +330,8 @@ SAMPLED = SamplingRule(first_steps=5, budget_s=1e-12, max_every=4)
 def test_only_sampled_steps_carry_gpu_times_and_peaks_cover_the_steps_between(
         runtime: AgentRuntime) -> None:
     cuda = StandInCuda()
-    runtime.watch_cuda(cuda)
-    runtime.use_sampling(SAMPLED)
+    runtime.device.watch(cuda)
+    runtime.device.use_sampling(SAMPLED)
     step_bytes = [(s * 7919) % 5000 + (100_000 if s % 7 == 3 else 0) for s in range(42)]
     steps = train_on_stand_in(runtime, step_bytes)
     assert [s["step"] for s in steps] == list(range(42))
@@ -365,8 +365,8 @@ def test_a_step_whose_optimizer_steps_were_partly_timed_has_no_gpu_times(
     """Two optimizers per iteration (a GAN): two step ends per step, sampled one
     at a time after the first steps; a step carries GPU times only when both
     were timed, never half of them."""
-    runtime.watch_cuda(StandInCuda())
-    runtime.use_sampling(SAMPLED)
+    runtime.device.watch(StandInCuda())
+    runtime.device.use_sampling(SAMPLED)
     steps = train_on_stand_in(runtime, [0] * 30, num_optimizers=2)
     assert len(steps) == 30
     gpu = [(s["gpu_forward_ms"], s["gpu_backward_ms"], s["gpu_optimizer_ms"]) for s in steps]

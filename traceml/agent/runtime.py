@@ -15,18 +15,11 @@ import functools
 import math
 import os
 import socket
-import sys
 import time
 from typing import Any
 
-from traceml import phases
 from traceml.agent import watchdog
-from traceml.agent.cuda_timing import (
-    CudaPhaseTimer,
-    SamplingRule,
-    StepSampler,
-    allocator_bytes,
-)
+from traceml.agent.device_steps import DeviceSteps
 from traceml.agent.outbox import EventOutbox
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
@@ -83,24 +76,19 @@ class AgentRuntime:
     def __init__(self, env: AgentEnv, identity: Sender) -> None:
         self.env = env
         self.identity = identity
-        self._final = False  # at exit, marks whose GPU events are not done go without
+        self._final = False  # at exit: the last flush
         self.outbox = EventOutbox()  # events taken from the log, waiting for the next send
         self._num_steps_seen = 0  # optimizer steps (or manual steps) taken from the log
         self.flops: Any = None  # FlopCounting, in run mode
         self._next_send = 0.0
         self._send_now = False  # traceml.summary() wants the steps in the store now
-        self._cuda: Any = None
-        # CUDA phase timing: which steps are timed, and the timer that resolves
-        # their marks (armed in the probe only for a timed step).
-        self.sampler = StepSampler()
-        self.cuda_timer: CudaPhaseTimer | None = None
-        self._gpu_times_failed = False
         self.probe = Probe(time.perf_counter, self._fail)
         self.flops_after_steps = FLOPS_AFTER_STEPS
         self.instrumentation: Any = None
         self._wall_offset = time.time() - time.perf_counter()
         self._rss = RssReader()
         self._warnings = WarnOnce()  # one warning per failing part
+        self.device = DeviceSteps(self.probe, self._warnings)  # CUDA: GPU times, peaks
         self.process_sampler = ProcessSampler(env.sample_interval_s)
         self.stall = StallWatch(env.stall_timeout_s, self.probe.thread_id, self._wall_offset)
         self._incidents: list[IncidentReport] = []  # sent with the last flush
@@ -115,94 +103,9 @@ class AgentRuntime:
             on_exit=self._sender_exited,
         )
 
-    def _mark_device_step(self, t: float | None = None) -> None:
-        """Training thread, when an iteration's optimizer steps end (CUDA only).
-
-        Most steps are not timed (`cuda_timing.StepSampler`): log an empty
-        mark, without touching CUDA (so that the collector sees a step none of
-        whose optimizer steps were timed, or only some).  Before a timed step,
-        arm the phase timer; at its end, log its phases' CUDA events and the
-        device memory peaks since the last timed step (stamped now, or ``t``)."""
-        sampler = self.sampler
-        sampler.last_t = now = self.probe.clock() if t is None else t
-        left = sampler.left - 1
-        if left > 1:
-            sampler.left = left
-            self.probe.marks.append((now, None))
-        elif left == 1:  # the next step is timed
-            sampler.left = left
-            self.probe.marks.append((now, None))
-            self._arm_timer()
-        else:
-            self._timed_step_ends(now)
-
-    def _arm_timer(self) -> None:
-        timer = self.cuda_timer
-        if timer is not None and not self._gpu_times_failed:
-            timer.take_step()  # anything recorded while it was not armed
-            self.probe.cuda_timer = timer
-
-    def _timed_step_ends(self, t: float) -> None:
-        cuda = self._cuda
-        if not cuda.is_initialized():
-            self.sampler.left = 1  # no CUDA yet: try again at the next step end
-            return
-        began = time.perf_counter()
-        peaks = self._read_peaks()
-        cost_s = time.perf_counter() - began
-        timer = self.cuda_timer
-        spans = None
-        if timer is None:  # CUDA came up during this step: time phases from the next
-            timer = self.cuda_timer = CudaPhaseTimer(cuda, sys.modules["torch"]._C,
-                                                     self.sampler.rule.share_within_s)
-        elif self.probe.cuda_timer is timer:
-            spans = timer.take_step()
-            cost_s += timer.take_spent_s()
-        self.probe.mark((peaks, spans), t)
-        self.probe.cuda_timer = None
-        if self.sampler.timed(t, cost_s) == 1:
-            self._arm_timer()
-
-    def _read_peaks(self) -> tuple[int, int]:
-        """The allocator's peaks since the last read, which resets them."""
-        cuda = self._cuda
-        device = cuda.current_device()
-        peaks = allocator_bytes(cuda, device, "peak")
-        cuda.reset_peak_memory_stats(device)
-        return peaks
-
-    def _flush_device_peaks(self) -> None:
-        """At exit: the peaks of the steps since the last timed one, which no
-        timed step will read, go with the last step (stamped at its end)."""
-        sampler = self.sampler
-        if self.cuda_timer is None or sampler.num_unread() <= 0 or sampler.last_t is None:
-            return
-        if self._cuda.is_initialized():
-            self.probe.mark((self._read_peaks(), None), sampler.last_t)
-
-    def watch_cuda(self, cuda: Any = None) -> bool:
-        """Take CUDA memory peaks and phase GPU times when this rank has CUDA
-        (``cuda``: a stand-in for ``torch.cuda``, in tests)."""
-        if cuda is None:
-            torch = sys.modules.get("torch")
-            if torch is None or not torch.cuda.is_available():
-                return False
-            cuda = torch.cuda
-        self._cuda = cuda
-        self.probe.on_optimizer_end = self._mark_device_step
-        return True
-
-    def use_sampling(self, rule: SamplingRule) -> None:
-        """Time steps by ``rule`` from the next step end on (`scripts/bench_overhead.py`
-        compares rules); the steps counted so far start over."""
-        self.sampler = StepSampler(rule)
-        self.probe.cuda_timer = None
-        if self.cuda_timer is not None:
-            self.cuda_timer.share_within_s = rule.share_within_s
-
     def start(self) -> None:
         global _ACTIVE
-        self.watch_cuda()
+        self.device.watch()
         if self.env.mode == "run":
             from traceml.agent.patches import Instrumentation
 
@@ -261,8 +164,8 @@ class AgentRuntime:
         global _ACTIVE
         if _ACTIVE is not self:
             return
-        if self._cuda is not None and not self.probe.off:
-            self.probe.guarded(self._flush_device_peaks)
+        if self.device.cuda is not None and not self.probe.off:
+            self.probe.guarded(self.device.flush_peaks)
         if self.flops is not None:
             try:
                 self.flops.stop(reason="the run ended during the counted step")
@@ -293,7 +196,7 @@ class AgentRuntime:
         """An exception ends the training thread: reported with the last flush."""
         if _ACTIVE is self:
             self._incidents.append(watchdog.exception_report(
-                kind, exc, tb, time.time(), self._cuda))
+                kind, exc, tb, time.time(), self.device.cuda))
 
     def _after_fork_in_child(self) -> None:
         # A forked child (DataLoader worker, ...) is not a rank: go inert.
@@ -339,7 +242,7 @@ class AgentRuntime:
             # log without bound: past one message's worth, marks go without
             # GPU times.
             give_up = probe.num_held() > MAX_EVENTS_PER_MESSAGE
-            resolve = functools.partial(self._device_mark, give_up=give_up)
+            resolve = functools.partial(self.device.resolve, give_up=give_up)
         times, marks = probe.take(horizon, resolve)
         spans = probe.take_spans()
         incidents = self._watch_progress(times)
@@ -373,31 +276,8 @@ class AgentRuntime:
                 self._warnings.to_stderr("heartbeat", f"heartbeat file not written: {exc!r}")
         return reports
 
-    def _device_mark(self, value: tuple[Any, Any] | None, give_up: bool = False
-                     ) -> list[Any] | None:
-        """A logged mark as `wire.events.DEVICE_MARK_FIELDS` (all None for an untimed
-        step); None while the GPU has not passed its events (unless ``give_up``:
-        then without GPU times)."""
-        gpu: tuple[float | None, ...] = (None,) * len(phases.gpu_timed())
-        if value is None:
-            return [None, None, *gpu]
-        (allocated, reserved), spans = value
-        timer = self.cuda_timer
-        if spans is not None and timer is not None and not self._gpu_times_failed:
-            try:
-                resolved = timer.resolve(spans)
-            except Exception as exc:  # the GPU times go, the rest stays
-                self._gpu_times_failed = True
-                self._warnings.to_stderr(
-                    "gpu-times", f"GPU phase times disabled after an internal error: {exc!r}")
-                resolved = None
-            if resolved is None and not (self._final or give_up or self._gpu_times_failed):
-                return None
-            gpu = resolved or gpu
-        return [allocated, reserved, *gpu]
-
     def _bye(self) -> list[Message]:
-        self._final = True
+        self._final = self.device.final = True
         return [*self._drain_events(), *self._incidents,
                 Bye(time.time(), self.outbox.num_batches)]
 
