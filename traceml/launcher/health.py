@@ -199,7 +199,7 @@ class StallAlert:
         return printed is None if stall.cleared_at is None else printed is False
 
     def check(self) -> None:
-        from traceml.diagnosis.ending import stalled_finding
+        from traceml.diagnosis.ending_text import stalled_finding
         from traceml.store import StoreError, StoreReader, run_data
 
         if not self.db_path.exists():

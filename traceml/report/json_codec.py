@@ -19,7 +19,8 @@ import math
 from collections.abc import Mapping
 from datetime import datetime, timezone
 
-from traceml.diagnosis.ending import Ending, waiting
+from traceml.diagnosis.ending import Ending
+from traceml.diagnosis.ending_text import waiting
 from traceml.diagnosis.finding import Finding
 from traceml.diagnosis.stats import MetricStat
 from traceml.diagnosis.step_time import RankStepTimes

@@ -12,7 +12,8 @@ import textwrap
 from collections.abc import Mapping, Sequence
 
 from traceml import phases
-from traceml.diagnosis.ending import RANKS_NAMED, STOPPING_EXCEPTIONS
+from traceml.diagnosis.ending import STOPPING_EXCEPTIONS
+from traceml.diagnosis.ending_text import RANKS_NAMED
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
 from traceml.diagnosis.stats import MetricStat, stands_out
 from traceml.diagnosis.step_loop import BOUNDARY_TEXT, INPUT_TEXT
