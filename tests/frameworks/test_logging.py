@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from traceml.integrations.summary_source import load_summary
-from traceml.records import from_jsonable
+from traceml.records_json import from_jsonable
 from traceml.report import build_report, flatten_summary, render_text, report_to_json
 
 HEALTHY = Path(__file__).resolve().parents[1] / "fixtures" / "scenarios" / "healthy" / "run.json"

@@ -20,7 +20,7 @@ from tests.live.conftest import (
     open_page,
     wait_for,
 )
-from traceml.records import from_jsonable
+from traceml.records_json import from_jsonable
 from traceml.report import build_report
 from traceml.report.html import write_html
 

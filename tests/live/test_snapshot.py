@@ -179,7 +179,7 @@ def test_a_job_wide_stall_at_1024_ranks_keeps_the_page_document_small() -> None:
 def _scenario(name: str) -> RunData:
     import json
 
-    from traceml.records import from_jsonable
+    from traceml.records_json import from_jsonable
     path = Path(__file__).parents[1] / "fixtures" / "scenarios" / name / "run.json"
     return from_jsonable(json.loads(path.read_text()))
 

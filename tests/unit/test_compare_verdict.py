@@ -17,14 +17,8 @@ from traceml.compare.model import Comparison
 from traceml.compare.summary import decode_summary
 from traceml.compare.verdict import decide, exceeds, leading_phase, noise_ms, step_signal
 from traceml.diagnosis.stats import Distribution
-from traceml.records import (
-    NodeInfo,
-    ProcessSample,
-    RunData,
-    RunMeta,
-    SystemSample,
-    from_jsonable,
-)
+from traceml.records import NodeInfo, ProcessSample, RunData, RunMeta, SystemSample
+from traceml.records_json import from_jsonable
 from traceml.report import build_report, report_to_json, validate_summary
 from traceml.report.model import SCHEMA_VERSION
 

@@ -7,16 +7,8 @@ import json
 import pytest
 
 from tests.rows import step_row
-from traceml.records import (
-    GpuSample,
-    NodeInfo,
-    ProcessSample,
-    RunData,
-    RunMeta,
-    SystemSample,
-    from_jsonable,
-    to_jsonable,
-)
+from traceml.records import GpuSample, NodeInfo, ProcessSample, RunData, RunMeta, SystemSample
+from traceml.records_json import from_jsonable, to_jsonable
 
 
 def sample_run() -> RunData:

@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from traceml.records import from_jsonable
+from traceml.records_json import from_jsonable
 from traceml.report import build_report, report_to_json, validate_summary
 from traceml.report.schema import SUMMARY_SCHEMA
 

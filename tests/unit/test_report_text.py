@@ -8,16 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.rows import step_row
-from traceml.records import (
-    FlopCount,
-    GpuSample,
-    NodeInfo,
-    ProcessSample,
-    RunData,
-    RunMeta,
-    SystemSample,
-    from_jsonable,
-)
+from traceml.records import FlopCount, GpuSample, NodeInfo, ProcessSample, RunData, RunMeta, SystemSample
+from traceml.records_json import from_jsonable
 from traceml.report import build_report, render_text, report_to_json, validate_summary
 
 GIB = 1024**3

@@ -19,7 +19,8 @@ summary always builds from what is left.
 
 Modules: ``schema`` (file name, schema version, tables, column lists, INSERT
 statements, `StoreError`), ``records`` (the record types), ``writer``
-(`StoreWriter`), ``reader`` (`StoreReader` and the bounded read's queries),
+(`StoreWriter`), ``reader`` (`StoreReader` and the bounded read), ``queries`` (its SQL
+helpers),
 ``rows`` (stored rows checked and converted into samples; `run_data`).  Import
 from here: the names below are the store's interface.
 """

@@ -9,7 +9,6 @@ import dataclasses
 import math
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -29,6 +28,7 @@ from traceml.records import (
     SystemSample,
     totals_of,
 )
+from traceml.store.queries import SPANS_PER_QUERY, StepSpan, bounds_hold, bounds_sql, merged_spans
 from traceml.store.records import JoinError, NewRows, RunRecords, SenderState
 from traceml.store.rows import (
     checked_integer,
@@ -197,7 +197,7 @@ class StoreReader:
                      self.incidents() if incidents is None else incidents, totals),
             flop_counts=self.flop_counts())
 
-    def _step_totals(self) -> tuple[tuple[RankTotals, ...], list[_StepSpan]]:
+    def _step_totals(self) -> tuple[tuple[RankTotals, ...], list[StepSpan]]:
         """Per rank, its stored steps summed in SQL (one pass over the table), and per
         attempt of a rank its first and last step.  A rank whose sums are not what a
         collector writes (the file was edited) is summed row by row instead."""
@@ -228,10 +228,10 @@ class StoreReader:
                     continue
                 first, part = min(r.step for r in rows), totals_of(rows)[0]
             parts.setdefault(rank, []).append(part)
-            spans.append(_StepSpan(rank, g["restart"], first, part.last_step))
+            spans.append(StepSpan(rank, g["restart"], first, part.last_step))
         return tuple(merged_totals(parts[r]) for r in sorted(parts)), spans
 
-    def _window_steps(self, spans: Sequence[_StepSpan], window_rows: int,
+    def _window_steps(self, spans: Sequence[StepSpan], window_rows: int,
                       policy: WindowPolicy) -> tuple[StepRow, ...]:
         """Each rank's steps up to the last one every rank reached, from far enough
         back that the window and its warm-up are what all of them would give."""
@@ -293,9 +293,9 @@ class StoreReader:
         choices, and the integers that order and key the rows (rank, attempt, step)
         integers."""
         fields = [step_fields.field(c) for c in self._columns()]
-        bounds = self._rows(f"SELECT COUNT(*) AS n, {', '.join(_bounds_sql(fields))} "
+        bounds = self._rows(f"SELECT COUNT(*) AS n, {', '.join(bounds_sql(fields))} "
                             f"FROM steps WHERE {where}", params)[0]
-        return _bounds_hold(fields, bounds)
+        return bounds_hold(fields, bounds)
 
     def _samples_near(self, table: str, source: str, where: str,
                       span: tuple[float, float] | None, num_sources: int,
@@ -322,9 +322,9 @@ class StoreReader:
                 f"NOT IN (SELECT {source} FROM {table} WHERE {inside})) WHERE nearness <= ? "
                 f"UNION ALL SELECT {columns}, 0 AS nearness FROM {table} WHERE {inside}",
                 ((start + end) / 2, start, end, cap, start, end))
-        spans = _merged_spans(extra)
-        for i in range(0, len(spans), _SPANS_PER_QUERY):
-            chunk = spans[i:i + _SPANS_PER_QUERY]
+        spans = merged_spans(extra)
+        for i in range(0, len(spans), SPANS_PER_QUERY):
+            chunk = spans[i:i + SPANS_PER_QUERY]
             rows += self._rows(
                 f"SELECT {columns}, 0 AS nearness FROM {table} WHERE {where} AND ("
                 + " OR ".join(["(t >= ? AND t <= ?)"] * len(chunk)) + ")",
@@ -396,62 +396,3 @@ SAMPLES_PER_SOURCE = 200_000
 """Process (or system) samples a bounded read takes, shared out over the ranks (nodes),
 of the sources with none taken while the window ran."""
 MIN_SAMPLES_PER_SOURCE = 60
-
-
-@dataclass(frozen=True)
-class _StepSpan:
-    """One attempt of a rank: its first and last stored step."""
-
-    rank: int
-    restart: int
-    first: int
-    last: int
-
-
-_SPANS_PER_QUERY = 100  # OR terms of one query (SQLite caps a compound SELECT at 500 terms)
-
-
-def _merged_spans(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """``spans`` sorted, those that overlap made one (crashes of a job come together)."""
-    out: list[tuple[float, float]] = []
-    for low, high in sorted(spans):
-        if out and low <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], high))
-        else:
-            out.append((low, high))
-    return out
-
-
-_KEY_COLUMNS = ("rank", "restart", "step")  # integers: they order and key the rows
-
-
-def _bounds_sql(fields: Sequence[step_fields.StepField]) -> list[str]:
-    """The aggregates :meth:`StoreReader._in_range` asks of these columns."""
-    parts = []
-    for f in fields:
-        c = f.name
-        if not f.optional:
-            parts.append(f"COUNT({c}) AS n_{c}")
-        if f.kind is str:
-            choices = ", ".join("'" + v.replace("'", "''") + "'" for v in f.choices)
-            parts.append(f"SUM(typeof({c}) NOT IN ('text', 'null') OR {c} NOT IN ({choices})) "
-                         f"AS bad_{c}")
-            continue
-        parts += [f"MIN({c}) AS lo_{c}", f"MAX({c}) AS hi_{c}"]
-        if c in _KEY_COLUMNS:
-            parts.append(f"SUM(typeof({c}) != 'integer') AS bad_{c}")
-    return parts
-
-
-def _bounds_hold(fields: Sequence[step_fields.StepField], b: Mapping[str, Any]) -> bool:
-    """Whether the aggregates of :func:`_bounds_sql` show every row whole."""
-    for f in fields:
-        c = f.name
-        if not f.optional and b[f"n_{c}"] != b["n"]:
-            return False
-        if b.get(f"bad_{c}"):
-            return False
-        if f.kind is not str and not all(
-                b[k] is None or step_fields.admits(f, b[k]) for k in (f"lo_{c}", f"hi_{c}")):
-            return False
-    return True

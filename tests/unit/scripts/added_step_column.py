@@ -8,7 +8,7 @@ where `traceml.collector.rank_steps.step_row` builds the row).  Two ranks' event
 then go as real wire messages through a node's relay (its collector and outbox),
 the relay's batch through node 0's intake into a real SQLite store, and the
 session is summarised; OUT gets the session folder, the recorded-scenario JSON
-(`traceml.records.to_jsonable`) of what the store read back, and the summary
+(`traceml.records_json.to_jsonable`) of what the store read back, and the summary
 schema's problems.
 """
 
@@ -28,7 +28,7 @@ from traceml.collector import rank_steps  # noqa: E402
 from traceml.collector.config import CollectorConfig  # noqa: E402
 from traceml.collector.dispatch import Collector  # noqa: E402
 from traceml.collector.relay import Outbox  # noqa: E402
-from traceml.records import to_jsonable  # noqa: E402
+from traceml.records_json import to_jsonable  # noqa: E402
 from traceml.report.schema import validate_summary  # noqa: E402
 from traceml.report.session import load_run, write_summary  # noqa: E402
 from traceml.store import StoreWriter  # noqa: E402
