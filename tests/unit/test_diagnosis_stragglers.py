@@ -10,15 +10,10 @@ import pytest
 
 from tests.rows import row_of
 from traceml import phases
+from traceml.diagnosis.communication import communication_bound, least_communication
 from traceml.diagnosis.finding import Finding
 from traceml.diagnosis.stats import distribution
-from traceml.diagnosis.step_time import (
-    RankStepTimes,
-    communication_bound,
-    diagnose_step_time,
-    least_communication,
-    rank_step_times,
-)
+from traceml.diagnosis.step_time import RankStepTimes, diagnose_step_time, rank_step_times
 from traceml.diagnosis.stragglers import COMPUTE_PARTS, OWN_PARTS, Excess, attribute
 from traceml.diagnosis.thresholds import STRAGGLER_EXPLAINS_FRACTION
 from traceml.diagnosis.window import select_window
