@@ -4,11 +4,9 @@ injected, the collector alongside, and the end-of-run output (launcher side).
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,6 @@ from traceml.errors import UsageError
 from traceml.launcher import topology
 from traceml.launcher.args import torch_namespace
 from traceml.launcher.collector_process import (
-    READY_TIMEOUT_S,
     CollectorFailed,
     CollectorProcess,
     StoreUnwritable,
@@ -36,18 +33,15 @@ from traceml.launcher.ending import finish
 from traceml.launcher.health import RankFailure, StackWatch, StallAlert
 from traceml.launcher.nodes import JoinCheck, SilenceWatch, Waiting, wait_for_nodes
 from traceml.launcher.process_watcher import ProcessWatcher
+from traceml.launcher.session_dir import session_dir_for
 from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
 from traceml.security import new_secret, session_keys
-from traceml.store import STORE_FILENAME, STORE_MODE, StoreError, StoreReader
+from traceml.store import STORE_FILENAME
 from traceml.wire.identity import MAX_WORLD_SIZE
 
 SITE_DIR = str(Path(__file__).resolve().parent.parent / "agent" / "site_dir")
-PEER_COLLECTOR_S = READY_TIMEOUT_S + 10.0
-"""c10d: how long a launcher that lost the session folder to a peer on its host
-waits for that peer's collector to record the run's start (a collector that has
-not started within `READY_TIMEOUT_S` gives the folder back)."""
 
 
 def exit_status_of(exc: BaseException) -> int:
@@ -100,69 +94,6 @@ def check_script(cfg: RunConfig) -> None:
     if not Path(cfg.training_script).is_file():
         raise UsageError(f"traceml {cfg.command}: training script not found: "
                          f"{cfg.training_script!r} (give a path to a .py file, or -m MODULE)")
-
-
-def session_dir_for(cfg: RunConfig, topo: Topology) -> tuple[Path, bool]:
-    """The session folder, and whether this launcher runs the collector: it claims
-    the folder by creating the store file (exclusively: of two runs started at once
-    with one session id, one stops here).
-
-    On c10d, every launcher on the endpoint's host may run it (`Topology.may_host`),
-    and they are nodes of one job: the one that claims the folder runs the collector;
-    another connects once that collector has recorded the run's start, and claims
-    the folder itself if the claimant gives it back (its collector could not start).
-    A folder whose run has ended, or whose collector is gone, is refused."""
-    path = Path(cfg.logs_dir) / cfg.session_id
-    hosting = topo.collector_here or topo.may_host
-    deadline = time.monotonic() + PEER_COLLECTOR_S
-    while True:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            if hosting:
-                os.close(os.open(path / STORE_FILENAME,
-                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY, STORE_MODE))
-            return path, hosting
-        except FileExistsError:
-            if not path.is_dir():
-                raise _unwritable(cfg, path, "a file is in the way") from None
-            peer = _peer_run(path / STORE_FILENAME, topo) if topo.may_host else "ended"
-            if peer == "live":
-                return path, False
-            if peer == "ended":
-                raise UsageError(f"traceml {cfg.command}: session folder {path} already holds "
-                                 "a run; pass another --session-id or remove that folder") from None
-            if time.monotonic() >= deadline:
-                raise UsageError(
-                    f"traceml {cfg.command}: another launcher on this host claimed {path}, but "
-                    f"its collector did not start within {PEER_COLLECTOR_S:.0f} s; pass "
-                    "another --session-id or remove that folder") from None
-            time.sleep(0.2)  # then claim again: the folder is free if the peer gave it back
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreUnwritable(f"traceml: warning: cannot create {path}: "
-                                      f"{exc.strerror}") from None
-            raise _unwritable(cfg, path, exc.strerror or str(exc)) from None
-
-
-def _peer_run(store: Path, topo: Topology) -> str:
-    """The run in a claimed session folder: ``live`` (its collector recorded the
-    start and holds the port), ``ended`` (it recorded the end, or its collector is
-    gone), or ``starting`` (nothing recorded yet: the claimant starts its collector)."""
-    try:
-        with StoreReader(store, timeout_s=1.0) as reader:
-            records = reader.records()
-    except StoreError:
-        return "starting"  # not made yet, or given back
-    if records.start is None:
-        return "starting"
-    if records.end is None and not topology.port_is_free(topo.bind_host, topo.port):
-        return "live"
-    return "ended"
-
-
-def _unwritable(cfg: RunConfig, path: Path, reason: str) -> UsageError:
-    return UsageError(f"traceml {cfg.command}: cannot write the session folder {path}: "
-                      f"{reason}; give --logs-dir a folder you can write")
 
 
 def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
@@ -308,15 +239,7 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
                             extra=[stack_watch.produce] if cfg.command == "run" else [])
     sampler.start()
     helpers = node_helpers(cfg, topo, collector or relay, session_dir, keys)
-    if collector is not None and cfg.command == "run" and cfg.worker_log_dir is None:
-        # Node 0 prints a stall once known (the cli view shows it in its place).
-        helpers.append(StallAlert(session_dir / STORE_FILENAME))
-        helpers[-1].start()
-    if cfg.command == "watch":
-        helpers.append(ProcessWatcher(agent_env.endpoint, cfg.session_id,
-                                      cfg.node_rank if topo.static else None,
-                                      cfg.sample_interval_s, keys))
-        helpers[-1].start()
+    helpers += _watchers(cfg, topo, agent_env, collector is not None, session_dir, keys)
     # The live view runs where the collector does; only there does the
     # workers' output leave the terminal (--mode=cli).
     torch_args = torch_namespace(cfg, redirect_output=collector is not None)
@@ -352,6 +275,22 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
     return exit_code
+
+
+def _watchers(cfg: RunConfig, topo: Topology, agent_env: AgentEnv, node_0: bool,
+              session_dir: Path, keys: Any) -> list[Any]:
+    """Started: node 0's stall alert (the cli view shows stalls in its place) and, for
+    ``traceml watch``, the process watcher that samples the ranks from outside."""
+    started: list[Any] = []
+    if node_0 and cfg.command == "run" and cfg.worker_log_dir is None:
+        started.append(StallAlert(session_dir / STORE_FILENAME))
+    if cfg.command == "watch":
+        started.append(ProcessWatcher(agent_env.endpoint, cfg.session_id,
+                                      cfg.node_rank if topo.static else None,
+                                      cfg.sample_interval_s, keys))
+    for watcher in started:
+        watcher.start()
+    return started
 
 
 def hold_signals() -> None:

@@ -4,7 +4,7 @@ Static rendezvous: node 0 (``--node-rank 0``) runs the collector at
 ``--master-addr``.  c10d and other dynamic backends assign node ranks by join
 order, so the collector runs on the rendezvous endpoint's host: of the
 launchers there that find ``--aggregator-port`` free, the one that claims the
-session folder runs it (`traceml.launcher.launch.session_dir_for`), the others
+session folder runs it (`traceml.launcher.session_dir.session_dir_for`), the others
 connect.
 Other nodes connect to ``--aggregator-host`` (default: that host).
 """
