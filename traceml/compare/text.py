@@ -105,18 +105,7 @@ def metric_cells(row: MetricRow) -> tuple[str, ...]:
 
 def format_value(key: str, value: float | None) -> str:
     """A value in the unit its key names: ``20.0 ms``, ``1.2 GiB``, ``45.0%``, ``71.0 C``."""
-    if value is None:
-        return MISSING
-    if key.endswith("_bytes"):
-        return format_bytes(value)
-    if key.endswith("_pct"):
-        return f"{value:.1f}%"
-    if key.endswith("_w"):
-        return f"{value:.0f} W"
-    if key in RATE_KEYS:  # the metric's name says the unit
-        return _rate(value)
-    unit = " C" if key.endswith("_c") else " ms"
-    return f"{value:.1f}{unit}"
+    return MISSING if value is None else _in_unit(key, value, signed=False)
 
 
 RATE_KEYS = frozenset({"samples_per_s", "tokens_per_s", "samples_per_step",
@@ -127,16 +116,23 @@ RATE_KEYS = frozenset({"samples_per_s", "tokens_per_s", "samples_per_step",
 
 def format_delta(key: str, delta: float) -> str:
     """A signed change: ``+3.0 ms``, ``-128.0 MiB``, ``+2.5 pp`` (percentage points)."""
+    return _in_unit(key, delta, signed=True)
+
+
+def _in_unit(key: str, x: float, signed: bool) -> str:
+    """``x`` in the unit ``key`` names, with its sign when ``signed``."""
+    sign = ("-" if x < 0 else "+") if signed else ""
+    size = abs(x) if signed else x
     if key.endswith("_bytes"):
-        return ("-" if delta < 0 else "+") + format_bytes(abs(delta))
+        return sign + format_bytes(size)
     if key.endswith("_pct"):
-        return f"{delta:+.1f} pp"
+        return f"{x:+.1f} pp" if signed else f"{x:.1f}%"
     if key.endswith("_w"):
-        return f"{delta:+.0f} W"
-    if key in RATE_KEYS:
-        return ("+" if delta >= 0 else "-") + _rate(abs(delta))
+        return f"{x:+.0f} W" if signed else f"{x:.0f} W"
+    if key in RATE_KEYS:  # the metric's name says the unit
+        return sign + _rate(size)
     unit = " C" if key.endswith("_c") else " ms"
-    return f"{delta:+.1f}{unit}"
+    return f"{x:+.1f}{unit}" if signed else f"{x:.1f}{unit}"
 
 
 def _rate(value: float) -> str:
