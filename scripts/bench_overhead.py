@@ -61,7 +61,7 @@ from traceml.collector.config import CollectorConfig
 from traceml.environment import AgentEnv
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.report.page.render import SNAPSHOT_PATH
-from traceml.security import new_secret
+from traceml.security import TokenBook, client_keys_text, new_secret
 from traceml.store import StoreReader
 from traceml.wire.events import CLOSE
 from traceml.wire.identity import Sender
@@ -389,13 +389,16 @@ def main() -> None:
         collector = CollectorProcess(CollectorConfig(
             session_id="bench", bind_host="127.0.0.1", port=0,
             db_path=os.path.join(tmp, "telemetry.sqlite"), parent_pid=os.getpid(),
-            dashboard_port=free_port() if args.dashboard else None, secret=secret))
+            dashboard_port=free_port() if args.dashboard else None, secret=secret,
+            tokens=True))
         poller = (DashboardPoller(collector.ready["dashboard"]["url"]) if args.dashboard
                   else None)
         # The batch watch runs as in a real rank; the one FLOP-counting step is a
         # one-time cost of its own (README), so counting is off here.
         env = AgentEnv(session_id="bench", endpoint=f"tcp://127.0.0.1:{collector.port}",
-                       launcher_pid=os.getppid(), count_flops=False, secret=secret)
+                       launcher_pid=os.getppid(), count_flops=False,
+                       client_keys=client_keys_text(collector.keys),
+                       rank_token=TokenBook(secret, "bench").rank(0))
         runtime = AgentRuntime(env, Sender("rank", socket.gethostname(), os.getpid(), 0, rank=0))
         runtime.watch_batches()
         runtime.sender.start()

@@ -36,17 +36,26 @@ Variables:
     default) adapts to the step time, ``0`` turns stall reports off.
 ``TRACEML_NO_FLOPS``
     ``1`` with ``--no-flops``: the agent counts no FLOPs (samples and tokens stay).
+``TRACEML_CLIENT_KEYS``
+    The collector's public key and the session's client key pair (z85, ``,``-
+    separated, `traceml.security.client_keys_text`): what a worker connects with.
+    The session secret itself never reaches a worker.
+``TRACEML_KEY_SOCKET``
+    The launcher's key service (a Unix socket, `traceml.launcher.rank_keys`): a
+    worker asks it, once, for the token of its own rank.
+``TRACEML_RANK_TOKEN``
+    The token itself, where the process that runs the agent made it
+    (``traceml.init()``); a launcher never sets it.
 
-Set by the user (read by the launcher, passed on to the workers):
+Set by the user (read by the launcher, never passed on to the workers):
 
 ``TRACEML_SECRET``
-    The session secret for CURVE keys; the same value on every node.
+    The session secret the CURVE keys and tokens derive from; the same value on
+    every node.
 ``TRACEML_SECRET_FILE``
     A file holding the session secret; it must not be readable by group or
     others (``chmod 600``).  Without either: on one node the launcher makes a
-    random secret for the run and hands it to its workers in
-    ``TRACEML_SECRET``; on several nodes it is derived from the session id
-    (the launcher warns).
+    random secret for the run; several nodes refuse to start.
 
 Set by torch's elastic agent in every worker (read only, into `TorchRank`):
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK`` (the node rank) and
@@ -58,7 +67,7 @@ from __future__ import annotations
 import math
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from traceml.errors import UsageError
@@ -83,7 +92,9 @@ class AgentEnv:
     flush_interval_s: float = 0.5
     arm_dir: str | None = None
     session_dir: str | None = None
-    secret: str | None = None
+    client_keys: str | None = None  # `security.client_keys_text`
+    key_socket: str | None = None
+    rank_token: str | None = None
     stall_timeout_s: float | None = None  # None: automatic; 0: off
     count_flops: bool = True
 
@@ -103,8 +114,11 @@ class AgentEnv:
             env["TRACEML_ARM_DIR"] = self.arm_dir
         if self.session_dir is not None:
             env["TRACEML_SESSION_DIR"] = self.session_dir
-        if self.secret is not None:
-            env["TRACEML_SECRET"] = self.secret
+        for name, value in (("TRACEML_CLIENT_KEYS", self.client_keys),
+                            ("TRACEML_KEY_SOCKET", self.key_socket),
+                            ("TRACEML_RANK_TOKEN", self.rank_token)):
+            if value is not None:
+                env[name] = value
         if not self.count_flops:
             env["TRACEML_NO_FLOPS"] = "1"
         return env
@@ -125,7 +139,9 @@ class AgentEnv:
             flush_interval_s=float(environ.get("TRACEML_FLUSH_INTERVAL", "0.5")),
             arm_dir=environ.get("TRACEML_ARM_DIR"),
             session_dir=environ.get("TRACEML_SESSION_DIR"),
-            secret=environ.get("TRACEML_SECRET"),
+            client_keys=environ.get("TRACEML_CLIENT_KEYS"),
+            key_socket=environ.get("TRACEML_KEY_SOCKET"),
+            rank_token=environ.get("TRACEML_RANK_TOKEN"),
             stall_timeout_s=parse_stall_timeout(environ.get("TRACEML_STALL_TIMEOUT", "auto")),
             count_flops=environ.get("TRACEML_NO_FLOPS") != "1",
         )
@@ -207,6 +223,17 @@ def distributed_launch(environ: Mapping[str, str]) -> bool:
 def current() -> AgentEnv | None:
     """The contract of this process, read from ``os.environ``."""
     return AgentEnv.from_env(os.environ)
+
+
+USER_SECRETS = ("TRACEML_SECRET", "TRACEML_SECRET_FILE")
+"""The user's secret: the launcher reads it and takes it out of what its workers inherit."""
+
+
+def hide_user_secret(environ: MutableMapping[str, str]) -> None:
+    """Take the user's session secret out of ``environ`` (the launcher's own, which its
+    workers inherit): a rank gets its own token instead."""
+    for name in USER_SECRETS:
+        environ.pop(name, None)
 
 
 def without_traceml(environ: Mapping[str, str]) -> dict[str, str]:

@@ -22,7 +22,7 @@ from traceml.config import DEFAULT_WINDOW_ROWS
 from traceml.environment import AgentEnv, TorchRank
 from traceml.launcher.collector_process import CollectorProcess, end_run, run_start
 from traceml.launcher.system_sampler import SystemSampler
-from traceml.security import new_secret
+from traceml.security import TokenBook, client_keys_text, new_secret
 from traceml.store import STORE_FILENAME
 
 
@@ -36,13 +36,15 @@ class InProcessSession:
         self.collector = CollectorProcess(CollectorConfig(
             session_id=session_id, bind_host="127.0.0.1", port=0,
             db_path=str(self.session_dir / STORE_FILENAME), parent_pid=os.getpid(),
-            secret=secret, in_process=True))
+            secret=secret, in_process=True, tokens=True))
+        tokens = TokenBook(secret, session_id)
         self.env = AgentEnv(
             session_id=session_id, endpoint=f"tcp://127.0.0.1:{self.collector.port}",
             launcher_pid=os.getpid(), sample_interval_s=sample_interval_s,
-            session_dir=str(self.session_dir.resolve()), secret=secret)
+            session_dir=str(self.session_dir.resolve()),
+            client_keys=client_keys_text(self.collector.keys), rank_token=tokens.rank(0))
         self.sampler = SystemSampler(self.env.endpoint, session_id, 0, sample_interval_s,
-                                     self.collector.keys)
+                                     self.collector.keys, token_of=lambda _: tokens.node)
         self.failed = False
         self._previous_hook = sys.excepthook
         self.runtime: Any = None

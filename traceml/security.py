@@ -10,16 +10,24 @@ control messages are accepted from that key alone), plus the key of the
 nodes' relays (derived from the session secret under another name: a relay's
 batches are accepted from that key alone).
 
+Who a sender says it is is proven too: every envelope carries a token (`TokenBook`)
+derived from the secret and the identity it claims, a rank's from its rank, the
+launcher processes' (system sampler, relay, launcher) from their role.  The secret
+stays with the launcher, its collector and relays: a worker gets the session's
+client key pair (to connect; the secret cannot be computed from it) and, from its
+launcher's key service (`traceml.launcher.rank_keys`), the token of its own rank
+alone, so a rank (or its children) can speak only as itself.
+
 The secret: the user's (an environment variable or a 0600 file: see
-`traceml.environment`); else, on one node, a random one per run, handed to the
-local workers in their environment (never on a command line); else (several
-nodes and no user secret) it is derived from the session id, so knowing the
-session id admits a sender, and the launcher says so when it starts.
+`traceml.environment`); else, on one node, a random one per run.  Several nodes
+without one refuse to start: no key is derived from the session id alone.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import hmac
 import secrets
 from dataclasses import dataclass, replace
 from typing import Any
@@ -72,6 +80,53 @@ def relay_keys(keys: CurveKeys, secret: str | None, session_id: str) -> CurveKey
 def session_keys(secret: str | None, session_id: str) -> CurveKeys:
     """The session's keys: every collector socket speaks CURVE."""
     return derive_keys(secret if secret else session_id, session_id)
+
+
+def client_keys_text(keys: CurveKeys) -> str:
+    """The server's public key and a client key pair, as one printable value (z85,
+    ``,``-separated: z85 has no comma): what a worker needs to connect, with no secret of the session."""
+    return ",".join(k.decode("ascii") for k in (keys.server_public, keys.client_public,
+                                                 keys.client_secret))
+
+
+def client_keys_from(text: str) -> CurveKeys:
+    """What `client_keys_text` wrote; ValueError when it is not three z85 keys."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(len(p) == 40 for p in parts):
+        raise ValueError("not a server key and a client key pair")
+    server, public, secret = (p.encode("ascii") for p in parts)
+    return CurveKeys(server, b"", public, secret)
+
+
+TOKEN_CHARS = 43  # 256 bits, URL-safe base64 without padding
+NODE_ROLES = frozenset({"system", "launcher", "watch", "relay"})
+
+
+class TokenBook:
+    """The token each identity carries (launcher, collector and relays: they hold the
+    session secret).  A rank's token proves its rank; the node roles share one, which
+    only a launcher process can compute."""
+
+    def __init__(self, secret: str, session_id: str) -> None:
+        self._key = f"traceml/token/{session_id}/{secret}".encode()
+        self._ranks: dict[int, str] = {}
+        self.node = self._token("node")
+
+    def rank(self, rank: int) -> str:
+        token = self._ranks.get(rank)
+        if token is None:
+            token = self._ranks[rank] = self._token(f"rank/{rank}")
+        return token
+
+    def of(self, role: str, rank: int | None) -> str | None:
+        """The token of a sender (None: no identity of a job has this role)."""
+        if role == "rank" and rank is not None:
+            return self.rank(rank)
+        return self.node if role in NODE_ROLES else None
+
+    def _token(self, name: str) -> str:
+        digest = hmac.new(self._key, name.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode("ascii").rstrip("=")
 
 
 def secure_client(sock: Any, keys: CurveKeys) -> None:

@@ -37,7 +37,9 @@ class BatchSender:
     def __init__(self, endpoint: str, session_id: str, identity: Sender,
                  interval_s: float, producers: list[Producer], *, keys: CurveKeys,
                  final_producers: list[Producer] | None = None,
-                 on_exit: Callable[[], None] | None = None) -> None:
+                 on_exit: Callable[[], None] | None = None,
+                 token_of: Callable[[Sender], str | None] | None = None,
+                 prepare: Callable[[], None] | None = None) -> None:
         self.endpoint = endpoint
         self.session_id = session_id
         self.identity = identity
@@ -46,6 +48,10 @@ class BatchSender:
         self.final_producers = final_producers or []
         self.keys = keys
         self.on_exit = on_exit  # the thread ended (stopped, or failed): nothing drains producers
+        # The token proving each identity it sends as (`traceml.security.TokenBook`), and
+        # what the thread does before its first message (an agent asks for its token).
+        self.token_of = token_of or (lambda _: None)
+        self.prepare = prepare
         self.num_sent = 0
         self.num_dropped = 0
         self._seqs: dict[Sender, int] = {}
@@ -76,6 +82,8 @@ class BatchSender:
 
     def _run(self) -> None:
         try:
+            if self.prepare is not None:
+                self.prepare()
             self._open()
             self.send(Hello(time.time()))
             while not self._stop.is_set():
@@ -123,7 +131,8 @@ class BatchSender:
         seq = self._seqs.get(who, 0)
         self._seqs[who] = seq + 1
         env = Envelope(session_id=self.session_id, sender=who, seq=seq, sent_at=time.time(),
-                       message=message, num_sent=self.num_sent, num_dropped=self.num_dropped)
+                       message=message, num_sent=self.num_sent, num_dropped=self.num_dropped,
+                       token=self.token_of(who))
         try:
             self._socket.send(encode(env), zmq.NOBLOCK)
             self.num_sent += 1

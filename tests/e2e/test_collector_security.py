@@ -6,6 +6,7 @@ rank's steps, replays and every kind of malformed value."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sqlite3
@@ -305,3 +306,22 @@ def test_an_insider_cannot_grow_the_world_nor_fail_a_successful_run(
     assert files.summary["primary"]["label"] != "CRASHED"
     assert "CRASH NOT CONFIRMED" in files.text
     assert len(files.text) < 20_000
+
+
+def test_a_ranks_child_cannot_speak_as_rank_0(tmp_path: Path) -> None:
+    """Rank 1's child asks the launcher's key service for a token (refused: it is not a
+    worker the launcher started, and its worker was answered already), then sends rank 0's
+    identity with forged steps, with its parent's token and without one: every message
+    refused and counted, rank 0's stored steps exactly the ones it ran."""
+    from tests.conftest import run_traceml, script
+
+    result = run_traceml(tmp_path, "run", "--nproc-per-node=2", script("forging_child.py"), "30")
+    assert result.returncode == 0, result.stderr[-3000:]
+    forger = json.loads((result.evidence_dir / "forger.json").read_text())
+    assert forger == {"asked": None, "sent": 3, "had_parent_token": True}
+    ran = {r: e["steps"] for r, e in result.evidence().items()}
+    assert ran == {0: 30, 1: 30}
+    assert {r: len(result.steps_of(r)) for r in (0, 1)} == ran  # the forged 50 are not there
+    assert result.summary is not None
+    assert result.summary["meta"]["rejected"] == {"sender without the token of its identity": 3}
+    assert "refuses its telemetry" not in result.stderr  # the real ranks had their tokens

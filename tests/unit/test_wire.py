@@ -97,7 +97,8 @@ def test_decode_returns_one_of_a_closed_union_every_kind_round_trips() -> None:
 def test_environment_contract_round_trip() -> None:
     env = AgentEnv(session_id="x.y-1", endpoint="tcp://127.0.0.1:5", launcher_pid=42,
                    mode="watch", node_rank=3, sample_interval_s=0.25, flush_interval_s=0.1,
-                   arm_dir="/tmp/a", session_dir="/tmp/logs/x.y-1", secret="s3")
+                   arm_dir="/tmp/a", session_dir="/tmp/logs/x.y-1", client_keys="k",
+                   key_socket="/tmp/k.sock", rank_token="t")
     variables = env.to_env()
     assert all(k.startswith("TRACEML_") for k in variables)
     assert AgentEnv.from_env(variables) == env

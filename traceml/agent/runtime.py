@@ -26,7 +26,7 @@ from traceml.agent.process_sampler import ProcessSampler, RssReader
 from traceml.agent.watchdog import FaultFiles, Heartbeat, StallWatch
 from traceml.environment import AgentEnv, TorchRank
 from traceml.errors import WarnOnce
-from traceml.security import session_keys
+from traceml.security import client_keys_from, session_keys
 from traceml.sender import BatchSender
 from traceml.stacks import StackFiles
 from traceml.wire.envelope import Message
@@ -70,6 +70,16 @@ def identity_from(env: AgentEnv, rank: TorchRank) -> Sender:
     )
 
 
+def ask_token(path: str, timeout_s: float = 2.0) -> str | None:
+    """This process's rank token from the launcher's key service (None: refused)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(timeout_s)
+        conn.connect(path)
+        conn.sendall(b"token\n")
+        answer = conn.recv(256).strip().decode("ascii", "replace")
+    return None if answer in ("", "refused") else answer
+
+
 class AgentRuntime:
     """Everything the agent runs in one rank."""
 
@@ -99,9 +109,29 @@ class AgentRuntime:
             min(RSS_TICK_S, env.flush_interval_s, env.sample_interval_s),
             producers=[self._drain_events, self.process_sampler.produce],
             final_producers=[self._bye],
-            keys=session_keys(env.secret, env.session_id),
+            keys=(client_keys_from(env.client_keys) if env.client_keys
+                  else session_keys(None, env.session_id)),
             on_exit=self._sender_exited,
+            token_of=lambda who: self.token if who == identity else None,
+            prepare=self._take_token,
         )
+        self.token = env.rank_token  # proves this rank's identity to the collector
+
+    def _take_token(self) -> None:
+        """Sender thread, before its first message: this rank's token, from the
+        launcher's key service (`traceml.launcher.rank_keys`)."""
+        if self.token is not None or self.env.key_socket is None:
+            return
+        try:
+            self.token = ask_token(self.env.key_socket)
+        except OSError as exc:
+            self.token = None
+            reason = repr(exc)
+        else:
+            reason = "the launcher's key service refused this process"
+        if self.token is None:
+            self._warnings.to_stderr("token", f"traceml: no token for rank {self.identity.rank} "
+                                     f"({reason}): the collector refuses its telemetry")
 
     def start(self) -> None:
         global _ACTIVE

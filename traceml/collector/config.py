@@ -37,6 +37,9 @@ class CollectorConfig:
     node_rank: int = -1  # the relay's node (-1: c10d, not known when it starts)
     # traceml.init(): the parent is the training process itself, not a launcher.
     in_process: bool = False
+    # Every sender proves the identity it claims with its token (`security.TokenBook`,
+    # from ``secret``); a message without the right one is refused and counted.
+    tokens: bool = False
 
     def to_json(self) -> str:
         return orjson.dumps(self.__dict__).decode()

@@ -14,6 +14,7 @@ incidents: each of its senders is claimed here as if it had spoken.
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
@@ -25,6 +26,7 @@ from traceml.collector.intake import Rejected
 from traceml.collector.rank_steps import RankSteps
 from traceml.errors import ProtocolError
 from traceml.records import FlopCount, Incident, StepRow
+from traceml.security import TokenBook
 from traceml.store import JoinError, SenderState, StoreError
 from traceml.wire.envelope import Envelope
 from traceml.wire.events import EventBatch
@@ -80,6 +82,8 @@ class Collector:
         # the running totals of what it rejected
         self.relayed_rejected: dict[tuple[str, int], dict[str, int]] = {}
         self._prefix = intake.session_prefix(config.session_id)
+        self._tokens = (TokenBook(config.secret, config.session_id)
+                        if config.tokens and config.secret else None)
 
     def handle(self, data: bytes, from_launcher: bool = False, from_relay: bool = False) -> None:
         """One message; ``from_launcher`` / ``from_relay``: it came with the
@@ -143,6 +147,10 @@ class Collector:
         state.num_dropped = max(state.num_dropped, env.num_dropped)
 
     def _dispatch(self, env: Envelope, from_launcher: bool, from_relay: bool = False) -> None:
+        if self._tokens is not None:
+            expected = self._tokens.of(env.sender.role, env.sender.rank)
+            if expected is None or not hmac.compare_digest(env.token or "", expected):
+                raise Rejected("sender without the token of its identity")
         message = env.message
         if isinstance(message, (RunStart, RunEnd, StopCollector)):
             if not from_launcher:

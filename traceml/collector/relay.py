@@ -31,7 +31,7 @@ from traceml import step_fields
 from traceml.collector.config import CollectorConfig
 from traceml.collector.server import serve
 from traceml.records import FlopCount, Incident, StepRow
-from traceml.security import derive_keys, relay_keys, secure_client
+from traceml.security import TokenBook, derive_keys, relay_keys, secure_client
 from traceml.store import JoinError, SenderState
 from traceml.wire.envelope import Envelope, Message, encode
 from traceml.wire.identity import Sender
@@ -52,8 +52,9 @@ class Upstream:
     Not on any training path, so a send may wait (up to `SEND_TIMEOUT_MS`)
     rather than drop at once; a batch still not taken is dropped and counted."""
 
-    def __init__(self, endpoint: str, session_id: str, identity: Sender, keys: Any) -> None:
-        self.session_id, self.identity = session_id, identity
+    def __init__(self, endpoint: str, session_id: str, identity: Sender, keys: Any,
+                 token: str | None = None) -> None:
+        self.session_id, self.identity, self.token = session_id, identity, token
         self.context = zmq.Context()
         self.sock = self.context.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -66,7 +67,7 @@ class Upstream:
 
     def send(self, message: Message) -> bool:
         env = Envelope(self.session_id, self.identity, self.seq, time.time(), message,
-                       num_sent=self.num_sent, num_dropped=self.num_dropped)
+                       num_sent=self.num_sent, num_dropped=self.num_dropped, token=self.token)
         self.seq += 1
         try:
             self.sock.send(encode(env))
@@ -218,8 +219,9 @@ def open_outbox(config: CollectorConfig) -> Outbox:
     keys = derive_keys(config.secret or config.session_id, config.session_id)
     identity = Sender(role="relay", host=socket.gethostname(), pid=os.getpid(),
                       node_rank=config.node_rank)
+    token = TokenBook(config.secret, config.session_id).node if config.secret else None
     return Outbox(Upstream(config.upstream, config.session_id, identity,
-                           relay_keys(keys, config.secret, config.session_id)))
+                           relay_keys(keys, config.secret, config.session_id), token))
 
 
 def serve_relay(config: CollectorConfig) -> int:

@@ -23,7 +23,7 @@ import zmq
 from traceml import environment
 from traceml.collector.config import CollectorConfig
 from traceml.errors import UsageError
-from traceml.security import derive_keys, launcher_keys, new_secret, secure_client
+from traceml.security import TokenBook, derive_keys, launcher_keys, new_secret, secure_client
 from traceml.store import StoreError, StoreWriter
 from traceml.version import __version__
 from traceml.wire.envelope import Envelope, encode
@@ -96,6 +96,7 @@ class CollectorProcess:
         self._control.connect(f"tcp://{host}:{self.port}")
         self._identity = Sender(role="launcher", host=socket.gethostname(), pid=os.getpid(),
                                 node_rank=0)
+        self._token = TokenBook(config.secret, config.session_id).node if config.secret else None
         self._seq = 0
 
     def alive(self) -> bool:
@@ -107,7 +108,7 @@ class CollectorProcess:
 
     def _send(self, control: Control) -> None:
         env = Envelope(session_id=self.config.session_id, sender=self._identity, seq=self._seq,
-                       sent_at=time.time(), message=control)
+                       sent_at=time.time(), message=control, token=self._token)
         self._seq += 1
         try:
             self._control.send(encode(env), zmq.NOBLOCK)

@@ -20,7 +20,7 @@ from traceml.collector.config import CollectorConfig
 from traceml.config import RunConfig
 from traceml.environment import AgentEnv
 from traceml.errors import UsageError
-from traceml.launcher import topology
+from traceml.launcher import rank_keys, topology
 from traceml.launcher.args import torch_namespace
 from traceml.launcher.collector_process import (
     CollectorFailed,
@@ -33,11 +33,12 @@ from traceml.launcher.ending import finish
 from traceml.launcher.health import RankFailure, StackWatch, StallAlert
 from traceml.launcher.nodes import JoinCheck, SilenceWatch, Waiting, wait_for_nodes
 from traceml.launcher.process_watcher import ProcessWatcher
+from traceml.launcher.rank_keys import RankKeyService
 from traceml.launcher.session_dir import session_dir_for
 from traceml.launcher.system_sampler import SystemSampler
 from traceml.launcher.topology import Topology
 from traceml.live.views import start_live_view
-from traceml.security import new_secret, session_keys
+from traceml.security import TokenBook, client_keys_text, new_secret, session_keys
 from traceml.store import STORE_FILENAME
 from traceml.wire.identity import MAX_WORLD_SIZE
 
@@ -106,6 +107,7 @@ def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
             db_path=str(session_dir / STORE_FILENAME), parent_pid=os.getpid(),
             dashboard_port=cfg.dashboard_port if cfg.mode == "dashboard" else None,  # live views
             secret=secret, join_port=topo.join_port if cfg.multi_node else None,
+            tokens=rank_keys.available(),
             expected={"nnodes": cfg.torch.nnodes, "nproc_per_node": cfg.torch.nproc_per_node},
         ))
     except UsageError as exc:
@@ -120,7 +122,9 @@ def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
 
 
 def agent_env_for(cfg: RunConfig, endpoint: str, session_dir: Path, topo: Topology,
-                  secret: str | None) -> AgentEnv:
+                  secret: str, key_service: RankKeyService | None = None) -> AgentEnv:
+    """What the workers get: the session's client keys (not its secret) and the key
+    service that gives each its rank's token."""
     arm_dir = None
     if cfg.no_python:
         arm_dir = str(session_dir / ".armed")
@@ -129,7 +133,9 @@ def agent_env_for(cfg: RunConfig, endpoint: str, session_dir: Path, topo: Topolo
         session_id=cfg.session_id, endpoint=endpoint, launcher_pid=os.getpid(),
         mode="run" if cfg.command == "run" else "watch", node_rank=cfg.node_rank,
         sample_interval_s=cfg.sample_interval_s, arm_dir=arm_dir,
-        session_dir=str(session_dir.resolve()), secret=secret,
+        session_dir=str(session_dir.resolve()),
+        client_keys=client_keys_text(session_keys(secret, cfg.session_id)),
+        key_socket=key_service.path if key_service is not None else None,
         stall_timeout_s=cfg.stall_timeout_s,
         count_flops=cfg.count_flops,
     )
@@ -173,6 +179,7 @@ def run(cfg: RunConfig) -> int:
         return run_torch(torch_namespace(cfg, redirect_output=False))
     topo = topology.resolve(cfg)
     secret = session_secret(cfg)
+    environment.hide_user_secret(os.environ)  # the workers inherit it: a rank gets a token
     try:
         session_dir, hosting = session_dir_for(cfg, topo)
         collector = start_collector(cfg, topo, session_dir, secret) if hosting else None
@@ -186,10 +193,16 @@ def run(cfg: RunConfig) -> int:
     relay = start_relay(cfg, topo, endpoint, secret) if collector is None else None
     if relay is not None:  # this node's senders send to its relay, which forwards to node 0
         endpoint = f"tcp://127.0.0.1:{relay.port}"
-    agent_env = agent_env_for(cfg, endpoint, session_dir, topo, secret)
-    if cfg.command == "run":
-        inject(agent_env)  # watch injects nothing: the launcher samples from outside
-    exit_code = _supervise(cfg, topo, agent_env, collector, session_dir, relay)
+    key_service = (RankKeyService(TokenBook(secret, cfg.session_id))
+                   if cfg.command == "run" and rank_keys.available() else None)
+    try:
+        agent_env = agent_env_for(cfg, endpoint, session_dir, topo, secret, key_service)
+        if cfg.command == "run":
+            inject(agent_env)  # watch injects nothing: the launcher samples from outside
+        exit_code = _supervise(cfg, topo, agent_env, collector, session_dir, secret, relay)
+    finally:
+        if key_service is not None:
+            key_service.stop()
     hint = late_options_hint(cfg, exit_code)
     if hint:
         print(hint, file=sys.stderr)
@@ -222,6 +235,7 @@ def start_relay(cfg: RunConfig, topo: Topology, upstream: str,
         return CollectorProcess(CollectorConfig(
             session_id=cfg.session_id, bind_host="127.0.0.1", port=0, db_path="",
             parent_pid=os.getpid(), secret=secret, upstream=upstream,
+            tokens=rank_keys.available(),
             node_rank=cfg.node_rank if topo.static else -1))
     except UsageError as exc:
         print(f"{exc}; this node's telemetry goes to node 0 directly", file=sys.stderr)
@@ -229,17 +243,19 @@ def start_relay(cfg: RunConfig, topo: Topology, upstream: str,
 
 
 def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
-               collector: CollectorProcess | None, session_dir: Path,
+               collector: CollectorProcess | None, session_dir: Path, secret: str,
                relay: CollectorProcess | None = None) -> int:
     """Run torch's launch with the node's helpers around it; end with the summary."""
-    keys = session_keys(agent_env.secret, cfg.session_id)
+    keys = session_keys(secret, cfg.session_id)
+    tokens = TokenBook(secret, cfg.session_id)
     stack_watch = StackWatch(session_dir)
     sampler = SystemSampler(agent_env.endpoint, cfg.session_id,
                             cfg.node_rank if topo.static else None, cfg.sample_interval_s, keys,
-                            extra=[stack_watch.produce] if cfg.command == "run" else [])
+                            extra=[stack_watch.produce] if cfg.command == "run" else [],
+                            token_of=lambda who: tokens.of(who.role, who.rank))
     sampler.start()
     helpers = node_helpers(cfg, topo, collector or relay, session_dir, keys)
-    helpers += _watchers(cfg, topo, agent_env, collector is not None, session_dir, keys)
+    helpers += _watchers(cfg, topo, agent_env, collector is not None, session_dir, keys, tokens)
     # The live view runs where the collector does; only there does the
     # workers' output leave the terminal (--mode=cli).
     torch_args = torch_namespace(cfg, redirect_output=collector is not None)
@@ -278,7 +294,7 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
 
 
 def _watchers(cfg: RunConfig, topo: Topology, agent_env: AgentEnv, node_0: bool,
-              session_dir: Path, keys: Any) -> list[Any]:
+              session_dir: Path, keys: Any, tokens: TokenBook) -> list[Any]:
     """Started: node 0's stall alert (the cli view shows stalls in its place) and, for
     ``traceml watch``, the process watcher that samples the ranks from outside."""
     started: list[Any] = []
@@ -287,7 +303,8 @@ def _watchers(cfg: RunConfig, topo: Topology, agent_env: AgentEnv, node_0: bool,
     if cfg.command == "watch":
         started.append(ProcessWatcher(agent_env.endpoint, cfg.session_id,
                                       cfg.node_rank if topo.static else None,
-                                      cfg.sample_interval_s, keys))
+                                      cfg.sample_interval_s, keys,
+                                      token_of=lambda who: tokens.of(who.role, who.rank)))
     for watcher in started:
         watcher.start()
     return started

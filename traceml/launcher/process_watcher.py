@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -27,7 +28,8 @@ class ProcessWatcher:
     """Samples every local worker each interval and reports it as that rank."""
 
     def __init__(self, endpoint: str, session_id: str, node_rank: int | None,
-                 interval_s: float, keys: CurveKeys) -> None:
+                 interval_s: float, keys: CurveKeys,
+                 token_of: Callable[[Sender], str | None] | None = None) -> None:
         self.node_rank = node_rank
         self.host = socket.gethostname()
         self.ram_total = psutil.virtual_memory().total
@@ -36,7 +38,7 @@ class ProcessWatcher:
         identity = Sender(role="watch", host=self.host, pid=os.getpid(),
                           node_rank=node_rank if node_rank is not None else -1)
         self.sender = BatchSender(endpoint, session_id, identity, interval_s,
-                                  producers=[self.produce], keys=keys)
+                                  producers=[self.produce], keys=keys, token_of=token_of)
 
     def start(self) -> None:
         self.sender.start()

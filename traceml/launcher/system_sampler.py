@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -101,7 +102,8 @@ class SystemSampler:
 
     def __init__(self, endpoint: str, session_id: str, node_rank: int | None,
                  interval_s: float, keys: CurveKeys,
-                 extra: list[Producer] | None = None) -> None:
+                 extra: list[Producer] | None = None,
+                 token_of: Callable[[Sender], str | None] | None = None) -> None:
         self.nvml = Nvml()
         psutil.cpu_percent(None)  # prime: the first call has no interval
         self.node_rank = node_rank
@@ -111,7 +113,7 @@ class SystemSampler:
         self.sender = BatchSender(endpoint, session_id, identity, interval_s,
                                   producers=[self.produce, *extra],
                                   final_producers=[self.produce, *extra, self._bye],
-                                  keys=keys)
+                                  keys=keys, token_of=token_of)
 
     def produce(self) -> list[Message]:
         if self.node_rank is None:

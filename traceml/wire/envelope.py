@@ -36,6 +36,7 @@ from traceml.wire.rows import ProcessRows, SystemRows
 PROTOCOL_VERSION = 4  # 2: event codes follow traceml.phases; 3: hook; 4: typed messages,
 # relayed steps as the step-field table's measured columns
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+MAX_TOKEN_CHARS = 64
 
 Message = (EventBatch | ProcessRows | SystemRows | Hello | Bye | RunStart | RunEnd
            | StopCollector | IncidentReport | RelayBatch)
@@ -82,6 +83,7 @@ class Envelope:
     num_sent: int = 0  # messages this sender had sent before this one
     num_dropped: int = 0  # messages this sender dropped (queue full)
     version: int = PROTOCOL_VERSION
+    token: str | None = None  # proves the sender's identity (`traceml.security.TokenBook`)
 
     @property
     def kind(self) -> str:
@@ -95,9 +97,12 @@ def encode(env: Envelope) -> bytes:
 def encode_payload(env: Envelope, kind: str, payload: dict[str, Any]) -> bytes:
     """``env`` with another kind and payload: what a test or a fuzzer sends that no
     sender would."""
-    return orjson.dumps({"v": env.version, "sid": env.session_id, "kind": kind,
-                         "from": env.sender.values(), "seq": env.seq, "at": env.sent_at,
-                         "ns": env.num_sent, "nd": env.num_dropped, "p": payload})
+    head = {"v": env.version, "sid": env.session_id, "kind": kind,
+            "from": env.sender.values(), "seq": env.seq, "at": env.sent_at,
+            "ns": env.num_sent, "nd": env.num_dropped}
+    if env.token is not None:
+        head["tok"] = env.token
+    return orjson.dumps({**head, "p": payload})
 
 
 def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
@@ -131,12 +136,15 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
 
 def _head(obj: dict[str, Any]) -> dict[str, Any]:
     """The envelope's fields around its payload, checked."""
-    sid, at = obj["sid"], obj["at"]
+    sid, at, token = obj["sid"], obj["at"], obj.get("tok")
     if type(sid) is not str:
         raise TypeError("session id is not a string")
+    if token is not None and (type(token) is not str or not 0 < len(token) <= MAX_TOKEN_CHARS
+                              or not token.isascii()):
+        raise ValueError("token is not a token")
     if not is_number(at):
         raise ValueError("at is not a finite number")
     return {"session_id": sid, "sender": sender_from(obj["from"]),
             "seq": bounded(obj["seq"], 0, MAX_INT, "seq"), "sent_at": float(at),
             "num_sent": bounded(obj.get("ns", 0), 0, MAX_INT, "ns"),
-            "num_dropped": bounded(obj.get("nd", 0), 0, MAX_INT, "nd")}
+            "num_dropped": bounded(obj.get("nd", 0), 0, MAX_INT, "nd"), "token": token}
