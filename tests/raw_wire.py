@@ -15,10 +15,10 @@ from traceml.wire.records import Hello
 
 def envelope_bytes(session_id: str, kind: str, sender: Sender, seq: int,
                    payload: dict[str, Any], at: float | None = None, num_sent: int = 0,
-                   num_dropped: int = 0) -> bytes:
+                   num_dropped: int = 0, token: str | None = None) -> bytes:
     """One message of ``kind`` carrying ``payload`` as is."""
     env = Envelope(session_id, sender, seq, time.time() if at is None else at, Hello(),
-                   num_sent, num_dropped)
+                   num_sent, num_dropped, token=token)
     return encode_payload(env, kind, payload)
 
 

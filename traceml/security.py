@@ -109,19 +109,20 @@ class TokenBook:
 
     def __init__(self, secret: str, session_id: str) -> None:
         self._key = f"traceml/token/{session_id}/{secret}".encode()
-        self._ranks: dict[int, str] = {}
+        self._ranks: dict[tuple[int, int], str] = {}
         self.node = self._token("node")
 
-    def rank(self, rank: int) -> str:
-        token = self._ranks.get(rank)
+    def rank(self, rank: int, restart: int = 0) -> str:
+        """The token of a rank in one attempt (torch elastic's restart count)."""
+        token = self._ranks.get((rank, restart))
         if token is None:
-            token = self._ranks[rank] = self._token(f"rank/{rank}")
+            token = self._ranks[(rank, restart)] = self._token(f"rank/{rank}/{restart}")
         return token
 
-    def of(self, role: str, rank: int | None) -> str | None:
+    def of(self, role: str, rank: int | None, restart: int = 0) -> str | None:
         """The token of a sender (None: no identity of a job has this role)."""
         if role == "rank" and rank is not None:
-            return self.rank(rank)
+            return self.rank(rank, restart)
         return self.node if role in NODE_ROLES else None
 
     def _token(self, name: str) -> str:

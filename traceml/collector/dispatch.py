@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from traceml import phases, stacks, step_fields
@@ -84,13 +84,14 @@ class Collector:
         self._prefix = intake.session_prefix(config.session_id)
         self._tokens = (TokenBook(config.secret, config.session_id)
                         if config.tokens and config.secret else None)
+        self._budgets = ByteBudgets()
 
     def handle(self, data: bytes, from_launcher: bool = False, from_relay: bool = False) -> None:
         """One message; ``from_launcher`` / ``from_relay``: it came with the
         launcher's key / the relays' key."""
         try:
             env = intake.accept(data, self._prefix, self.config.max_message_bytes)
-            self._dispatch(env, from_launcher, from_relay)
+            self._dispatch(env, from_launcher, from_relay, len(data))
         except Rejected as exc:
             self.reject(exc.reason)
         except (ProtocolError, ValueError, TypeError, KeyError, ArithmeticError):
@@ -146,9 +147,10 @@ class Collector:
         state.num_sent = max(state.num_sent, env.num_sent + 1)
         state.num_dropped = max(state.num_dropped, env.num_dropped)
 
-    def _dispatch(self, env: Envelope, from_launcher: bool, from_relay: bool = False) -> None:
+    def _dispatch(self, env: Envelope, from_launcher: bool, from_relay: bool = False,
+                  size: int = 0) -> None:
         if self._tokens is not None:
-            expected = self._tokens.of(env.sender.role, env.sender.rank)
+            expected = self._tokens.of(env.sender.role, env.sender.rank, env.sender.restart)
             if expected is None or not hmac.compare_digest(env.token or "", expected):
                 raise Rejected("sender without the token of its identity")
         message = env.message
@@ -160,6 +162,8 @@ class Collector:
         if isinstance(message, RelayBatch) and not (from_relay and env.sender.role == "relay"):
             raise Rejected("relay batch from a sender other than a relay")
         state = self._state(env)
+        if env.sender.role in _METERED and not self._budgets.spend(env.sender.sender_id, size):
+            raise Rejected("over its sender's byte rate")
         match message:
             case RelayBatch():
                 self._relayed(env.sender, message)
@@ -363,6 +367,33 @@ class Collector:
             self.store.close()
         except StoreError:
             self.store_failed = True
+
+
+SENDER_BYTES_PER_S = 4 << 20
+"""What one rank or node sampler may send, on average (a fast rank sends a few hundred
+KiB/s); more is refused and counted, so a key holder's flood of large valid messages
+cannot take the collector's time from the others."""
+SENDER_BURST_BYTES = 32 << 20  # ...and at once (four messages of the largest size)
+_METERED = frozenset({"rank", "system", "watch"})  # relays and the launcher are the job's
+
+
+class ByteBudgets:
+    """Per sender, a token bucket of bytes (`SENDER_BYTES_PER_S`, `SENDER_BURST_BYTES`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._left: dict[str, tuple[float, float]] = {}  # sender id -> (bytes, at)
+
+    def spend(self, sender_id: str, size: int) -> bool:
+        """Whether the sender may send ``size`` bytes now (then they are spent)."""
+        now = self.clock()
+        left, at = self._left.get(sender_id, (float(SENDER_BURST_BYTES), now))
+        left = min(float(SENDER_BURST_BYTES), left + (now - at) * SENDER_BYTES_PER_S)
+        if size > left:
+            self._left[sender_id] = (left, now)
+            return False
+        self._left[sender_id] = (left - size, now)
+        return True
 
 
 def _plausible(row: StepRow) -> bool:

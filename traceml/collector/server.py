@@ -49,8 +49,10 @@ DRAIN_BEHIND_MAX_S = 12.0  # ...and while messages still wait in the socket (und
 # launcher's 15 s STOP_TIMEOUT_S: the collector commits and exits before it is killed)
 BEHIND_COMMIT_S = 1.0  # node 0's commit interval while messages wait in its socket
 # What one sender may queue in the receive buffer: messages x the largest message
-# bounds its bytes (64 x 8 MiB); a sender over it waits, then drops and counts.
-RECEIVE_HWM = 64
+# bounds its bytes (16 x 8 MiB); a sender over it waits, then drops and counts.
+RECEIVE_HWM = 16
+OVERSIZE_SEEN = 2  # frames up to this many times the message limit are read (and counted
+# as oversized); a larger one ZeroMQ refuses, closing that sender's connection
 MAX_JOIN_ERRORS = 64
 JOIN_MAX_BYTES = 4096
 
@@ -93,7 +95,7 @@ class Listener:
         self.sock = context.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, OVERSIZE_SEEN * config.max_message_bytes)
         secure_server(self.sock, keys)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)

@@ -252,7 +252,7 @@ def _supervise(cfg: RunConfig, topo: Topology, agent_env: AgentEnv,
     sampler = SystemSampler(agent_env.endpoint, cfg.session_id,
                             cfg.node_rank if topo.static else None, cfg.sample_interval_s, keys,
                             extra=[stack_watch.produce] if cfg.command == "run" else [],
-                            token_of=lambda who: tokens.of(who.role, who.rank))
+                            token_of=lambda who: tokens.of(who.role, who.rank, who.restart))
     sampler.start()
     helpers = node_helpers(cfg, topo, collector or relay, session_dir, keys)
     helpers += _watchers(cfg, topo, agent_env, collector is not None, session_dir, keys, tokens)
@@ -304,7 +304,7 @@ def _watchers(cfg: RunConfig, topo: Topology, agent_env: AgentEnv, node_0: bool,
         started.append(ProcessWatcher(agent_env.endpoint, cfg.session_id,
                                       cfg.node_rank if topo.static else None,
                                       cfg.sample_interval_s, keys,
-                                      token_of=lambda who: tokens.of(who.role, who.rank)))
+                                      token_of=lambda who: tokens.of(who.role, who.rank, who.restart)))
     for watcher in started:
         watcher.start()
     return started

@@ -6,7 +6,8 @@ token; it asks this service, over a Unix socket, which knows who asks from the
 kernel (``SO_PEERCRED``, Linux): the asking process must descend from a direct child of
 this launcher (a worker torch's elastic agent started: the process itself, or with
 ``--no-python`` the first Python process under it), and each such worker is answered
-once, with the token of the rank torch gave it (``RANK`` in its environment).  So a
+once, with the token of the rank torch gave it in its attempt (``RANK`` and
+``TORCHELASTIC_RESTART_COUNT`` in its environment).  So a
 rank's DataLoader workers and subprocesses, which ask as that worker again, get
 nothing: whatever they send as any rank is refused and counted by the collector.
 
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import psutil
 
+from traceml.environment import TorchRank
 from traceml.security import TokenBook
 
 REQUEST = b"token\n"
@@ -82,12 +84,12 @@ class RankKeyService:
     def answer(self, pid: int) -> bytes:
         """The token line for process ``pid``, or the refusal (counted)."""
         worker = self.worker_of(pid)
-        rank = _rank_of(worker) if worker is not None else None
-        if worker is None or rank is None or worker in self.issued:
+        attempt = _rank_of(worker) if worker is not None else None
+        if worker is None or attempt is None or worker in self.issued:
             self.num_refused += 1
             return REFUSED
         self.issued.add(worker)
-        return self.tokens.rank(rank).encode("ascii") + b"\n"
+        return self.tokens.rank(*attempt).encode("ascii") + b"\n"
 
     def worker_of(self, pid: int) -> int | None:
         """The worker ``pid`` belongs to: itself or its ancestor whose parent is this
@@ -108,10 +110,11 @@ def _peer_pid(conn: socket.socket) -> int:
     return pid
 
 
-def _rank_of(pid: int) -> int | None:
-    """The rank torch's elastic agent gave worker ``pid`` (``RANK`` of its environment)."""
+def _rank_of(pid: int) -> tuple[int, int] | None:
+    """The rank and attempt torch's elastic agent gave worker ``pid`` (``RANK`` and
+    ``TORCHELASTIC_RESTART_COUNT`` of its environment)."""
     try:
-        rank = str(psutil.Process(pid).environ().get("RANK", ""))
-    except psutil.Error:
+        worker = TorchRank.from_env(psutil.Process(pid).environ())
+    except (psutil.Error, ValueError):
         return None
-    return int(rank) if rank.isdigit() else None
+    return (worker.rank, worker.restart_count) if worker is not None else None

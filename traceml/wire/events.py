@@ -55,6 +55,7 @@ FLOP_COUNT_FIELDS = ("flops", "dtype", "dtype_share", "device_name", "sm_count",
 # A rank sends its events early once this many wait: ~2 MB of JSON, well
 # under the largest message.
 MAX_EVENTS_PER_MESSAGE = 100_000
+MAX_EVENTS_ACCEPTED = 2 * MAX_EVENTS_PER_MESSAGE  # a take arrives whole after that count
 
 _TEXT = optional(lambda v: isinstance(v, str))
 _NUMBER = optional(is_number)
@@ -114,6 +115,10 @@ def _check_shape(batch: Any, offset: Any, times: Any, marks: Any, rss: Any, span
     if (not isinstance(times, list) or len(times) > NUM_EVENT_CODES
             or not all(isinstance(ts, list) and all(map(is_number, ts)) for ts in times)):
         raise ProtocolError("event times are not lists of numbers per code")
+    if sum(map(len, times)) > MAX_EVENTS_ACCEPTED or any(
+            isinstance(v, list) and len(v) > MAX_EVENTS_ACCEPTED
+            for v in (marks, rss, spans, batches, flop_counts)):
+        raise ProtocolError("more events than a rank sends in one message")
     if any(times[code] for code in VALUED if code < len(times)):
         raise ProtocolError("marks, RSS readings, spans, batches and FLOP counts travel "
                             "with their values")

@@ -27,6 +27,7 @@ from traceml.wire.rows import ProcessRows, SystemRows
 RELAY_STATE_FIELDS = ("first_seen", "last_seen", "num_messages", "num_gaps", "last_seq",
                       "num_sent", "num_dropped", "said_bye")
 MAX_RELAYED_SENDERS = 4096
+MAX_RELAYED_STEPS = 1 << 20  # step rows in one batch (a node's ranks over one flush)
 MAX_REJECT_REASONS = 64
 MAX_REASON_CHARS = 200
 
@@ -121,6 +122,8 @@ def _step_columns(columns: list[list[Any]], num_senders: int) -> None:
         return
     if len(columns) != 1 + len(_MEASURED) or len({len(c) for c in columns}) != 1:
         raise ProtocolError("relayed steps are not the measured columns, of one length")
+    if len(columns[0]) > MAX_RELAYED_STEPS:
+        raise ProtocolError("more relayed steps than a batch holds")
     index, *values = columns
     if set(map(type, index)) != {int} or min(index) < 0 or max(index) >= num_senders:
         raise ProtocolError("relayed step of no relayed sender")

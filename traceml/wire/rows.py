@@ -11,6 +11,7 @@ from traceml.errors import ProtocolError
 from traceml.wire.checks import BYTES, PCT, TIME, WATTS, Check, integer, number
 
 MAX_FIELDS = 64  # fields per row (a sender may add some)
+MAX_ROWS = 4096  # rows per message: a sampler sends one or a few per interval
 MAX_GPUS = 1024
 
 # A rank's process telemetry, every sample interval.
@@ -54,6 +55,8 @@ def _columnar(payload: dict[str, Any], checks: dict[str, Check]) -> tuple[tuple[
     fields, rows = payload.get("fields"), payload.get("rows")
     if not isinstance(fields, list) or not isinstance(rows, list):
         raise ProtocolError("payload without fields/rows")
+    if len(rows) > MAX_ROWS:
+        raise ProtocolError(f"more than {MAX_ROWS} rows")
     if len(fields) > MAX_FIELDS or not all(type(f) is str for f in fields) \
             or len(set(fields)) != len(fields):
         raise ProtocolError("fields are not distinct names")

@@ -1,0 +1,76 @@
+"""What a key holder cannot do at the collector's dispatch (traceml.collector.dispatch,
+on a real SQLite store): speak for an identity without its token, send more bytes than
+a sender's budget, or more rows or events than any sender sends in one message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.raw_wire import empty_times, envelope_bytes
+from traceml.collector import dispatch
+from traceml.collector.config import CollectorConfig
+from traceml.collector.dispatch import ByteBudgets, Collector
+from traceml.security import TokenBook
+from traceml.store import StoreWriter
+from traceml.wire import events as ev
+from traceml.wire.envelope import Envelope, Message, encode
+from traceml.wire.identity import Sender
+from traceml.wire.records import Hello
+from traceml.wire.rows import MAX_ROWS, PROCESS_FIELDS, ProcessRows
+
+BOOK = TokenBook("s3cret", "s")
+RANK1 = Sender("rank", "h", 11, 0, rank=1, local_rank=1, world_size=2)
+
+
+def collector(tmp_path: Path) -> Collector:
+    config = CollectorConfig("s", "127.0.0.1", 0, "", 0, secret="s3cret", tokens=True)
+    return Collector(config, StoreWriter(str(tmp_path / "t.sqlite")))
+
+
+def send(c: Collector, who: Sender, seq: int, message: Message, token: str | None) -> None:
+    c.handle(encode(Envelope("s", who, seq, 1.7e9, message, token=token)))
+
+
+def test_a_rank_token_speaks_for_its_rank_and_attempt_only(tmp_path: Path) -> None:
+    c = collector(tmp_path)
+    send(c, RANK1, 0, Hello(1.7e9), BOOK.rank(1))
+    assert c.rejected == {} and RANK1.sender_id in c.senders
+    for who, token in ((Sender("rank", "h", 12, 0, rank=0, local_rank=0, world_size=2),
+                        BOOK.rank(1)),  # another rank
+                       (Sender("rank", "h", 13, 0, rank=1, world_size=2, restart=1),
+                        BOOK.rank(1)),  # another attempt of the rank
+                       (Sender("system", "h", 14, 0), BOOK.rank(1)),  # a node's sampler
+                       (Sender("rank", "h", 15, 0, rank=0, world_size=2), None)):
+        send(c, who, 0, Hello(1.7e9), token)
+    assert c.rejected == {"sender without the token of its identity": 4}
+    assert set(c.senders) == {RANK1.sender_id}
+
+
+def test_a_sender_over_its_byte_rate_is_cut_and_counted(tmp_path: Path) -> None:
+    clock = [0.0]
+    c = collector(tmp_path)
+    c._budgets = ByteBudgets(lambda: clock[0])
+    rows = ProcessRows(PROCESS_FIELDS, [[1.7e9, 1.0, 1, 1, 1, None, None, None]] * MAX_ROWS)
+    size = len(encode(Envelope("s", RANK1, 0, 1.7e9, rows, token=BOOK.rank(1))))
+    burst = dispatch.SENDER_BURST_BYTES // size
+    for seq in range(burst + 3):
+        send(c, RANK1, seq, rows, BOOK.rank(1))
+    assert c.rejected == {"over its sender's byte rate": 3}
+    clock[0] += 2 * size / dispatch.SENDER_BYTES_PER_S  # the budget fills again, slowly
+    send(c, RANK1, burst + 3, rows, BOOK.rank(1))
+    assert c.rejected == {"over its sender's byte rate": 3}
+    assert c.senders[RANK1.sender_id].num_messages == burst + 1
+
+
+@pytest.mark.parametrize(("kind", "payload"), [
+    ("process", {"fields": ["t"], "rows": [[1.7e9]] * (MAX_ROWS + 1)}),
+    ("events", {"batch": 0, "wall_offset": 0.0, "marks": [], "rss": [],
+                "times": [[1.0] * (ev.MAX_EVENTS_ACCEPTED + 1)] + empty_times()[1:]}),
+])
+def test_more_than_any_sender_sends_in_a_message_is_refused(tmp_path: Path, kind: str,
+                                                            payload: dict[str, object]) -> None:
+    c = collector(tmp_path)
+    c.handle(envelope_bytes("s", kind, RANK1, 0, payload, token=BOOK.rank(1)))
+    assert c.rejected == {f"bad {kind} payload": 1}
