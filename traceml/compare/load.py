@@ -14,6 +14,7 @@ is also read leniently, and its problems are kept for the report.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from traceml.compare.summary import RunSummary, decode_summary
 from traceml.errors import UsageError
 from traceml.report.model import SCHEMA_VERSION
 from traceml.report.schema import validate_summary
+from traceml.report.summary_files import settle
 
 SUMMARY_FILENAME = "final_summary.json"
 MAX_SUMMARY_BYTES = 256 << 20  # far above any summary: a cap for /dev/zero and the like
@@ -53,6 +55,10 @@ def load_side(which: str, given: str) -> RunSummary:
 def resolve_summary_path(which: str, given: str) -> Path:
     """The summary file of a side: the path itself, or ``<folder>/final_summary.json``."""
     path = Path(given)
+    folder = path if path.is_dir() else path.parent
+    if (folder / "telemetry.sqlite").exists():  # a session folder: a kill's half pair settled
+        with contextlib.suppress(OSError):  # a read-only folder is read as it is
+            settle(folder)
     if path.is_dir():
         inside = path / SUMMARY_FILENAME
         if not inside.is_file():

@@ -28,6 +28,7 @@ from traceml.records import RunData
 from traceml.report.build import build_report
 from traceml.report.json_codec import report_to_json
 from traceml.report.model import Report
+from traceml.report.summary_files import save_pair
 from traceml.report.text import render_text
 from traceml.store import STORE_FILENAME, StoreError, StoreReader
 from traceml.wire.records import RunEnd, RunStart
@@ -129,12 +130,14 @@ def _paused_gc() -> Iterator[None]:
 
 
 def save_summary(files: SummaryFiles) -> None:
-    """Write both summary files atomically, with the store's file mode; OSError
-    when they cannot be written (a full disk).  final_summary.json comes last: once
-    it is there (what tools wait for), the text beside it is this summary's too."""
-    mode = stat.S_IMODE(os.stat(files.json_path.parent / STORE_FILENAME).st_mode)
-    write_atomic(files.text_path, files.text.encode(), mode)
-    write_atomic(files.json_path, orjson.dumps(files.summary, option=orjson.OPT_INDENT_2), mode)
+    """Write both summary files as one pair, all or nothing
+    (`traceml.report.summary_files`), with the store's file mode; OSError when they
+    cannot be written (a full disk)."""
+    folder = files.json_path.parent
+    mode = stat.S_IMODE(os.stat(folder / STORE_FILENAME).st_mode)
+    save_pair(folder, (files.text_path.name, files.json_path.name),
+              (files.text.encode(), orjson.dumps(files.summary, option=orjson.OPT_INDENT_2)),
+              mode)
 
 
 def write_summary(session_dir: Path, window_rows: int | None = None,

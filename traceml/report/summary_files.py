@@ -1,0 +1,86 @@
+"""The summary's two files, ``final_summary.json`` and ``final_summary.txt``, written as
+one pair, all or nothing (offline analysis: the launcher's end, ``traceml report``).
+
+Two files cannot be renamed at once, so the pair is committed through a small journal:
+both are written to temporary files in the session folder (fsynced), then a journal
+naming them is put in place atomically: that rename is the commit.  Then both are
+renamed over the old pair and the journal removed.  A kill before the commit leaves the
+old pair and some temporary files; after it, a journal that `settle` completes.  Every
+writer and reader of the pair (`save_pair`, ``traceml compare``'s load) settles first,
+so it never sees half a pair: the new text beside the old JSON, or a stray temporary
+file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import orjson
+
+JOURNAL = ".final_summary.commit"
+TEMP_PREFIX = ".final_summary."  # the pair's temporary files: .final_summary.json.XXXX, ...
+
+
+def save_pair(folder: Path, names: tuple[str, str], contents: tuple[bytes, bytes],
+              mode: int | None = None) -> None:
+    """Write ``contents`` to ``names`` in ``folder`` as one pair (OSError when they cannot
+    be written: a full disk; then the old pair stays, with no temporary file)."""
+    settle(folder)
+    temps: list[str] = []
+    try:
+        for name, data in zip(names, contents):
+            temps.append(_write_temp(folder, name, data, mode))
+        _write_journal(folder, dict(zip(names, temps)))
+    except BaseException:
+        for temp in temps:
+            (folder / temp).unlink(missing_ok=True)
+        raise
+    settle(folder)
+
+
+def settle(folder: Path) -> None:
+    """Complete a committed pair (its journal is there) or drop an uncommitted one (its
+    temporary files): afterwards the folder holds one whole pair, or the old one."""
+    journal = folder / JOURNAL
+    named: dict[str, str] = {}
+    if journal.exists():
+        with contextlib.suppress(OSError, orjson.JSONDecodeError):
+            named = {str(k): str(v) for k, v in orjson.loads(journal.read_bytes()).items()}
+        for final, temp in named.items():
+            if (folder / temp).exists():
+                os.replace(folder / temp, folder / final)
+        _sync(folder)
+        journal.unlink(missing_ok=True)
+    for path in folder.glob(TEMP_PREFIX + "*"):
+        if path.name != JOURNAL and path.name not in named.values():
+            path.unlink(missing_ok=True)
+    _sync(folder)
+
+
+def _write_temp(folder: Path, name: str, data: bytes, mode: int | None) -> str:
+    fd, temp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if mode is not None:
+        os.chmod(temp, mode)
+    return Path(temp).name
+
+
+def _write_journal(folder: Path, named: dict[str, str]) -> None:
+    """The commit: the journal, in place at once (its own temporary file renamed)."""
+    temp = _write_temp(folder, JOURNAL.lstrip(".") + ".tmp", orjson.dumps(named), None)
+    os.replace(folder / temp, folder / JOURNAL)
+    _sync(folder)
+
+
+def _sync(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
