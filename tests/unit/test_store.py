@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
@@ -132,19 +133,19 @@ def test_once_the_summary_json_is_there_its_text_is_too(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tools (and tests) wait for final_summary.json: it is written last, so whoever
     sees it finds the text of the same summary beside it."""
-    from traceml.report import session
+    from traceml.report import session, summary_files
 
     _store(tmp_path / "telemetry.sqlite")
     files = session.build_summary(tmp_path)
-    written = session.write_atomic
+    renamed = os.replace
     seen: list[str] = []
 
-    def watched(path: Path, data: bytes, mode: int | None = None) -> None:
-        if path == files.json_path:
+    def watched(source: Path, target: Path) -> None:
+        if Path(target) == files.json_path:
             seen.append(files.text_path.read_text() if files.text_path.exists() else "")
-        written(path, data, mode)
+        renamed(source, target)
 
-    monkeypatch.setattr(session, "write_atomic", watched)
+    monkeypatch.setattr(summary_files.os, "replace", watched)
     session.save_summary(files)
     assert seen == [files.text]
 
