@@ -6,12 +6,17 @@ this script can speak CURVE as an authenticated sender), waits until both
 ranks have stored steps, then sends N mutated copies of genuine messages
 (every kind the agent, the system sampler and the launcher send): a value of
 another type, a field dropped, a huge or negative number, NaN or infinity,
-deep nesting, an oversized message.  Most speak as this process's own rank 7
-(world 8), so whatever passes the checks goes through the step tracker and
-the store; some copy the real ranks' identity, which the collector binds to
-the real ranks.  Then it ends the training and checks that the launcher exits
-0, that the summary was written and matches its schema, and that the real
-ranks' step counts are exactly what the ranks counted themselves.
+deep nesting, an oversized message.  It is an insider: it holds the token of
+rank 1 in a second attempt (restart 1), as a rank of the job would hold its own,
+so whatever it sends as that identity passes the token check and goes through
+the payload checks, the step tracker and the store.  It also tries what an insider
+must not do: speak as another identity with its token (the real rank 0 with its
+host and pid, the real rank 1, rank 7, node 0's sampler), and flood the collector
+with large valid messages past its byte budget.  Then it ends the training and
+checks that the launcher exits 0, that the summary was written and matches its
+schema, that every impersonation was refused, that the flood was cut and counted,
+and that the real ranks' step counts (their first attempt's) are exactly what the
+ranks counted themselves.
 
 Prints the figures the README quotes: messages sent, rejected by reason,
 accepted, the real ranks' steps (stored vs counted), and the collector's
@@ -39,9 +44,9 @@ import psutil
 import zmq
 from bench_options import parse
 
-from traceml.security import derive_keys, secure_client
+from traceml.security import TokenBook, derive_keys, secure_client
 from traceml.wire import events as ev
-from traceml.wire.envelope import KINDS, Envelope, encode_payload
+from traceml.wire.envelope import KINDS, Envelope, encode, encode_payload
 from traceml.wire.identity import Sender
 from traceml.wire.records import CONTROL_KIND, Hello, RunEnd, RunStart, StopCollector
 from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS, ProcessRows, SystemRows
@@ -118,7 +123,7 @@ def genuine(kind: str, batch: int) -> dict[str, Any]:
 
 # Mutations and their weights: an oversized message costs the most to build and send.
 MUTATIONS = {"type": 3.0, "drop": 2.0, "huge": 2.0, "nan": 1.0, "deep": 1.0, "oversized": 0.1,
-             "valid": 1.0}
+             "valid": 1.0, "impersonate": 1.0}
 ODD_VALUES: list[Any] = ["abc", "", None, True, [], {}, [[1, 2]], {"a": 1}, 0, 1.5, "\x1b[2J"]
 HUGE: list[Any] = [10**30, -(10**30), 2**63, 2**64, -1, 1e308, -1e308, 1e-308, 10**12]
 
@@ -145,7 +150,12 @@ def mutate(env: dict[str, Any]) -> tuple[str, bytes]:
     """One mutated copy of ``env``: (the mutation's name, the bytes to send)."""
     env = copy.deepcopy(env)
     kind = random.choices(list(MUTATIONS), weights=list(MUTATIONS.values()))[0]
-    targets = [p for p in paths(env) if p]
+    if kind == "impersonate" and env["kind"] in DECODABLE:  # another identity: refused
+        env["from"] = list(random.choice(OTHERS).values())
+        return kind, dumps(env)
+    if kind == "impersonate":
+        kind = "type"
+    targets = [p for p in paths(env) if p and p[0] != "tok"]
     path = random.choice(targets)
     if path[0] != "p":
         # An envelope mutation speaks as a sender of its own: a huge sequence number
@@ -192,14 +202,24 @@ def collector_process(launcher: psutil.Process) -> psutil.Process | None:
     return None
 
 
-def stored_steps(db: Path) -> dict[int, int]:
+def stored_steps(db: Path, restart: int = 0) -> dict[int, int]:
+    """Stored steps per rank of one attempt (0: the real ranks'; 1: the insider's)."""
     from traceml.store import StoreError, StoreReader
 
     try:
         with StoreReader(db, timeout_s=1.0) as reader:
-            return dict(collections_count(r.rank for r in reader.steps_after(0, 10**9).rows))
+            return dict(collections_count(r.rank for r in reader.steps_after(0, 10**9).rows
+                                          if r.restart == restart))
     except StoreError:
         return {}
+
+
+def real_ranks(db: Path) -> list[Sender]:
+    """The run's own ranks, as they said hello."""
+    from traceml.store import StoreReader
+
+    with StoreReader(db, timeout_s=1.0) as reader:
+        return [s.sender for s in reader.senders("rank")]
 
 
 def collections_count(items: Any) -> dict[int, int]:
@@ -209,45 +229,58 @@ def collections_count(items: Any) -> dict[int, int]:
     return counts
 
 
+HOST = socket.gethostname()
+INSIDER = Sender("rank", HOST, os.getpid(), 0, rank=1, local_rank=1, world_size=2, restart=1)
+INSIDER_TOKEN = TokenBook(SECRET, SESSION).rank(1, 1)  # what rank 1's second attempt holds
+OTHERS: list[Sender] = [Sender("rank", HOST, os.getpid(), 0, rank=7, local_rank=7, world_size=8),
+                        Sender("system", HOST, os.getpid(), 0)]  # ...and the real ranks, below
+FLOOD_MESSAGES = 40  # large valid messages back to back: past the sender's byte budget
+DECODABLE = frozenset({"events", "process", "system", "hello", "bye"})  # genuine() is valid
+
+
 def fuzz(n: int, endpoint: str, collector: psutil.Process | None) -> tuple[dict[str, int], int]:
-    """Send ``n`` mutated messages; returns them by mutation and the collector's peak RSS."""
+    """Send ``n`` mutated messages, then a flood; returns them by mutation and the
+    collector's peak RSS."""
     context = zmq.Context()
     sock = context.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.LINGER, 5000)
     secure_client(sock, derive_keys(SECRET, SESSION))
     sock.connect(endpoint)
-    own = Sender("rank", socket.gethostname(), os.getpid(), 0, rank=7, local_rank=7,
-                 world_size=8)
-    real = Sender("rank", socket.gethostname(), os.getpid(), 0, rank=0, local_rank=0,
-                  world_size=2)
-    system = Sender("system", socket.gethostname(), os.getpid(), 0)
-    kinds = sorted(KINDS)
     by_mutation: dict[str, int] = {}
-    peak_rss = 0
-    seq = 0
+    peak: list[int] = [0]
     for i in range(n):
-        kind = random.choice(kinds)
-        who = {SystemRows.KIND: system}.get(kind, random.choice([own, own, own, real]))
-        env = orjson.loads(encode_payload(Envelope(SESSION, who, seq, time.time(), Hello()),
-                                          kind, genuine(kind, i)))
-        seq += 1
+        kind = random.choice(sorted(KINDS))
+        env = orjson.loads(encode_payload(Envelope(SESSION, INSIDER, i, time.time(), Hello(),
+                                                   token=INSIDER_TOKEN), kind, genuine(kind, i)))
         name, data = mutate(env)
         by_mutation[name] = by_mutation.get(name, 0) + 1
-        while True:
-            try:
-                sock.send(data, zmq.NOBLOCK)
-                break
-            except zmq.Again:
-                time.sleep(0.01)  # the collector is busy: wait, so every message is sent
-        if collector is not None and i % 200 == 0:
-            try:
-                peak_rss = max(peak_rss, collector.memory_info().rss)
-            except psutil.Error:
-                pass
+        _send(sock, data, collector, i, peak)
+    times: list[list[float]] = [[] for _ in range(ev.NUM_EVENT_CODES)]
+    times[ev.END] = [1000.0 + 1e-6 * k for k in range(ev.MAX_EVENTS_PER_MESSAGE)]  # ~2 MB
+    for i in range(FLOOD_MESSAGES):
+        batch = ev.EventBatch(10**6 + i, time.time() - time.perf_counter(), times)
+        _send(sock, encode(Envelope(SESSION, INSIDER, n + i, time.time(), batch,
+                                    token=INSIDER_TOKEN)), collector, i, peak)
+    by_mutation["flood"] = FLOOD_MESSAGES
     sock.close()
     context.term()
-    return by_mutation, peak_rss
+    return by_mutation, peak[0]
+
+
+def _send(sock: Any, data: bytes, collector: psutil.Process | None, i: int,
+          peak: list[int]) -> None:
+    while True:
+        try:
+            sock.send(data, zmq.NOBLOCK)
+            break
+        except zmq.Again:
+            time.sleep(0.01)  # the collector is busy: wait, so every message is sent
+    if collector is not None and i % 200 == 0:
+        try:
+            peak[0] = max(peak[0], collector.memory_info().rss)
+        except psutil.Error:
+            pass
 
 
 def main() -> int:
@@ -288,6 +321,7 @@ def _fuzz_run(n: int, proc: subprocess.Popen[str], port: int, tmp_path: Path,
             return 1
         time.sleep(0.2)
     collector = collector_process(psutil.Process(proc.pid))
+    OTHERS.extend(real_ranks(db))  # their host and pid copied: the token still gives it away
     started = time.monotonic()
     by_mutation, peak_rss = fuzz(n, f"tcp://127.0.0.1:{port}", collector)
     sent_s = time.monotonic() - started
@@ -295,6 +329,18 @@ def _fuzz_run(n: int, proc: subprocess.Popen[str], port: int, tmp_path: Path,
     marker.write_text("")
     out, err = proc.communicate(timeout=300)
     return report(n, sent_s, by_mutation, peak_rss, proc.returncode, tmp_path, err)
+
+
+OVER_RATE = "over its sender's byte rate"
+
+
+def _impostors(db: Path) -> list[str]:
+    """Senders stored with this process's pid but not the insider's own identity."""
+    from traceml.store import StoreReader
+
+    with StoreReader(db, timeout_s=1.0) as reader:
+        return [s.sender.sender_id for s in reader.senders()
+                if s.sender.pid == INSIDER.pid and s.sender != INSIDER]
 
 
 def report(n: int, sent_s: float, by_mutation: dict[str, int], peak_rss: int, status: int,
@@ -314,15 +360,23 @@ def report(n: int, sent_s: float, by_mutation: dict[str, int], peak_rss: int, st
     print(f"rejected {sum(rejected.values())}:")
     for reason, count in sorted(rejected.items(), key=lambda kv: -kv[1]):
         print(f"  {count:6d}  {reason}")
-    print(f"not rejected: {n - sum(rejected.values())} (rank 7's and the system's samples "
-          "stored, and what ZeroMQ dropped with an oversized frame's connection, uncounted; "
-          "'duplicate step' counts steps, not messages)")
+    print(f"not rejected: {n + FLOOD_MESSAGES - sum(rejected.values())} (the insider's own "
+          "samples and steps stored; 'duplicate step' counts steps, not messages)")
     print(f"collector peak RSS during the fuzzing: {peak_rss / 2**20:.0f} MiB")
     print(f"real ranks' steps: counted by the ranks {counted}, stored {{0: {stored.get(0)}, "
           f"1: {stored.get(1)}}}")
+    impostors = _impostors(session_dir / "telemetry.sqlite")
+    print(f"impersonations sent {by_mutation.get('impersonate', 0)}, refused for their token "
+          f"{rejected.get('sender without the token of its identity', 0)}; senders of this "
+          f"process's other identities stored: {impostors}")
+    print(f"flood of {FLOOD_MESSAGES} large valid messages: "
+          f"{rejected.get(OVER_RATE, 0)} over the sender's byte rate, cut")
     checks = {
         "launcher exit status 0": status == 0,
         "summary written and schema-valid": not problems,
+        "every impersonation refused": impostors == [] and rejected.get(
+            "sender without the token of its identity", 0) >= by_mutation.get("impersonate", 0),
+        "the flood cut and counted": rejected.get(OVER_RATE, 0) > 0,
         "real ranks' step counts exact": counted and all(
             stored.get(r) == c for r, c in counted.items()) and len(counted) == 2,
     }
