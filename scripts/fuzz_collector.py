@@ -257,7 +257,7 @@ def fuzz(n: int, endpoint: str, collector: psutil.Process | None) -> tuple[dict[
         by_mutation[name] = by_mutation.get(name, 0) + 1
         _send(sock, data, collector, i, peak)
     times: list[list[float]] = [[] for _ in range(ev.NUM_EVENT_CODES)]
-    times[ev.END] = [1000.0 + 1e-6 * k for k in range(ev.MAX_EVENTS_PER_MESSAGE)]  # ~2 MB
+    times[ev.END] = [1000.0 + 1e-6 * k for k in range(ev.MAX_EVENTS_ACCEPTED)]  # ~4 MB
     for i in range(FLOOD_MESSAGES):
         batch = ev.EventBatch(10**6 + i, time.time() - time.perf_counter(), times)
         _send(sock, encode(Envelope(SESSION, INSIDER, n + i, time.time(), batch,

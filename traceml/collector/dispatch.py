@@ -90,8 +90,8 @@ class Collector:
         """One message; ``from_launcher`` / ``from_relay``: it came with the
         launcher's key / the relays' key."""
         try:
-            env = intake.accept(data, self._prefix, self.config.max_message_bytes)
-            self._dispatch(env, from_launcher, from_relay, len(data))
+            env = intake.accept(data, self._prefix, self.config.max_message_bytes, self._meter)
+            self._dispatch(env, from_launcher, from_relay)
         except Rejected as exc:
             self.reject(exc.reason)
         except (ProtocolError, ValueError, TypeError, KeyError, ArithmeticError):
@@ -147,8 +147,16 @@ class Collector:
         state.num_sent = max(state.num_sent, env.num_sent + 1)
         state.num_dropped = max(state.num_dropped, env.num_dropped)
 
-    def _dispatch(self, env: Envelope, from_launcher: bool, from_relay: bool = False,
-                  size: int = 0) -> None:
+    def _meter(self, token: Any, size: int) -> bool:
+        """Whether the holder of ``token`` may send ``size`` more bytes now: each rank's
+        token has its budget, and so does sending without one; the launcher's processes
+        (the node token: system samplers, relays, the launcher) are the job's own, not
+        metered.  Without tokens (not Linux) there is no insider to tell apart."""
+        if self._tokens is None or token == self._tokens.node:
+            return True
+        return self._budgets.spend(token if isinstance(token, str) else "", size)
+
+    def _dispatch(self, env: Envelope, from_launcher: bool, from_relay: bool = False) -> None:
         if self._tokens is not None:
             expected = self._tokens.of(env.sender.role, env.sender.rank, env.sender.restart)
             if expected is None or not hmac.compare_digest(env.token or "", expected):
@@ -162,8 +170,6 @@ class Collector:
         if isinstance(message, RelayBatch) and not (from_relay and env.sender.role == "relay"):
             raise Rejected("relay batch from a sender other than a relay")
         state = self._state(env)
-        if env.sender.role in _METERED and not self._budgets.spend(env.sender.sender_id, size):
-            raise Rejected("over its sender's byte rate")
         match message:
             case RelayBatch():
                 self._relayed(env.sender, message)
@@ -374,25 +380,27 @@ SENDER_BYTES_PER_S = 4 << 20
 KiB/s); more is refused and counted, so a key holder's flood of large valid messages
 cannot take the collector's time from the others."""
 SENDER_BURST_BYTES = 32 << 20  # ...and at once (four messages of the largest size)
-_METERED = frozenset({"rank", "system", "watch"})  # relays and the launcher are the job's
+MAX_BUDGETS = 1 << 17  # tokens with a budget of their own (a job's ranks and attempts)
 
 
 class ByteBudgets:
-    """Per sender, a token bucket of bytes (`SENDER_BYTES_PER_S`, `SENDER_BURST_BYTES`)."""
+    """Per token, a bucket of bytes (`SENDER_BYTES_PER_S`, `SENDER_BURST_BYTES`)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._left: dict[str, tuple[float, float]] = {}  # sender id -> (bytes, at)
+        self._left: dict[str, tuple[float, float]] = {}  # token -> (bytes left, when)
 
-    def spend(self, sender_id: str, size: int) -> bool:
-        """Whether the sender may send ``size`` bytes now (then they are spent)."""
+    def spend(self, key: str, size: int) -> bool:
+        """Whether ``key``'s sender may send ``size`` bytes now (then they are spent)."""
+        if len(self._left) >= MAX_BUDGETS and key not in self._left:
+            key = ""  # made-up tokens share one budget
         now = self.clock()
-        left, at = self._left.get(sender_id, (float(SENDER_BURST_BYTES), now))
+        left, at = self._left.get(key, (float(SENDER_BURST_BYTES), now))
         left = min(float(SENDER_BURST_BYTES), left + (now - at) * SENDER_BYTES_PER_S)
         if size > left:
-            self._left[sender_id] = (left, now)
+            self._left[key] = (left, now)
             return False
-        self._left[sender_id] = (left - size, now)
+        self._left[key] = (left - size, now)
         return True
 
 

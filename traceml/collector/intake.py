@@ -9,10 +9,19 @@ rejections by reason stays small whatever arrives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import orjson
 
 from traceml.errors import ProtocolError
-from traceml.wire.envelope import PROTOCOL_VERSION, Envelope, PayloadError, decode
+from traceml.wire.envelope import (
+    PROTOCOL_VERSION,
+    Envelope,
+    PayloadError,
+    decode_parsed,
+    parse,
+)
 
 
 class Rejected(Exception):
@@ -30,8 +39,11 @@ def session_prefix(session_id: str) -> bytes:
     return head[:-1] + b","
 
 
-def accept(data: bytes, prefix: bytes, max_bytes: int) -> Envelope:
-    """The message, checked whole; Rejected with the reason otherwise."""
+def accept(data: bytes, prefix: bytes, max_bytes: int,
+           meter: Callable[[Any, int], bool] | None = None) -> Envelope:
+    """The message, checked whole; Rejected with the reason otherwise.  ``meter``: whether
+    the sender of this token (as it came, unchecked) may spend the message's bytes, asked
+    before anything but the parse is spent on it."""
     if len(data) > max_bytes:
         raise Rejected("oversized message")
     if not data.startswith(prefix):
@@ -39,7 +51,10 @@ def accept(data: bytes, prefix: bytes, max_bytes: int) -> Envelope:
         raise Rejected("foreign session" if data.startswith(prefix[:prefix.index(b'"sid"')])
                        else "not an envelope of this protocol")
     try:
-        return decode(data, max_bytes)
+        obj = parse(data, max_bytes)
+        if meter is not None and not meter(obj.get("tok"), len(data)):
+            raise Rejected("over its sender's byte rate")
+        return decode_parsed(obj)
     except PayloadError as exc:
         raise Rejected(f"bad {exc.kind} payload") from exc
     except ProtocolError:

@@ -107,6 +107,12 @@ def encode_payload(env: Envelope, kind: str, payload: dict[str, Any]) -> bytes:
 
 def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
     """Decode one message and check it whole (see the module docstring)."""
+    return decode_parsed(parse(data, max_bytes))
+
+
+def parse(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """A message parsed, not yet checked (`decode_parsed` checks it): what the collector
+    reads a sender's token from before it spends time checking what it sent."""
     if len(data) > max_bytes:
         raise EnvelopeError(f"message of {len(data)} bytes exceeds {max_bytes}")
     try:
@@ -115,6 +121,11 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
         raise EnvelopeError(f"not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise EnvelopeError("not an envelope")
+    return obj
+
+
+def decode_parsed(obj: dict[str, Any]) -> Envelope:
+    """A parsed message, checked whole (see the module docstring)."""
     if obj.get("v") != PROTOCOL_VERSION:
         raise EnvelopeError(f"protocol version {obj.get('v')!r}, expected {PROTOCOL_VERSION}")
     try:
