@@ -61,13 +61,18 @@ def settle(folder: Path) -> None:
 
 
 def _write_temp(folder: Path, name: str, data: bytes, mode: int | None) -> str:
+    """A temporary file of ``data`` in ``folder`` (fsynced); none is left when it fails."""
     fd, temp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if mode is not None:
-        os.chmod(temp, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(temp, mode)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
     return Path(temp).name
 
 
