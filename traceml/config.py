@@ -81,6 +81,8 @@ class RunConfig:
     peak_tflops: float = 0.0  # --peak-tflops; 0: the peak table's
     # traceml's or torchrun's options given after the script (they went to the script)
     late_options: tuple[str, ...] = ()
+    # options filled from a scheduler's environment (SLURM), before the user's own
+    filled_options: tuple[str, ...] = ()
 
     @property
     def multi_node(self) -> bool:

@@ -39,6 +39,12 @@ QUICK: list[tuple[str, list[str], bool, list[str]]] = [
     ("bench_overhead.py", ["--ddp"], False,
      [r"^ddp comm\s+cpu paired added .* µs/bucket, \d+ buckets",
       r"^ddp in flight\s+cpu added .* µs/backward"]),
+    ("bench_ray_overhead.py", ["--time-limit", "220"], False,
+     [r"^ray fit 2: traced in \d+ s", r"^traceml run 2: traced in \d+ s",
+      r"^-- Ray Train: traceml.integrations.ray.fit against trainer.fit\(\)\n"
+      r"short  wall  untraced +[\d.]+ ms/step  paired added +-?[\d.]+ µs/step",
+      r"^-- the same loops as 2 ranks of traceml run, against --no-trace\n"
+      r"short  wall  untraced"]),
     ("bench_page_scale.py", [], False, [r"^\s+64\s+10\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+\d+$"]),
     ("bench_summary_scale.py", ["--cache", "{tmp}"], False,
      [r"^\s+8x2000\s+16,000 .* bounded .*STRAGGLER", r"^\s+8x2000\s+16,000 .* full ",

@@ -19,12 +19,14 @@ from traceml.errors import WarnOnce
 from traceml.integrations import boundaries
 from traceml.integrations.requirement import EXTRAS
 
-FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning", "wandb", "mlflow")
+FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning", "wandb", "mlflow",
+              "ray")
 MISSING = {
     "huggingface": (("transformers",), "hf"),
     "lightning": (("lightning", "lightning.pytorch", "pytorch_lightning"), "lightning"),
     "wandb": (("wandb",), "wandb"),
     "mlflow": (("mlflow",), "mlflow"),
+    "ray": (("ray", "ray.train"), "ray"),
 }
 
 

@@ -83,7 +83,9 @@ def ask_token(path: str, timeout_s: float = 2.0) -> str | None:
 class AgentRuntime:
     """Everything the agent runs in one rank."""
 
-    def __init__(self, env: AgentEnv, identity: Sender) -> None:
+    def __init__(self, env: AgentEnv, identity: Sender, thread_id: int | None = None) -> None:
+        """``thread_id``: the training thread, when it is not the main thread (Ray
+        Train's workers run the training function in a thread of their own)."""
         self.env = env
         self.identity = identity
         self._final = False  # at exit: the last flush
@@ -93,6 +95,8 @@ class AgentRuntime:
         self._next_send = 0.0
         self._send_now = False  # traceml.summary() wants the steps in the store now
         self.probe = Probe(time.perf_counter, self._fail)
+        if thread_id is not None:
+            self.probe.thread_id = thread_id
         self.flops_after_steps = FLOPS_AFTER_STEPS
         self.instrumentation: Any = None
         self._wall_offset = time.time() - time.perf_counter()
@@ -227,6 +231,11 @@ class AgentRuntime:
         if _ACTIVE is self:
             self._incidents.append(watchdog.exception_report(
                 kind, exc, tb, time.time(), self.device.cuda))
+
+    def report_exception(self, exc: BaseException) -> None:
+        """An exception that ends the training where no excepthook sees it (a
+        framework catches it on its training thread): reported as a crash."""
+        self._on_exception(type(exc), exc, exc.__traceback__)
 
     def _after_fork_in_child(self) -> None:
         # A forked child (DataLoader worker, ...) is not a rank: go inert.

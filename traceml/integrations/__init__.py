@@ -11,6 +11,8 @@ never imports this package:
   (the ``wandb`` extra).
 * :mod:`traceml.integrations.mlflow` - ``log_summary`` to an MLflow run
   (the ``mlflow`` extra).
+* :mod:`traceml.integrations.ray` - ``fit`` traces every worker of a Ray Train
+  ``TorchTrainer`` (the ``ray`` extra).
 
 The zero-code agent already sees these frameworks' steps under ``traceml
 run``; the callbacks only make the boundaries exact (one step = one

@@ -8,6 +8,7 @@ EXTRAS = {
     "lightning": ("lightning>=2.1",),
     "wandb": ("wandb>=0.16",),
     "mlflow": ("mlflow-skinny>=2.10",),
+    "ray": ("ray[train]>=2.60",),
 }
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import secrets
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from torch.distributed import run as torchrun
@@ -32,6 +33,7 @@ from traceml.config import (
 )
 from traceml.environment import parse_stall_timeout
 from traceml.errors import UsageError
+from traceml.launcher import slurm
 from traceml.wire.identity import MAX_NODES, MAX_WORLD_SIZE
 
 # dest names of the options traceml adds; everything else belongs to torch.
@@ -141,10 +143,16 @@ def late_options(parser: argparse.ArgumentParser, script_args: Sequence[str]) ->
                                if a.startswith("--") and a.split("=", 1)[0] in known))
 
 
-def parse(command: str, argv: Sequence[str]) -> RunConfig:
-    """Parse ``traceml run|watch`` arguments into a RunConfig (UsageError on bad input)."""
+def parse(command: str, argv: Sequence[str],
+          environ: Mapping[str, str] | None = None) -> RunConfig:
+    """Parse ``traceml run|watch`` arguments into a RunConfig (UsageError on bad input).
+    Inside a SLURM step the options SLURM's environment gives come first (`slurm`):
+    the user's own, after them, win."""
     parser = build_parser(f"traceml {command}")
-    ns = parser.parse_args(list(argv))
+    step = slurm.step_from_env(os.environ if environ is None else environ)
+    filled = step.launch_options() if step is not None else []
+    argv = [*filled, *argv]
+    ns = parser.parse_args(argv)
     try:
         min_nodes, max_nodes = torchrun.parse_min_max_nnodes(ns.nnodes)
     except (ValueError, RuntimeError) as exc:
@@ -187,6 +195,7 @@ def parse(command: str, argv: Sequence[str]) -> RunConfig:
         count_flops=not ns.no_flops,
         peak_tflops=ns.peak_tflops or 0.0,
         late_options=late_options(parser, ns.training_script_args),
+        filled_options=tuple(filled),
     )
 
 

@@ -175,6 +175,9 @@ def session_secret(cfg: RunConfig) -> str:
 def run(cfg: RunConfig) -> int:
     """Run the training under traceml; returns the training's exit status."""
     check_script(cfg)
+    if cfg.filled_options:
+        print(f"traceml: inside a SLURM step: {' '.join(cfg.filled_options)} (options given "
+              "on the command line win)", file=sys.stderr)
     if cfg.no_trace:
         return run_torch(torch_namespace(cfg, redirect_output=False))
     topo = topology.resolve(cfg)
