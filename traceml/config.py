@@ -83,6 +83,8 @@ class RunConfig:
     late_options: tuple[str, ...] = ()
     # options filled from a scheduler's environment (SLURM), before the user's own
     filled_options: tuple[str, ...] = ()
+    # a line on a SLURM job this launcher filled nothing for (outside srun, heterogeneous)
+    scheduler_hint: str = ""
 
     @property
     def multi_node(self) -> bool:

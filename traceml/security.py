@@ -21,14 +21,21 @@ alone, so a rank (or its children) can speak only as itself.
 The secret: the user's (an environment variable or a 0600 file: see
 `traceml.environment`); else, on one node, a random one per run.  Several nodes
 without one refuse to start: no key is derived from the session id alone.
+
+The processes that hold it (the launcher, the collector, a relay) make themselves
+unreadable to their own user (`forbid_inspection`): the ranks run as that user, and
+would otherwise read the secret in the launcher's ``/proc/<pid>/environ`` (the
+environment it started with, whatever it removed since) or its memory.
 """
 
 from __future__ import annotations
 
 import base64
+import ctypes
 import hashlib
 import hmac
 import secrets
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -109,15 +116,12 @@ class TokenBook:
 
     def __init__(self, secret: str, session_id: str) -> None:
         self._key = f"traceml/token/{session_id}/{secret}".encode()
-        self._ranks: dict[tuple[int, int], str] = {}
         self.node = self._token("node")
 
     def rank(self, rank: int, restart: int = 0) -> str:
-        """The token of a rank in one attempt (torch elastic's restart count)."""
-        token = self._ranks.get((rank, restart))
-        if token is None:
-            token = self._ranks[(rank, restart)] = self._token(f"rank/{rank}/{restart}")
-        return token
+        """The token of a rank in one attempt (torch elastic's restart count); made
+        anew each time (about a microsecond), so what senders claim costs no memory."""
+        return self._token(f"rank/{rank}/{restart}")
 
     def of(self, role: str, rank: int | None, restart: int = 0) -> str | None:
         """The token of a sender (None: no identity of a job has this role)."""
@@ -128,6 +132,22 @@ class TokenBook:
     def _token(self, name: str) -> str:
         digest = hmac.new(self._key, name.encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).decode("ascii").rstrip("=")
+
+
+PR_SET_DUMPABLE = 4  # linux/prctl.h
+
+
+def forbid_inspection() -> bool:
+    """Make this process unreadable to other processes of its user (Linux: not
+    dumpable, so ``/proc/<pid>/environ``, ``mem`` and ptrace need root); the programs
+    it starts are readable again once they exec.  Whether it took effect."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)) == 0
+    except (OSError, AttributeError):  # no prctl to call: nothing is changed
+        return False
 
 
 def secure_client(sock: Any, keys: CurveKeys) -> None:

@@ -105,6 +105,23 @@ def test_a_failed_worker_still_leaves_a_summary(cluster: str, tmp_path: Path,
         assert summary["ending"]["state"] != "completed", summary["ending"]
 
 
+def test_a_restarted_worker_group_is_every_ranks_next_attempt(cluster: str,
+                                                                tmp_path: Path) -> None:
+    """Rank 1 raises once; Ray restarts the group (FailureConfig): each rank's second
+    attempt is a sender of its own, counted by the fit's actor, and stored whole."""
+    result, _, err = drive(cluster, tmp_path, "--traced", "--session-id=again",
+                           "--fail-rank=1", "--fail-at=10", "--max-failures=1")
+    assert "metrics" in result, (result, err[-3000:])  # the fit succeeded on its retry
+    steps, senders = read_store(tmp_path / "logs" / "again" / "telemetry.sqlite")
+    ranks = {(s["rank"], s["restart"]) for s in senders if s["role"] == "rank"}
+    assert {(0, 0), (1, 0), (0, 1), (1, 1)} <= ranks, senders
+    again = {r: sum(s["rank"] == r and s["restart"] == 1 for s in steps) for r in (0, 1)}
+    assert again == {0: EPOCHS * BATCHES, 1: EPOCHS * BATCHES}
+    summary = read_summary(tmp_path / "logs" / "again")
+    assert summary is not None and summary["meta"]["exit_code"] == 0
+    assert "rank or node claimed by another sender" not in summary["meta"]["rejected"]
+
+
 class NotV2:
     """A trainer without train_loop_per_worker (Ray Train V1 keeps it private)."""
 

@@ -71,3 +71,16 @@ def test_no_rank_or_outside_the_launchers_tree_gets_nothing(service: RankKeyServ
     _worker(orphan, service.path, rank="0")
     assert wait_until(lambda: out.exists() and out.read_text() != "")
     assert out.read_text() == "None"
+
+
+def test_each_ranks_attempt_is_answered_once_whatever_its_pid(service: RankKeyService) -> None:
+    """A restarted worker (torch's next attempt) may be given an old worker's pid: it is
+    answered as long as its rank's attempt was not; the same attempt again is not."""
+    service.issued.add((4, 0))  # rank 4's first attempt was answered, by any pid
+    assert _worker(ASK, service.path, rank="4") == ["None"]
+    restarted = {"TORCHELASTIC_RESTART_COUNT": "1"}
+    env = {"RANK": "4", "PYTHONPATH": os.environ.get("PYTHONPATH", ""), **restarted}
+    done = subprocess.run([sys.executable, "-c", "import sys\n" + ASK, service.path],
+                          capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert done.stdout.split() == [BOOK.rank(4, 1)]
+    assert service.issued == {(4, 0), (4, 1)}

@@ -74,3 +74,33 @@ def test_more_than_any_sender_sends_in_a_message_is_refused(tmp_path: Path, kind
     c = collector(tmp_path)
     c.handle(envelope_bytes("s", kind, RANK1, 0, payload, token=BOOK.rank(1)))
     assert c.rejected == {f"bad {kind} payload": 1}
+
+
+def test_made_up_tokens_are_refused_before_decoding_and_cost_no_budget(tmp_path: Path) -> None:
+    c = collector(tmp_path)
+    rows = ProcessRows(PROCESS_FIELDS, [[1.7e9, 1.0, 1, 1, 1, None, None, None]] * MAX_ROWS)
+    for seq in range(50):  # a fresh token each time, then one of a megabyte
+        send(c, RANK1, seq, rows, f"made-up-{seq}")
+    send(c, RANK1, 50, rows, "x" * (1 << 20))
+    send(c, RANK1, 51, rows, "é" * 43)  # not ASCII: compare_digest would raise on it
+    assert c.rejected == {"sender without the token of its identity": 52}
+    assert c._budgets._left == {}  # nothing kept per token it was never given
+    send(c, RANK1, 52, Hello(1.7e9), BOOK.rank(1))  # the rank's own token still speaks
+    assert RANK1.sender_id in c.senders
+
+
+def test_without_tokens_each_claimed_identity_has_its_budget(tmp_path: Path) -> None:
+    """Ray's workers carry no token: a flood is cut per identity it claims."""
+    clock = [0.0]
+    config = CollectorConfig("s", "127.0.0.1", 0, "", 0, secret="s3cret", tokens=False)
+    c = Collector(config, StoreWriter(str(tmp_path / "t.sqlite")))
+    c._budgets = ByteBudgets(lambda: clock[0])
+    rows = ProcessRows(PROCESS_FIELDS, [[1.7e9, 1.0, 1, 1, 1, None, None, None]] * MAX_ROWS)
+    size = len(encode(Envelope("s", RANK1, 0, 1.7e9, rows)))
+    burst = dispatch.SENDER_BURST_BYTES // size
+    for seq in range(burst + 2):
+        send(c, RANK1, seq, rows, None)
+    assert c.rejected == {"over its sender's byte rate": 2}
+    rank0 = Sender("rank", "h", 12, 0, rank=0, local_rank=0, world_size=2)
+    send(c, rank0, 0, rows, None)  # another identity: its own budget
+    assert c.rejected == {"over its sender's byte rate": 2} and rank0.sender_id in c.senders

@@ -77,3 +77,53 @@ def test_compare_settles_a_session_folder_before_it_reads(tmp_path: Path) -> Non
     assert _pair(tmp_path) == (b"new text", b"old json")
     assert resolve_summary_path("A", str(tmp_path)) == tmp_path / "final_summary.json"
     assert _pair(tmp_path) == (b"new text", b"new json")
+
+
+def test_a_crafted_journal_moves_nothing_outside_the_pair(tmp_path: Path) -> None:
+    """A session folder from elsewhere (compare reads any) whose journal names other
+    files: settling it renames none of them and removes the journal."""
+    folder = tmp_path / "session"
+    folder.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"mine")
+    (folder / ".final_summary.json.evil").write_bytes(b"planted")
+    (folder / "payload").write_bytes(b"planted")
+    (folder / ".final_summary.commit").write_text(
+        f'{{"../victim": ".final_summary.json.evil", "{victim}": ".final_summary.json.evil",'
+        ' "final_summary.txt": "../victim", "final_summary.json": "payload"}')
+    settle(folder)
+    assert victim.read_bytes() == b"mine"
+    assert sorted(p.name for p in folder.iterdir()) == ["payload"]  # its stray temp removed
+
+
+def test_settling_waits_for_a_writer_and_leaves_the_html_reports_files(tmp_path: Path) -> None:
+    import fcntl
+    import os
+    import threading
+
+    in_flight = tmp_path / ".final_summary.json.inflight"  # another writer's, mid-write
+    html_temp = tmp_path / ".final_summary.html.abcd"  # the HTML report's, not the pair's
+    in_flight.write_bytes(b"x")
+    html_temp.write_bytes(b"x")
+    fd = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what the writer holds while it writes
+    settler = threading.Thread(target=settle, args=(tmp_path,))
+    settler.start()
+    settler.join(0.5)
+    assert settler.is_alive() and in_flight.exists()  # it waits for the writer
+    os.close(fd)
+    settler.join(30)
+    assert not settler.is_alive() and not in_flight.exists() and html_temp.exists()
+
+
+def test_the_wandb_and_mlflow_loader_settles_a_session_folder(tmp_path: Path) -> None:
+    from traceml.integrations.summary_source import load_summary
+
+    (tmp_path / "telemetry.sqlite").write_bytes(b"")
+    save_pair(tmp_path, NAMES, (b"old text", b'{"schema_version": "1.4", "old": 1}'))
+    writer = WRITER.replace('b"new json"', 'b\'{"schema_version": "1.4", "new": 1}\'')
+    subprocess.run([sys.executable, "-c", writer, str(tmp_path), "8"], timeout=60)
+    assert b'"old"' in (tmp_path / "final_summary.json").read_bytes()  # half a pair
+    loaded = load_summary(tmp_path)
+    assert (tmp_path / "final_summary.json").read_bytes() == b'{"schema_version": "1.4", "new": 1}'
+    assert loaded.files[0] == tmp_path / "final_summary.json"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from traceml.collector.config import CollectorConfig
 from traceml.collector.server import LiveServer, serve
+from traceml.security import forbid_inspection
 
 
 def live_server(config: CollectorConfig) -> LiveServer | None:
@@ -27,6 +28,7 @@ def live_server(config: CollectorConfig) -> LiveServer | None:
 
 def main(argv: list[str] | None = None) -> int:
     """The configuration arrives on stdin (it may hold the session secret)."""
+    forbid_inspection()  # the ranks, run by the same user, must not read the secret
     args = sys.argv[1:] if argv is None else argv
     text = args[0] if args else sys.stdin.readline()
     config = CollectorConfig.from_json(text)

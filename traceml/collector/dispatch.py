@@ -26,11 +26,11 @@ from traceml.collector.intake import Rejected
 from traceml.collector.rank_steps import RankSteps
 from traceml.errors import ProtocolError
 from traceml.records import FlopCount, Incident, StepRow
-from traceml.security import TokenBook
+from traceml.security import NODE_ROLES, TokenBook
 from traceml.store import JoinError, SenderState, StoreError
 from traceml.wire.envelope import Envelope
 from traceml.wire.events import EventBatch
-from traceml.wire.identity import Sender
+from traceml.wire.identity import Sender, sender_from
 from traceml.wire.incidents import RESUMED, STALL, IncidentReport
 from traceml.wire.records import Bye, Control, Hello, RunEnd, RunStart, StopCollector
 from traceml.wire.relay import RelayBatch, RelayedIncident
@@ -147,20 +147,35 @@ class Collector:
         state.num_sent = max(state.num_sent, env.num_sent + 1)
         state.num_dropped = max(state.num_dropped, env.num_dropped)
 
-    def _meter(self, token: Any, size: int) -> bool:
-        """Whether the holder of ``token`` may send ``size`` more bytes now: each rank's
-        token has its budget, and so does sending without one; the launcher's processes
-        (the node token: system samplers, relays, the launcher) are the job's own, not
-        metered.  Without tokens (not Linux) there is no insider to tell apart."""
-        if self._tokens is None or token == self._tokens.node:
-            return True
-        return self._budgets.spend(token if isinstance(token, str) else "", size)
+    def _meter(self, parsed: dict[str, Any], size: int) -> bool:
+        """Whether a parsed message's sender may spend ``size`` more bytes now, asked
+        before it is decoded.  With tokens, the token is checked against the identity
+        the message claims first (one HMAC): one without its identity's token is
+        refused here, undecoded, and the budgets are kept per proven rank token; the
+        launcher's processes (the node token: samplers, relays, the launcher) are the
+        job's own, not metered.  Without tokens (Ray's workers), per claimed identity.
+        A message whose identity cannot be read shares one budget (decode refuses it)."""
+        try:
+            sender = sender_from(parsed.get("from"))
+        except (TypeError, ValueError):
+            return self._budgets.spend("", size)
+        if self._tokens is None:
+            return self._budgets.spend(repr(_claim(sender) or sender.sender_id), size)
+        token = parsed.get("tok")
+        if not self._proves(sender, token):
+            raise Rejected("sender without the token of its identity")
+        return sender.role in NODE_ROLES or self._budgets.spend(str(token), size)
+
+    def _proves(self, sender: Sender, token: Any) -> bool:
+        """Whether ``token`` is the token of ``sender``'s identity (constant time)."""
+        assert self._tokens is not None
+        expected = self._tokens.of(sender.role, sender.rank, sender.restart)
+        return (expected is not None and type(token) is str and token.isascii()
+                and hmac.compare_digest(token, expected))
 
     def _dispatch(self, env: Envelope, from_launcher: bool, from_relay: bool = False) -> None:
-        if self._tokens is not None:
-            expected = self._tokens.of(env.sender.role, env.sender.rank, env.sender.restart)
-            if expected is None or not hmac.compare_digest(env.token or "", expected):
-                raise Rejected("sender without the token of its identity")
+        if self._tokens is not None and not self._proves(env.sender, env.token):
+            raise Rejected("sender without the token of its identity")
         message = env.message
         if isinstance(message, (RunStart, RunEnd, StopCollector)):
             if not from_launcher:

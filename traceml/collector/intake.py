@@ -40,10 +40,10 @@ def session_prefix(session_id: str) -> bytes:
 
 
 def accept(data: bytes, prefix: bytes, max_bytes: int,
-           meter: Callable[[Any, int], bool] | None = None) -> Envelope:
+           meter: Callable[[dict[str, Any], int], bool] | None = None) -> Envelope:
     """The message, checked whole; Rejected with the reason otherwise.  ``meter``: whether
-    the sender of this token (as it came, unchecked) may spend the message's bytes, asked
-    before anything but the parse is spent on it."""
+    the sender the parsed message claims to be may spend its bytes, asked before anything
+    but the parse is spent on it (it may refuse the message itself: Rejected)."""
     if len(data) > max_bytes:
         raise Rejected("oversized message")
     if not data.startswith(prefix):
@@ -52,7 +52,7 @@ def accept(data: bytes, prefix: bytes, max_bytes: int,
                        else "not an envelope of this protocol")
     try:
         obj = parse(data, max_bytes)
-        if meter is not None and not meter(obj.get("tok"), len(data)):
+        if meter is not None and not meter(obj, len(data)):
             raise Rejected("over its sender's byte rate")
         return decode_parsed(obj)
     except PayloadError as exc:

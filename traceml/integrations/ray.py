@@ -48,22 +48,38 @@ except ImportError as exc:
 
     raise missing_framework("ray", "Ray Train", "ray") from exc
 
-__all__ = ["TracedLoop", "fit"]
+__all__ = ["Attempts", "TracedLoop", "fit"]
 
 _warnings = WarnOnce()
 
 
+class Attempts:
+    """How many times each rank's training function has started in this fit: a
+    worker group Ray restarts is the next attempt of every rank.  One actor of it
+    runs for the fit (no CPU of its own), so workers on every node count alike."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, int] = {}
+
+    def next(self, rank: int) -> int:
+        attempt = self.started.get(rank, 0)
+        self.started[rank] = attempt + 1
+        return attempt
+
+
 class TracedLoop:
     """A trainer's training function, with the agent armed around it in each worker.
-    Its signature is the function's (Ray reads it to decide whether to pass ``config``)."""
+    Its signature is the function's (Ray reads it to decide whether to pass ``config``).
+    ``attempts``: the fit's `Attempts` actor (None: every start is the first)."""
 
-    def __init__(self, fn: Callable[..., Any], env: AgentEnv) -> None:
+    def __init__(self, fn: Callable[..., Any], env: AgentEnv, attempts: Any = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.env = env
+        self.attempts = attempts
 
     def __call__(self, *args: Any) -> Any:
-        runtime = _attach(self.env)
+        runtime = _attach(self.env, self.attempts)
         try:
             return self.fn(*args)
         except BaseException as exc:
@@ -83,45 +99,40 @@ def _guard(part: str, call: Callable[..., Any], *args: Any) -> None:
         _warnings.to_stderr(part, f"traceml: {part} failed in this Ray worker: {exc!r}")
 
 
-def _worker_rank(session_dir: str | None) -> TorchRank:
-    """This worker's ranks, as Ray Train tells them; its attempt (a worker group Ray
-    restarted) counted by a marker in the session folder, when this node sees it."""
+def _worker_rank(attempts: Any) -> TorchRank:
+    """This worker's ranks, as Ray Train tells them, and its attempt (a worker group
+    Ray restarted), as the fit's `Attempts` actor counts it."""
     context = ray.train.get_context()
     rank = context.get_world_rank()
-    attempt = 0
-    while session_dir is not None:
-        marker = Path(session_dir) / ".ray-ranks" / f"rank{rank}.attempt{attempt}"
-        try:
-            marker.parent.mkdir(exist_ok=True)
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-            break
-        except FileExistsError:
-            attempt += 1
+    attempt = 0 if attempts is None else int(ray.get(attempts.next.remote(rank), timeout=30))
     return TorchRank(rank=rank, local_rank=context.get_local_rank(),
                      world_size=context.get_world_size(), group_rank=context.get_node_rank(),
                      restart_count=attempt)
 
 
-def _attach(env: AgentEnv) -> Any:
+def _attach(env: AgentEnv, attempts: Any) -> Any:
     """The agent, armed in this worker; None (warned once) when it cannot be."""
     try:
         from traceml.inprocess import attach_rank
 
         if env.session_dir is not None and not os.path.isdir(env.session_dir):
             env = AgentEnv(**{**env.__dict__, "session_dir": None})  # another node's disk
-        return attach_rank(env, _worker_rank(env.session_dir))
+        return attach_rank(env, _worker_rank(attempts))
     except Exception as exc:  # the agent never breaks the training
         _warnings.to_stderr("attach", f"traceml: agent not started in this Ray worker: {exc!r}")
         return None
 
 
-def _hosts() -> tuple[str, str]:
+def _hosts(multi_node: bool | None) -> tuple[str, str]:
     """Where the collector listens and how workers reach it: loopback on one node,
-    else every address of the driver's node and its address in the cluster."""
+    else every address of the driver's node and its address in the cluster.
+    ``multi_node`` None: as many nodes as the cluster has now."""
     if not ray.is_initialized():
         ray.init()  # what the trainer would do first (RAY_ADDRESS, or a local cluster)
-    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
-    if sum(bool(node.get("Alive")) for node in nodes) <= 1:
+    if multi_node is None:
+        nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+        multi_node = sum(bool(node.get("Alive")) for node in nodes) > 1
+    if not multi_node:
         return "127.0.0.1", "127.0.0.1"
     address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
     return "0.0.0.0", address
@@ -133,8 +144,9 @@ def _num_workers(trainer: Any) -> int:
 
 
 def _session(trainer: Any, logs_dir: str, session_id: str | None,
-             sample_interval_s: float) -> Any:
-    """The driver's collector session, started (UsageError on bad input)."""
+             sample_interval_s: float, multi_node: bool | None) -> tuple[Any, Any]:
+    """The driver's collector session, started, and the fit's `Attempts` actor
+    (UsageError on bad input)."""
     from traceml import environment
     from traceml.config import SESSION_ID_RE
     from traceml.inprocess import CollectorSession
@@ -151,21 +163,31 @@ def _session(trainer: Any, logs_dir: str, session_id: str | None,
     if (Path(logs_dir) / session_id / STORE_FILENAME).exists():
         raise UsageError(f"traceml.integrations.ray.fit: {Path(logs_dir) / session_id} already "
                          "holds a run; give another session_id")
-    bind, connect = _hosts()
+    bind, connect = _hosts(multi_node)
+    attempts = ray.remote(num_cpus=0)(Attempts).remote()
     session = CollectorSession(logs_dir, session_id, sample_interval_s, bind_host=bind,
                                connect_host=connect, secret=environment.user_secret(os.environ),
                                tokens=False)  # Ray starts the workers: no key service
-    session.start([sys.executable, *sys.argv], _num_workers(trainer))
-    return session
+    try:
+        session.start([sys.executable, *sys.argv], _num_workers(trainer))
+    except BaseException:
+        session.collector.stop()
+        raise
+    return session, attempts
 
 
 def fit(trainer: Any, logs_dir: str = "./logs", session_id: str | None = None,
-        html: bool = False, sample_interval_s: float = 1.0) -> Any:
+        html: bool = False, sample_interval_s: float = 1.0,
+        multi_node: bool | None = None) -> Any:
     """``trainer.fit()`` with every worker traced; the summary is written to
     ``logs_dir/<session id>/`` (and ``final_summary.html`` with ``html``) however the
-    fit ends.  Returns the trainer's result; raises what the trainer raised."""
+    fit ends.  Returns the trainer's result; raises what the trainer raised.
+    ``multi_node``: whether workers may run on other nodes than the driver's (the
+    collector then listens on every address); None: whether the cluster has several
+    nodes when the fit starts (give True for a cluster that grows later)."""
     try:
-        session = _session(trainer, logs_dir, session_id, sample_interval_s)
+        session, attempts = _session(trainer, logs_dir, session_id, sample_interval_s,
+                                     multi_node)
     except UsageError:
         raise
     except Exception as exc:  # traceml could not start: the training runs untraced
@@ -173,7 +195,7 @@ def fit(trainer: Any, logs_dir: str = "./logs", session_id: str | None = None,
                       stacklevel=2)
         return trainer.fit()
     loop = trainer.train_loop_per_worker
-    trainer.train_loop_per_worker = TracedLoop(loop, session.env)
+    trainer.train_loop_per_worker = TracedLoop(loop, session.env, attempts)
     exit_code = 1
     try:
         result = trainer.fit()
@@ -185,3 +207,4 @@ def fit(trainer: Any, logs_dir: str = "./logs", session_id: str | None = None,
     finally:
         trainer.train_loop_per_worker = loop
         session.finish(exit_code, html=html)
+        ray.kill(attempts)

@@ -9,6 +9,7 @@ written to a temporary ``final_summary.json`` while it is logged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, Union
 
 from traceml.report import flatten_summary
+from traceml.report.summary_files import settle
+from traceml.store import STORE_FILENAME
 
 SUMMARY_FILES = ("final_summary.json", "final_summary.txt", "final_summary.html")
 VERDICT_KEY = "traceml/verdict"
@@ -62,6 +65,10 @@ def load_summary(summary: SummaryLike) -> LoadedSummary:
     if isinstance(summary, Mapping):
         return _from_mapping(summary)
     path = Path(summary)
+    folder = path if path.is_dir() else path.parent
+    if (folder / STORE_FILENAME).exists():  # a session folder: a kill's half pair settled
+        with contextlib.suppress(OSError):  # a read-only folder is read as it is
+            settle(folder)
     if path.is_dir():
         path = path / "final_summary.json"
     if not path.is_file():

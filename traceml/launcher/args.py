@@ -149,7 +149,8 @@ def parse(command: str, argv: Sequence[str],
     Inside a SLURM step the options SLURM's environment gives come first (`slurm`):
     the user's own, after them, win."""
     parser = build_parser(f"traceml {command}")
-    step = slurm.step_from_env(os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    step = slurm.step_from_env(environ)
     filled = step.launch_options() if step is not None else []
     argv = [*filled, *argv]
     ns = parser.parse_args(argv)
@@ -196,6 +197,8 @@ def parse(command: str, argv: Sequence[str],
         peak_tflops=ns.peak_tflops or 0.0,
         late_options=late_options(parser, ns.training_script_args),
         filled_options=tuple(filled),
+        # what SLURM would have filled, when nothing was and the run is one node's
+        scheduler_hint=(slurm.hint(environ) or "") if step is None and max_nodes == 1 else "",
     )
 
 

@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from traceml import environment
+from traceml import environment, security
 from traceml.collector.config import CollectorConfig
 from traceml.config import RunConfig
 from traceml.environment import AgentEnv
@@ -178,11 +178,14 @@ def run(cfg: RunConfig) -> int:
     if cfg.filled_options:
         print(f"traceml: inside a SLURM step: {' '.join(cfg.filled_options)} (options given "
               "on the command line win)", file=sys.stderr)
+    elif cfg.scheduler_hint:
+        print(cfg.scheduler_hint, file=sys.stderr)
     if cfg.no_trace:
         return run_torch(torch_namespace(cfg, redirect_output=False))
     topo = topology.resolve(cfg)
     secret = session_secret(cfg)
     environment.hide_user_secret(os.environ)  # the workers inherit it: a rank gets a token
+    security.forbid_inspection()  # its /proc/<pid>/environ still holds it: not to the ranks
     try:
         session_dir, hosting = session_dir_for(cfg, topo)
         collector = start_collector(cfg, topo, session_dir, secret) if hosting else None

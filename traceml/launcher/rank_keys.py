@@ -7,7 +7,8 @@ kernel (``SO_PEERCRED``, Linux): the asking process must descend from a direct c
 this launcher (a worker torch's elastic agent started: the process itself, or with
 ``--no-python`` the first Python process under it), and each such worker is answered
 once, with the token of the rank torch gave it in its attempt (``RANK`` and
-``TORCHELASTIC_RESTART_COUNT`` in its environment).  So a
+``TORCHELASTIC_RESTART_COUNT`` in its environment): each rank's attempt is
+answered once, whatever its process id (a restarted worker may get an old one).  So a
 rank's DataLoader workers and subprocesses, which ask as that worker again, get
 nothing: whatever they send as any rank is refused and counted by the collector.
 
@@ -47,7 +48,7 @@ class RankKeyService:
     def __init__(self, tokens: TokenBook) -> None:
         self.tokens = tokens
         self.launcher_pid = os.getpid()
-        self.issued: set[int] = set()  # worker processes answered (their pids)
+        self.issued: set[tuple[int, int]] = set()  # (rank, attempt) answered
         self.num_refused = 0
         self.folder = Path(tempfile.mkdtemp(prefix="traceml-keys-"))  # 0700
         self.path = str(self.folder / "keys.sock")
@@ -85,10 +86,10 @@ class RankKeyService:
         """The token line for process ``pid``, or the refusal (counted)."""
         worker = self.worker_of(pid)
         attempt = _rank_of(worker) if worker is not None else None
-        if worker is None or attempt is None or worker in self.issued:
+        if attempt is None or attempt in self.issued:
             self.num_refused += 1
             return REFUSED
-        self.issued.add(worker)
+        self.issued.add(attempt)
         return self.tokens.rank(*attempt).encode("ascii") + b"\n"
 
     def worker_of(self, pid: int) -> int | None:

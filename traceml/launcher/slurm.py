@@ -10,20 +10,27 @@ user did not give:
                             in the step's node list, else ``SLURM_NODEID``
 ``--master-addr``           the first host of ``SLURM_STEP_NODELIST`` (else
                             ``SLURM_JOB_NODELIST``), compact form expanded
-``--master-port``           ``10000 + 4 * (job id mod 5000)``: two jobs
-``--aggregator-port``       sharing a node do not collide; the collector's
-                            port is the rendezvous port + 2 (its join check +3)
+``--master-port``           ``10000 + 4 * ((job id + 1777 * step id) mod 5000)``:
+``--aggregator-port``       two jobs, or two steps of one job, sharing a node
+                            rarely collide; the collector's port is the
+                            rendezvous port + 2 (its join check +3)
 ``--nproc-per-node``        ``SLURM_GPUS_ON_NODE`` when the node has GPUs,
                             else ``SLURM_NTASKS_PER_NODE``
-``--session-id``            ``slurm-<SLURM_JOB_ID>``, and ``.<step>`` after the
-                            job's first step (``SLURM_STEP_ID``)
+``--session-id``            ``slurm-<SLURM_JOB_ID>``, ``.<step>`` after the
+                            job's first step (``SLURM_STEP_ID``) and ``.r<n>``
+                            after a requeue (``SLURM_RESTART_COUNT``)
 ==========================  =================================================
 
-Options the user gives win: the filled ones are put before the user's
-arguments, and the last of an option wins in argparse.  Outside a step (no
-``SLURM_STEP_ID``, e.g. the batch script itself) nothing is filled.  A step
-that starts several launchers on a node (``SLURM_STEP_TASKS_PER_NODE``)
-is refused: `traceml run` starts the node's ranks itself.
+A step on one node gets neither port: the launcher picks free ones, as it
+does outside SLURM, so steps that share the node never collide.  Options the
+user gives win: the filled ones are put before the user's arguments, and the
+last of an option wins in argparse.  Outside a step (no ``SLURM_STEP_ID``,
+e.g. the batch script itself) nothing is filled, and a job of several nodes
+gets a hint to run ``srun``.  A heterogeneous job (``SLURM_HET_SIZE``) gets
+nothing filled either, and a hint: its components each number their nodes
+from 0.  A step that starts several launchers on a node
+(``SLURM_STEP_TASKS_PER_NODE``) is refused: `traceml run` starts the node's
+ranks itself.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ from dataclasses import dataclass
 from traceml.errors import UsageError
 
 RUN_HINT = "run one traceml per node: srun --ntasks-per-node=1 traceml run ..."
+HET_HINT = ("traceml: a heterogeneous SLURM job: no option is filled from SLURM's variables "
+            "(each component numbers its nodes from 0); give --nnodes, --node-rank, "
+            "--master-addr, --master-port and --session-id")
 _RANGE_RE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
@@ -110,6 +120,7 @@ class SlurmStep:
 
     job_id: int
     step_id: int
+    restart_count: int  # SLURM_RESTART_COUNT: the job was requeued this many times
     num_nodes: int
     node_id: int
     first_host: str
@@ -117,18 +128,20 @@ class SlurmStep:
 
     @property
     def session_id(self) -> str:
-        return f"slurm-{self.job_id}" + (f".{self.step_id}" if self.step_id else "")
+        return (f"slurm-{self.job_id}" + (f".{self.step_id}" if self.step_id else "")
+                + (f".r{self.restart_count}" if self.restart_count else ""))
 
     @property
     def master_port(self) -> int:
-        return 10000 + 4 * (self.job_id % 5000)
+        return 10000 + 4 * ((self.job_id + 1777 * self.step_id) % 5000)
 
     def launch_options(self) -> list[str]:
         """The options to put before the user's own."""
-        options = [f"--nnodes={self.num_nodes}", f"--node-rank={self.node_id}",
-                   f"--master-addr={self.first_host}", f"--master-port={self.master_port}",
-                   f"--aggregator-port={self.master_port + 2}",
-                   f"--session-id={self.session_id}"]
+        options = [f"--nnodes={self.num_nodes}", f"--node-rank={self.node_id}"]
+        if self.num_nodes > 1:  # one node: free ports, picked by the launcher
+            options += [f"--master-addr={self.first_host}", f"--master-port={self.master_port}",
+                        f"--aggregator-port={self.master_port + 2}"]
+        options.append(f"--session-id={self.session_id}")
         if self.nproc_per_node is not None:
             options.append(f"--nproc-per-node={self.nproc_per_node}")
         return options
@@ -151,7 +164,7 @@ def step_from_env(environ: Mapping[str, str]) -> SlurmStep | None:
     """The SLURM step this process runs in; None outside one (or outside SLURM)."""
     job_id = _int(environ, "SLURM_JOB_ID", "SLURM_JOBID")
     step_id = _int(environ, "SLURM_STEP_ID", "SLURM_STEPID")
-    if job_id is None or step_id is None:
+    if job_id is None or step_id is None or environ.get("SLURM_HET_SIZE"):
         return None
     num_nodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
     nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
@@ -167,8 +180,25 @@ def step_from_env(environ: Mapping[str, str]) -> SlurmStep | None:
                          f"tasks on this node, each a traceml launcher; {RUN_HINT}")
     gpus = _int(environ, "SLURM_GPUS_ON_NODE")
     nproc = gpus if gpus else _int(environ, "SLURM_NTASKS_PER_NODE")
-    return SlurmStep(job_id=job_id, step_id=step_id, num_nodes=num_nodes, node_id=node_id,
-                     first_host=hosts[0], nproc_per_node=nproc)
+    return SlurmStep(job_id=job_id, step_id=step_id,
+                     restart_count=_int(environ, "SLURM_RESTART_COUNT") or 0,
+                     num_nodes=num_nodes, node_id=node_id, first_host=hosts[0],
+                     nproc_per_node=nproc)
+
+
+def hint(environ: Mapping[str, str]) -> str | None:
+    """A line for a launcher in a SLURM job that fills nothing where the user likely
+    meant it to: a heterogeneous job, or the batch script of a job of several nodes
+    (outside ``srun``: this launcher would run one node's ranks alone)."""
+    if _int(environ, "SLURM_JOB_ID", "SLURM_JOBID") is None:
+        return None
+    if environ.get("SLURM_HET_SIZE"):
+        return HET_HINT
+    nodes = _int(environ, "SLURM_JOB_NUM_NODES", "SLURM_NNODES") or 1
+    if _int(environ, "SLURM_STEP_ID", "SLURM_STEPID") is None and nodes > 1:
+        return (f"traceml: this SLURM job has {nodes} nodes, but this launcher runs outside a "
+                f"job step and starts this node's ranks only; {RUN_HINT}")
+    return None
 
 
 def _node_index(environ: Mapping[str, str], hosts: list[str]) -> int:

@@ -5,6 +5,8 @@ checkpoint each epoch) on 2 CPU workers (gloo), connected to a running cluster.
 ``--traced``: the one traceml line, ``fit(trainer, ...)`` instead of ``trainer.fit()``.
 ``--slow-rank R --slow-ms MS``: rank R's forward takes MS longer.
 ``--fail-rank R --fail {raise,exit}``: rank R raises, or its process exits, mid-epoch.
+``--max-failures N``: Ray restarts the worker group up to N times; rank R then fails in
+its first attempt only.
 Writes ``--out``: the result's metrics, or the error's type; each worker writes the
 steps it took to EVIDENCE_DIR.
 """
@@ -34,6 +36,17 @@ class Net(nn.Module):
         return self.layers(x)
 
 
+def first_attempt(config):
+    """Always, without restarts; with them, whether this rank has not failed before."""
+    if not config["max_failures"]:
+        return True
+    marker = os.path.join(config["evidence"], "failed-once")
+    if os.path.exists(marker):
+        return False
+    open(marker, "w").close()
+    return True
+
+
 def train_func(config):
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(0)
@@ -47,7 +60,7 @@ def train_func(config):
         if ray.train.get_context().get_world_size() > 1:
             loader.sampler.set_epoch(epoch)
         for x, y in loader:
-            if rank == config["fail_rank"] and steps == config["fail_at"]:
+            if rank == config["fail_rank"] and steps == config["fail_at"] and first_attempt(config):
                 if config["fail"] == "exit":
                     os._exit(3)
                 raise RuntimeError("rank failed on purpose")
@@ -80,15 +93,19 @@ def main():
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-at", type=int, default=10)
     p.add_argument("--fail", choices=["raise", "exit"], default="raise")
+    p.add_argument("--max-failures", type=int, default=0)
     a = p.parse_args()
     ray.init(address=a.address, log_to_driver=False)
     config = {"epochs": a.epochs, "batches": a.batches, "slow_rank": a.slow_rank,
               "slow_ms": a.slow_ms, "fail_rank": a.fail_rank, "fail_at": a.fail_at,
-              "fail": a.fail, "evidence": os.environ["EVIDENCE_DIR"]}
+              "fail": a.fail, "evidence": os.environ["EVIDENCE_DIR"],
+              "max_failures": a.max_failures}
     trainer = ray.train.torch.TorchTrainer(
         train_func, train_loop_config=config,
         scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
-        run_config=ray.train.RunConfig(storage_path=a.storage))
+        run_config=ray.train.RunConfig(
+            storage_path=a.storage,
+            failure_config=ray.train.FailureConfig(max_failures=a.max_failures)))
     out = {}
     try:
         if a.traced:
