@@ -48,8 +48,9 @@ DRAIN_MAX_S = 5.0
 DRAIN_BEHIND_MAX_S = 12.0  # ...and while messages still wait in the socket (under the
 # launcher's 15 s STOP_TIMEOUT_S: the collector commits and exits before it is killed)
 BEHIND_COMMIT_S = 1.0  # node 0's commit interval while messages wait in its socket
-# What one sender may queue in the receive buffer: messages x the largest message
-# bounds its bytes (16 x 8 MiB); a sender over it waits, then drops and counts.
+# What one connection may queue in the receive buffer: messages x the largest frame read
+# bounds its bytes (16 x 16 MiB: 256 MiB); a sender over it waits, then drops and counts.
+# ZeroMQ bounds neither the connections a key holder opens nor their sum.
 RECEIVE_HWM = 16
 OVERSIZE_SEEN = 2  # frames up to this many times the message limit are read (and counted
 # as oversized); a larger one ZeroMQ refuses, closing that sender's connection
