@@ -16,7 +16,8 @@ import yaml
 def srun_env(node_id: int, hosts: list[str], nodelist: str, job_id: int = 4242,
              **extra: str) -> dict[str, str]:
     """The SLURM variables srun sets for its task on node ``node_id`` of a job
-    submitted with ``--nodes=N --ntasks-per-node=1`` (N = ``len(hosts)``), step 0;
+    submitted with ``--nodes=N --ntasks-per-node=1 --cpus-per-task=2`` (N =
+    ``len(hosts)``), step 0;
     ``nodelist`` is ``hosts`` in SLURM's compact form."""
     num = str(len(hosts))
     return {
@@ -28,7 +29,7 @@ def srun_env(node_id: int, hosts: list[str], nodelist: str, job_id: int = 4242,
         "SLURM_NPROCS": num, "SLURM_NTASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": f"1(x{num})",
         "SLURM_STEP_NUM_TASKS": num, "SLURM_STEP_TASKS_PER_NODE": f"1(x{num})",
         "SLURMD_NODENAME": hosts[node_id], "SLURM_TOPOLOGY_ADDR": hosts[node_id],
-        "SLURM_CPUS_ON_NODE": "2", "SLURM_JOB_CPUS_PER_NODE": f"2(x{num})",
+        "SLURM_CPUS_ON_NODE": "2", "SLURM_CPUS_PER_TASK": "2", "SLURM_JOB_CPUS_PER_NODE": f"2(x{num})",
         "SLURM_SUBMIT_HOST": hosts[0], "SLURM_CLUSTER_NAME": "test", "SLURM_JOB_PARTITION": "cpu",
         **extra,
     }

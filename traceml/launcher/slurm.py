@@ -120,11 +120,11 @@ class SlurmStep:
 
     job_id: int
     step_id: int
-    restart_count: int  # SLURM_RESTART_COUNT: the job was requeued this many times
     num_nodes: int
     node_id: int
     first_host: str
     nproc_per_node: int | None  # None: SLURM does not say; torchrun's default
+    restart_count: int = 0  # SLURM_RESTART_COUNT: the job was requeued this many times
 
     @property
     def session_id(self) -> str:
