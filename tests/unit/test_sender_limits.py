@@ -104,3 +104,12 @@ def test_without_tokens_each_claimed_identity_has_its_budget(tmp_path: Path) -> 
     rank0 = Sender("rank", "h", 12, 0, rank=0, local_rank=0, world_size=2)
     send(c, rank0, 0, rows, None)  # another identity: its own budget
     assert c.rejected == {"over its sender's byte rate": 2} and rank0.sender_id in c.senders
+
+
+def test_samples_without_their_time_are_refused_and_the_store_stays_sound(tmp_path: Path) -> None:
+    """Found by scripts/fuzz_collector.py: rows whose fields leave out ``t`` passed the
+    checks, then failed SQLite's NOT NULL, and marked the store as failed."""
+    c = collector(tmp_path)
+    c.handle(envelope_bytes("s", "process", RANK1, 0, {"fields": ["cpu_pct"], "rows": [[5.0]]},
+                            token=BOOK.rank(1)))
+    assert c.rejected == {"bad process payload": 1} and not c.store_failed

@@ -60,6 +60,8 @@ def _columnar(payload: dict[str, Any], checks: dict[str, Check]) -> tuple[tuple[
     if len(fields) > MAX_FIELDS or not all(type(f) is str for f in fields) \
             or len(set(fields)) != len(fields):
         raise ProtocolError("fields are not distinct names")
+    if "t" not in fields:  # a sample without its time cannot be stored
+        raise ProtocolError("rows without their time 't'")
     known = [(i, checks[f]) for i, f in enumerate(fields) if f in checks]
     for row in rows:
         if not isinstance(row, list) or len(row) != len(fields):
