@@ -377,6 +377,7 @@ def report(n: int, sent_s: float, by_mutation: dict[str, int], peak_rss: int, st
         "every impersonation refused": impostors == [] and rejected.get(
             "sender without the token of its identity", 0) >= by_mutation.get("impersonate", 0),
         "the flood cut and counted": rejected.get(OVER_RATE, 0) > 0,
+        "the store never failed": "not stored: the store failed" not in rejected,
         "real ranks' step counts exact": counted and all(
             stored.get(r) == c for r, c in counted.items()) and len(counted) == 2,
     }
