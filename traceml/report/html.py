@@ -28,7 +28,7 @@ def render_html(report: Report, run: RunData) -> str:
 
 def write_html(path: Path, report: Report, run: RunData) -> Path:
     """Write the page atomically to ``path``; returns ``path``."""
-    from traceml.report.session import write_atomic
+    from traceml.report.summary_files import write_atomic
 
     write_atomic(path, render_html(report, run).encode("utf-8"))
     return path

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import os
 import stat
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -45,28 +44,6 @@ class SummaryFiles:
     json_path: Path
     text_path: Path
     run: RunData
-
-
-def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
-    """Write via a temporary file in the same folder, fsynced, and rename over the
-    target (then fsync the folder); ``mode``: the file's permission bits."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
 
 
 @contextmanager

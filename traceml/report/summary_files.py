@@ -94,6 +94,15 @@ def _own_temp(name: object) -> bool:
             and os.sep not in name)
 
 
+def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+    """One file written whole or not at all: a temporary file in the same folder,
+    fsynced, renamed over ``path``, then the folder fsynced; ``mode``: its permission
+    bits."""
+    temp = _write_temp(path.parent, path.name, data, mode)
+    os.replace(path.parent / temp, path)
+    _sync(path.parent)
+
+
 def _write_temp(folder: Path, name: str, data: bytes, mode: int | None) -> str:
     """A temporary file of ``data`` in ``folder`` (fsynced); none is left when it fails."""
     fd, temp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
