@@ -39,7 +39,11 @@ def test_heavy_gradients_and_a_tiny_batch_are_communication_bound(tmp_path: Any)
     rows = step_time["ranks"]
     assert diagnosis["evidence"]["communication_ms"] <= 1.05 * min(
         row["communication_ms"]["mean"] for row in rows)
-    assert "on the rank that waited least at each step (mostly r" in diagnosis["why"]
+    # ... naming that rank when it was the least-waiting one in most steps (with two alike
+    # ranks it often is, not always: 15 of 30 steps each names no one).
+    evidence = diagnosis["evidence"]
+    mostly = (f" (mostly r{evidence['rank']})" if evidence["rank_pct"] > 50.0 else "")
+    assert f"on the rank that waited least at each step{mostly}: " in diagnosis["why"]
 
 
 def test_a_comm_hooks_own_work_is_communication_not_backward(tmp_path: Any) -> None:
