@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SLEEPS = ROOT / "tests" / "e2e" / "scripts" / "ddp_cases.py"
 REAL = ROOT / "tests" / "e2e" / "scripts" / "ddp_real.py"
 INJECTED = ("backward", "between", "network", "balanced")
-REAL_STEPS = {"heavy": 30, "hook": 20, "uneven": 40, "shared": 30, "large": 16}
+REAL_STEPS = {"heavy": 30, "hook": 20, "uneven": 40, "shared": 40, "large": 16}
 CASES = (*INJECTED, *REAL_STEPS)
 
 Summary = dict[str, Any]

@@ -80,7 +80,7 @@ def test_twice_the_rows_on_one_rank_is_that_ranks_forward_and_backward(tmp_path:
 
 
 def test_a_busy_process_on_one_ranks_core_names_that_rank(tmp_path: Any) -> None:
-    summary = _run(tmp_path, "shared", 30).summary
+    summary = _run(tmp_path, "shared", 40).summary
     assert _named(summary) == [("COMPUTE_STRAGGLER", [1])], summary["step_time"]["findings"]
 
 
