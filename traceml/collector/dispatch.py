@@ -174,8 +174,7 @@ class Collector:
                 and hmac.compare_digest(token, expected))
 
     def _dispatch(self, env: Envelope, from_launcher: bool, from_relay: bool = False) -> None:
-        if self._tokens is not None and not self._proves(env.sender, env.token):
-            raise Rejected("sender without the token of its identity")
+        # The sender's token was checked against its identity before decoding (`_meter`).
         message = env.message
         if isinstance(message, (RunStart, RunEnd, StopCollector)):
             if not from_launcher:

@@ -90,8 +90,7 @@ def _settle(folder: Path) -> None:
 
 def _own_temp(name: object) -> bool:
     """Whether a journal's entry names one of the pair's temporary files in the folder."""
-    return (isinstance(name, str) and name.startswith(_TEMP_PREFIXES) and "/" not in name
-            and os.sep not in name)
+    return isinstance(name, str) and name.startswith(_TEMP_PREFIXES) and Path(name).name == name
 
 
 def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
