@@ -26,10 +26,19 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 def test_every_column_of_a_fresh_store_is_the_tables_in_order(tmp_path: Path) -> None:
-    StoreWriter(str(tmp_path / "s.sqlite")).close()
+    """The steps view (a row per stored step, out of the blocks) has the table's columns
+    in order, each value of its column's SQL type."""
+    writer = StoreWriter(str(tmp_path / "s.sqlite"))
+    writer.add_steps([StepRow.of(step=3, t_begin=1.5, rss_bytes=7, boundary="forward",
+                                 flops_counted=True)])
+    writer.close()
     db = sqlite3.connect(tmp_path / "s.sqlite")
-    columns = [(r[1], r[2]) for r in db.execute("PRAGMA table_info(steps)")]
-    assert columns == [(f.name, f.sql_type) for f in step_fields.STEP_FIELDS]
+    assert [r[1] for r in db.execute("PRAGMA table_info(steps)")] == list(step_fields.names())
+    types = db.execute("SELECT " + ", ".join(f"typeof({n})" for n in step_fields.names())
+                       + " FROM steps").fetchone()
+    sql_types = {"INTEGER": "integer", "REAL": "real", "TEXT": "text"}
+    assert list(types) == ["null" if f.optional and f.name not in ("t_begin", "rss_bytes")
+                           else sql_types[f.sql_type] for f in step_fields.STEP_FIELDS]
 
 
 def test_who_ran_a_step_comes_first_and_a_relay_forwards_the_rest() -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.rows import sent_by, step_record
+from traceml import step_fields
 from traceml.errors import UsageError
 from traceml.report.session import load_run
 from traceml.store import (
@@ -108,13 +110,27 @@ def test_what_is_not_a_store_is_a_store_error(tmp_path: Path) -> None:
         load_run(tmp_path)
 
 
-@pytest.mark.parametrize("sql", [
-    "UPDATE steps SET total_ms = 'abc' WHERE step = 1",
-    "UPDATE steps SET input_ms = 1e999 WHERE step = 1",  # SQLite stores Inf
-    "UPDATE steps SET wait_ms = -5 WHERE step = 1",
-    "UPDATE steps SET rank = 10000000000 WHERE step = 1",
+def _value(name: str, value: str) -> str:
+    """SQL that sets step 1's ``name`` (in its block's JSON) to the JSON ``value``."""
+    at = [f.name for f in step_fields.measured()].index(name)
+    return (f"UPDATE step_blocks SET rows = json_replace(CAST(rows AS TEXT), '$[1][{at}]', "
+            f"json('{value}'))")
+
+
+@pytest.mark.parametrize(("sql", "kept", "skipped"), [
+    (_value("total_ms", '"abc"'), [0, 2], 1),
+    (_value("input_ms", "1e300"), [0, 2], 1),  # beyond any step
+    (_value("wait_ms", "-5"), [0, 2], 1),
+    (_value("boundary", '"nowhere"'), [0, 2], 1),
+    (_value("num_input", "1.5"), [0, 2], 1),
+    # the block's own columns: its rows cannot be placed
+    ("UPDATE step_blocks SET rank = 10000000000", [], 3),
+    ("UPDATE step_blocks SET rows = CAST('[[1, 2' AS BLOB)", [], 3),
+    # steps out of order in a block
+    ("UPDATE step_blocks SET rows = json_replace(CAST(rows AS TEXT), '$[1][0]', 7)", [], 3),
 ])
-def test_a_bad_stored_step_is_skipped_and_counted(tmp_path: Path, sql: str) -> None:
+def test_a_bad_stored_step_is_skipped_and_counted(tmp_path: Path, sql: str, kept: list[int],
+                                                  skipped: int) -> None:
     from traceml.report.session import write_summary
 
     _store(tmp_path / "telemetry.sqlite")
@@ -123,10 +139,66 @@ def test_a_bad_stored_step_is_skipped_and_counted(tmp_path: Path, sql: str) -> N
     db.commit()
     db.close()
     files = write_summary(tmp_path)
-    assert [r.step for r in files.run.steps] == [0, 2]
+    assert [r.step for r in files.run.steps] == kept
     assert files.summary["meta"]["rejected"] == {"foreign session": 2,
-                                                 "stored step row with bad values": 1}
-    assert "Rejected: 3 (foreign session 2, stored step row with bad values 1)" in files.text
+                                                 "stored step row with bad values": skipped}
+    if kept:
+        assert (f"Rejected: {2 + skipped} (foreign session 2, stored step row with bad values "
+                f"{skipped})") in files.text
+
+
+def test_steps_are_stored_in_blocks_once_each(tmp_path: Path) -> None:
+    """A run of a rank's steps is one block row; a step at or before the last one stored
+    of its attempt (a resent batch) is a duplicate, kept out; the steps view shows
+    every stored step as a row, for SQL."""
+    path = tmp_path / "telemetry.sqlite"
+    writer = StoreWriter(str(path))
+    other = dataclasses.replace(RANK, rank=1, pid=11)
+    rows = [*sent_by(RANK, [step_record(s, total_ms=10.0 + s) for s in range(3)]),
+            *sent_by(other, [step_record(s, total_ms=20.0) for s in range(2)])]
+    assert writer.add_steps(rows) == 5
+    assert writer.add_steps(sent_by(RANK, [step_record(s, total_ms=99.0) for s in (1, 2, 3)])) == 1
+    assert writer.add_steps(sent_by(RANK, [step_record(s) for s in (5, 4, 4)])) == 2
+    writer.close()
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT rank, first_step, last_step, num_rows, sum_total_ms "
+                      "FROM step_blocks ORDER BY rowid").fetchall() == [
+        (0, 0, 2, 3, 33.0), (1, 0, 1, 2, 40.0), (0, 3, 3, 1, 99.0), (0, 4, 5, 2, 0.0)]
+    assert db.execute("SELECT rank, step, total_ms FROM steps WHERE rank = 0 ORDER BY step"
+                      ).fetchall() == [(0, 0, 10.0), (0, 1, 11.0), (0, 2, 12.0), (0, 3, 99.0),
+                                       (0, 4, 0.0), (0, 5, 0.0)]
+    db.close()
+    with StoreReader(path) as reader:
+        assert reader.num_steps() == 8
+        assert [(r.rank, r.step) for r in reader.run(reader.records()).steps] == [
+            (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 0), (1, 1)]
+        newest = reader.steps_after(0, 3)
+        assert [(r.rank, r.step) for r in newest.rows] == [(0, 3), (0, 4), (0, 5)]
+        assert reader.steps_after(newest.last_row_id, 10).rows == ()
+
+
+def test_a_store_written_before_step_blocks_reads_the_same(tmp_path: Path) -> None:
+    """A schema-5 store (a steps table, one row per step, the hook columns missing as
+    in schema 4) is read through the same path, the missing columns as their defaults."""
+    new, old = tmp_path / "new", tmp_path / "old"
+    new.mkdir()
+    old.mkdir()
+    _store(new / "telemetry.sqlite")
+    _store(old / "telemetry.sqlite")
+    db = sqlite3.connect(old / "telemetry.sqlite")
+    columns = [f for f in step_fields.STEP_FIELDS if f.name not in ("hook_ms", "num_hook")]
+    db.executescript(
+        "DROP VIEW steps; CREATE TABLE steps ("
+        + ", ".join(f"{f.name} {f.sql_type}" for f in columns)
+        + ", PRIMARY KEY (rank, restart, step)); INSERT INTO steps SELECT "
+        + ", ".join(f"json_extract(r.value, '$[{[m.name for m in step_fields.measured()].index(f.name)}]')"
+                    if not f.identity else f"b.{f.name}" for f in columns)
+        + " FROM step_blocks AS b, json_each(CAST(b.rows AS TEXT)) AS r; DROP TABLE step_blocks;")
+    db.close()
+    with StoreReader(old / "telemetry.sqlite") as was, StoreReader(new / "telemetry.sqlite") as now:
+        assert was.run(was.records()).steps == now.run(now.records()).steps
+        assert was.num_steps() == 3
+    assert load_run(old)[0].steps == load_run(new)[0].steps
 
 
 def test_once_the_summary_json_is_there_its_text_is_too(

@@ -44,6 +44,8 @@ class Store(Protocol):
     (`StoreWriter`), or a relay's batch to node 0 (`traceml.collector.relay.Outbox`)."""
 
     def add_steps(self, rows: Sequence[StepRow]) -> int: ...
+    def add_step_columns(self, prefixes: Sequence[tuple[int, int, int] | None],
+                         columns: list[list[Any]]) -> int: ...
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None: ...
     def add_process(self, sender: Sender, samples: ProcessRows) -> None: ...
     def add_system(self, sender: Sender, samples: SystemRows) -> None: ...
@@ -343,14 +345,12 @@ class Collector:
     def _relayed_steps(self, columns: list[list[Any]], senders: list[Sender | None]) -> None:
         if not columns:
             return
-        index, *values = columns
         prefixes = [None if s is None or s.rank is None else (s.rank, s.restart, s.node_rank)
                     for s in senders]
-        rows = [StepRow(p + v) for p, v in zip(map(prefixes.__getitem__, index), zip(*values))
-                if p is not None]
-        self.reject("relayed step of a refused sender", len(index) - len(rows))
-        stored = self.store.add_steps(rows)
-        self.reject("duplicate step", len(rows) - stored)
+        refused = sum(prefixes[i] is None for i in columns[0]) if None in prefixes else 0
+        self.reject("relayed step of a refused sender", refused)
+        stored = self.store.add_step_columns(prefixes, columns)
+        self.reject("duplicate step", len(columns[0]) - refused - stored)
         self.num_steps += stored
 
     def all_rejected(self) -> dict[str, int]:

@@ -18,6 +18,7 @@ the whole node dies.
 
 from __future__ import annotations
 
+import operator
 import os
 import socket
 import time
@@ -118,6 +119,18 @@ class Outbox:
         self._steps += [((row.rank, row.restart), row[_NUM_IDENTITY:]) for row in rows]
         return len(rows)
 
+    def add_step_columns(self, prefixes: Sequence[tuple[int, int, int] | None],
+                         columns: list[list[Any]]) -> int:
+        """Relayed steps (a relay takes none from another relay; here for the store's
+        interface): forwarded as rows."""
+        if not columns:
+            return 0
+        index, *values = columns
+        kept = [((p[0], p[1]), row) for i, row in zip(index, zip(*values))
+                if (p := prefixes[i]) is not None]
+        self._steps += kept
+        return len(kept)
+
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
         self._flops += [(sender.sender_id, c.values()) for c in counts]
 
@@ -187,7 +200,9 @@ class Outbox:
         # A rank's steps came with a message of its sender, whose state is held too.
         ranks = {(s.sender.rank, s.sender.restart): index[key] for key, s in self._states.items()
                  if s.sender.rank is not None}
-        steps = [(ranks[key], *values) for key, values in self._steps]
+        # Each sender's steps together (in their order): node 0 stores a block per run.
+        steps = sorted(((ranks[key], *values) for key, values in self._steps),
+                       key=operator.itemgetter(0))
         batch = RelayBatch(
             senders=[(s.sender, s.counters()) for s in self._states.values()],
             step_columns=[list(column) for column in zip(*steps)],

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import sqlite3
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -18,7 +19,6 @@ import orjson
 from traceml import step_fields
 from traceml.errors import ProtocolError
 from traceml.records import (
-    TOTALED,
     FlopCount,
     Incident,
     ProcessSample,
@@ -28,7 +28,7 @@ from traceml.records import (
     SystemSample,
     totals_of,
 )
-from traceml.store.queries import SPANS_PER_QUERY, StepSpan, bounds_hold, bounds_sql, merged_spans
+from traceml.store.queries import SPANS_PER_QUERY, StepSpan, merged_spans
 from traceml.store.records import JoinError, NewRows, RunRecords, SenderState
 from traceml.store.rows import (
     checked_integer,
@@ -41,10 +41,10 @@ from traceml.store.rows import (
     run_data,
     sender_state,
     step_converter,
-    step_row,
     system_sample,
 )
 from traceml.store.schema import (
+    BLOCK_SUMMED,
     FLOP_COUNT_COLUMNS,
     JOIN_ERROR_PREFIX,
     LAUNCHER_LOST_KEY,
@@ -86,7 +86,7 @@ class StoreReader:
 
     def __init__(self, path: str | Path, timeout_s: float = 5.0) -> None:
         self.skipped: dict[str, int] = {}  # stored rows not read back, by reason
-        self._step_columns: tuple[str, ...] | None = None  # of the step table, the store's
+        self._blocks: str | None = None  # what the step blocks are read from (`_source`)
         with sqlite_errors():
             self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
         self._db.row_factory = sqlite3.Row
@@ -157,7 +157,7 @@ class StoreReader:
     def run(self, records: RunRecords) -> RunData:
         """The whole run, every stored row, described by its ``records`` (see
         :meth:`records`)."""
-        steps = self._steps_where("1", ())
+        steps = self._steps_in("1", ())
         process = tuple(self._read(self._rows(
             "SELECT * FROM process ORDER BY t, rowid"), process_sample, "process"))
         # A c10d launcher samples before it learns its node rank (-1): not a node yet.
@@ -198,32 +198,29 @@ class StoreReader:
             flop_counts=self.flop_counts())
 
     def _step_totals(self) -> tuple[tuple[RankTotals, ...], list[StepSpan]]:
-        """Per rank, its stored steps summed in SQL (one pass over the table), and per
-        attempt of a rank its first and last step.  A rank whose sums are not what a
-        collector writes (the file was edited) is summed row by row instead."""
-        have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
-        sums = ", ".join(f"SUM({c}) AS {c}" if c in have else f"0.0 AS {c}"
-                         for c in _TOTALED_COLUMNS)
-        evals = ("SUM(CASE WHEN num_eval != 0 THEN eval_ms ELSE 0 END) AS eval_ms, "
-                 "SUM(num_eval) AS num_eval" if "num_eval" in have
-                 else "0.0 AS eval_ms, 0 AS num_eval")
+        """Per rank, its stored steps summed in SQL from the blocks' sums (one pass
+        over the blocks, not their rows), and per attempt of a rank its first and last
+        step.  A rank whose sums are not what a collector writes (the file was edited)
+        is summed row by row instead."""
+        sums = ", ".join(f"SUM(sum_{c}) AS {c}" for c in BLOCK_SUMMED)
         groups = self._rows(
-            "SELECT rank, restart, COUNT(*) AS num_rows, MIN(step) AS first_step, "
-            f"MAX(step) AS last_step, {sums}, {evals}, "
-            "COUNT(peak_allocated_bytes) AS num_cuda FROM steps GROUP BY rank, restart")
+            "SELECT rank, restart, SUM(num_rows) AS num_rows, MIN(first_step) AS first_step, "
+            f"MAX(last_step) AS last_step, {sums}, SUM(sum_eval_ms) AS eval_ms, "
+            f"SUM(sum_num_eval) AS num_eval, SUM(num_cuda) AS num_cuda FROM {self._source()} "
+            "GROUP BY rank, restart")
         parts: dict[int, list[RankTotals]] = {}
         spans = []
         for g in groups:
             try:
                 rank = checked_integer(g["rank"], 0, MAX_WORLD_SIZE - 1)
             except ValueError:  # none of its rows can be read
-                self._skip("stored step row with bad values", int(g["num_rows"]))
+                self._skip("stored step row with bad values", _count(g["num_rows"]))
                 continue
             try:
                 first, part = checked_integer(g["first_step"], 0), group_totals(rank, g)
             except (TypeError, ValueError):
-                rows = self._steps_where("rank = ? AND restart = ?", (g["rank"], g["restart"]),
-                                         count=False)  # counted where the window reads them
+                rows = self._steps_in("rank = ? AND restart = ?", (g["rank"], g["restart"]),
+                                      count=False)  # counted where the window reads them
                 if not rows:
                     continue
                 first, part = min(r.step for r in rows), totals_of(rows)[0]
@@ -247,55 +244,88 @@ class StoreReader:
         while True:
             low = upper - depth
             if low < first:  # every step up to there: read in one pass
-                return self._steps_where(f"step <= ? AND {_READABLE_RANK}", (upper,))
-            steps = tuple(row for s in spans if s.last > low and s.first <= upper
-                          for row in self._steps_where(
-                              "rank = ? AND restart = ? AND step > ? AND step <= ?",
-                              (s.rank, s.restart, low, upper)))
+                return self._steps_in(f"first_step <= ? AND {_READABLE_RANK}", (upper,),
+                                      upper=upper)
+            steps = self._steps_in(f"last_step > ? AND first_step <= ? AND {_READABLE_RANK}",
+                                   (low, upper), low, upper)
             if policy.tail_decides(steps, ranks, window_rows):
                 return steps
             depth *= 4  # steps missing in some rank (dropped): look further back
 
-    def _steps_where(self, where: str, params: Sequence[Any],
-                     count: bool = True) -> tuple[StepRow, ...]:
-        """The stored steps ``where`` says, by rank, attempt and step; a row that will
+    def _steps_in(self, where: str, params: Sequence[Any], low: int = -1,
+                  upper: float = math.inf, count: bool = True) -> tuple[StepRow, ...]:
+        """The stored steps after ``low`` and up to ``upper`` of the blocks ``where``
+        says (SQL on the blocks' columns), by rank, attempt and step; a row that will
         not convert is skipped (and counted, with ``count``)."""
-        columns = self._columns()
-        checked = self._in_range(where, params)
         with sqlite_errors():
             cursor = self._db.cursor()
-            cursor.row_factory = None  # tuples: a dict per row costs more than the row
-            rows = cursor.execute(f"SELECT {', '.join(columns)} FROM steps WHERE {where} "
-                                  "ORDER BY rank, restart, step", params)
-            convert = step_converter(columns, not checked)
-            out = []
-            for row in rows:
+            cursor.row_factory = None  # tuples: a dict per block costs more than the block
+            blocks = cursor.execute(
+                f"SELECT {_BLOCK_READ} FROM {self._source()} WHERE {where} "
+                "ORDER BY rank, restart, first_step", params)
+            return self._block_steps(blocks, low, upper, count)
+
+    def _block_steps(self, blocks: Iterable[tuple[Any, ...]], low: int = -1,
+                     upper: float = math.inf, count: bool = True) -> tuple[StepRow, ...]:
+        """The steps of these blocks (`_BLOCK_READ`'s columns), those after ``low`` and
+        up to ``upper``.  A block is read whole or not at all: its rows JSON arrays
+        of the measured columns, its steps ascending and after those of its attempt's
+        block before (a store whose file was edited may hold anything).  The values are
+        checked a column at a time (`step_fields.admits_column`), row by row only
+        where a column fails."""
+        out: list[list[Any]] = []
+        previous: tuple[Any, Any, Any] = (None, None, -1)  # rank, restart, its last step
+        width = len(_MEASURED)
+        for rank, restart, node_rank, num_rows, blob in blocks:
+            try:
+                rows = orjson.loads(blob)
+                steps = [r[0] for r in rows]
+                if (type(rows) is not list or not rows or set(map(len, rows)) != {width}
+                        or not all(map(operator.lt, steps, steps[1:]))
+                        or ((rank, restart) == previous[:2] and steps[0] <= previous[2])):
+                    raise ValueError("not a block of ascending steps")
+            except (orjson.JSONDecodeError, TypeError, ValueError, KeyError, IndexError):
+                if count:
+                    self._skip("stored step row with bad values", _count(num_rows))
+                continue
+            previous = (rank, restart, steps[-1])
+            prefix = [rank, restart, node_rank]
+            if low < steps[0] and steps[-1] <= upper:
+                out += [prefix + r for r in rows]
+            else:
+                out += [prefix + r for r, step in zip(rows, steps) if low < step <= upper]
+        return self._checked_steps(out, count)
+
+    def _checked_steps(self, rows: list[list[Any]], count: bool) -> tuple[StepRow, ...]:
+        """``rows`` (every step column's value, in table order) as step rows, a chunk's
+        columns checked at once; a chunk with a bad value is checked row by row and
+        its bad rows skipped (and counted, with ``count``)."""
+        out: list[StepRow] = []
+        convert = step_converter(step_fields.names())
+        for at in range(0, len(rows), _CHECKED_ROWS):
+            chunk = rows[at:at + _CHECKED_ROWS]
+            if all(map(step_fields.admits_column, step_fields.STEP_FIELDS, zip(*chunk))):
+                out += map(StepRow, chunk)
+                continue
+            for row in chunk:
                 try:
-                    out.append(convert(row))
+                    out.append(convert(tuple(row)))
                 except (TypeError, ValueError):
                     if count:
                         self._skip("stored step row with bad values")
         return tuple(out)
 
-    def _columns(self) -> tuple[str, ...]:
-        """The step table's columns this store has (one written before a column
-        existed lacks it)."""
-        if self._step_columns is None:
-            have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
-            self._step_columns = tuple(n for n in step_fields.names() if n in have)
-        return self._step_columns
-
-    def _in_range(self, where: str, params: Sequence[Any]) -> bool:
-        """Whether every value of the steps ``where`` says is one a collector writes, as
-        SQL's aggregates tell (a text sorts above every number), so the rows need not be
-        checked one by one: each number's MIN and MAX within its column's bounds, no
-        NULL where the column is not optional, the text columns' values among their
-        choices, and the integers that order and key the rows (rank, attempt, step)
-        integers."""
-        fields = [step_fields.field(c) for c in self._columns()]
-        bounds = self._rows(f"SELECT COUNT(*) AS n, {', '.join(bounds_sql(fields))} "
-                            f"FROM steps WHERE {where}", params)[0]
-        return bounds_hold(fields, bounds)
+    def _source(self) -> str:
+        """What the step blocks are read from: the store's ``step_blocks`` or, in a
+        store written before them (schema 5 and older: a steps table), its rows as
+        blocks of one, each column it lacks read as its default."""
+        if self._blocks is None:
+            kind = self._rows("SELECT type FROM sqlite_master WHERE name = 'steps'")
+            self._blocks = _BLOCKS
+            if kind and kind[0]["type"] == "table":
+                have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
+                self._blocks = _legacy_blocks(have)
+        return self._blocks
 
     def _samples_near(self, table: str, source: str, where: str,
                       span: tuple[float, float] | None, num_sources: int,
@@ -356,12 +386,26 @@ class StoreReader:
                                (name,)))
 
     def num_steps(self) -> int:
-        return int(self._rows("SELECT COUNT(*) AS n FROM steps")[0]["n"])
+        return int(self._rows(
+            f"SELECT COALESCE(SUM(num_rows), 0) AS n FROM {self._source()}")[0]["n"])
 
     def steps_after(self, row_id: int, limit: int) -> NewRows[StepRow]:
-        """The newest ``limit`` steps stored after ``row_id``."""
-        rows, last = self._after("steps", row_id, limit)
-        return NewRows(tuple(self._read(rows, step_row, "step")), last)
+        """The newest ``limit`` steps stored after block ``row_id`` (the last block's
+        row id with them)."""
+        with sqlite_errors():
+            cursor = self._db.cursor()
+            cursor.row_factory = None
+            newest, num_rows = [], 0
+            for block in cursor.execute(
+                    f"SELECT row_id, {_BLOCK_READ} FROM {self._source()} WHERE row_id > ? "
+                    "ORDER BY row_id DESC", (row_id,)):
+                newest.append(block)
+                num_rows += _count(block[4])
+                if num_rows >= limit:
+                    break
+        steps = self._block_steps(b[1:] for b in reversed(newest))
+        return NewRows(steps[max(0, len(steps) - limit):],
+                       int(newest[0][0]) if newest else row_id)
 
     def process_after(self, row_id: int, limit: int) -> NewRows[ProcessSample]:
         rows, last = self._after("process", row_id, limit)
@@ -389,7 +433,40 @@ class StoreReader:
 
 # -- the bounded read's SQL and sums --------------------------------------------------------
 
-_TOTALED_COLUMNS = tuple(p.column for p in TOTALED)
+_MEASURED = step_fields.measured()
+_BLOCKS = "(SELECT rowid AS row_id, * FROM step_blocks)"
+_BLOCK_READ = "rank, restart, node_rank, num_rows, rows"  # what `_block_steps` reads
+_CHECKED_ROWS = 4096  # step rows whose columns are checked at once
+
+
+def _count(num_rows: Any) -> int:
+    """A block's stored row count, for counting what was skipped (1 when it is not one)."""
+    return num_rows if type(num_rows) is int and 0 < num_rows <= 1 << 31 else 1
+
+
+def _literal(value: step_fields.Value) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return repr(float(value) if type(value) is float else int(value))
+
+
+def _legacy_blocks(have: set[str]) -> str:
+    """A schema-5 store's steps table read as blocks of one step each."""
+    def column(name: str) -> str:
+        return name if name in have else _literal(step_fields.field(name).default)
+
+    sums = ", ".join(f"{column(c)} AS sum_{c}" for c in BLOCK_SUMMED)
+    eval_ms, num_eval = column("eval_ms"), column("num_eval")
+    values = ", ".join(column(f.name) for f in _MEASURED)
+    return (f"(SELECT rowid AS row_id, rank, restart, node_rank, step AS first_step, "
+            f"step AS last_step, 1 AS num_rows, {sums}, "
+            f"CASE WHEN {num_eval} != 0 THEN {eval_ms} ELSE 0.0 END AS sum_eval_ms, "
+            f"{num_eval} AS sum_num_eval, {column('peak_allocated_bytes')} IS NOT NULL "
+            f"AS num_cuda, json_array(json_array({values})) AS rows FROM steps)")
+
+
 _NODE_SAMPLE = "node_rank >= 0"  # a c10d launcher samples before it learns its node rank
 _READABLE_RANK = f"typeof(rank) = 'integer' AND rank BETWEEN 0 AND {MAX_WORLD_SIZE - 1}"
 SAMPLES_PER_SOURCE = 200_000

@@ -10,15 +10,19 @@ import sqlite3
 from collections.abc import Iterator, Sequence
 
 from traceml import step_fields
+from traceml.records import TOTALED
 from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS
 
 STORE_FILENAME = "telemetry.sqlite"
-SCHEMA_VERSION = 5  # 2: a column per phase (communication), collective_ms
+SCHEMA_VERSION = 6  # 2: a column per phase (communication), collective_ms
 # 3: samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval per step; the
 # flop_counts and incidents tables
 # 4: indexes on process(t) and system(t), for the summary's bounded read (a store
 # without them reads the same, scanning those tables)
 # 5: the hook phase's columns (hook_ms, num_hook); a store without them reads 0
+# 6: steps stored in blocks (step_blocks: a rank's consecutive steps as one row, their
+# values as JSON, their sums beside them); `steps` is a view of their rows (a store
+# with a steps table is read through the same view's shape)
 JOIN_ERROR_PREFIX = "join_error/"
 LAUNCHER_LOST_KEY = "launcher_lost_at"  # meta: when the collector saw its launcher vanish
 LAUNCHER_LOST_ROLE_KEY = "launcher_lost_role"  # ...which: "launcher", or "process" (init())
@@ -38,6 +42,20 @@ _SENDER_COLUMNS = ("sender_id", "role", "host", "pid", "node_rank", "rank", "loc
                    "world_size", "restart", "first_seen", "last_seen", "num_messages",
                    "num_gaps", "last_seq", "num_sent", "num_dropped", "said_bye")
 
+BLOCK_SUMMED = tuple(p.column for p in TOTALED)
+"""The step columns a block's row carries the sums of (``sum_<column>``)."""
+
+BLOCK_HEADER: tuple[tuple[str, str], ...] = (
+    ("rank", "INTEGER"), ("restart", "INTEGER"), ("node_rank", "INTEGER"),
+    ("first_step", "INTEGER"), ("last_step", "INTEGER"), ("num_rows", "INTEGER"),
+    *((f"sum_{c}", "REAL") for c in BLOCK_SUMMED),
+    ("sum_eval_ms", "REAL"),  # of the steps with evaluation passes (num_eval > 0)
+    ("sum_num_eval", "INTEGER"), ("num_cuda", "INTEGER"))  # steps with CUDA peaks
+"""A step block's columns before its rows: who ran the steps, which steps, and the
+sums a summary's whole-run totals add up in SQL without opening the rows.  ``rows``
+(JSON, one array per step of `traceml.step_fields.measured` values in table order,
+ascending steps) follows them."""
+
 DDL = [
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     """CREATE TABLE IF NOT EXISTS senders (
@@ -48,10 +66,15 @@ DDL = [
         num_messages INTEGER NOT NULL DEFAULT 0, num_gaps INTEGER NOT NULL DEFAULT 0,
         last_seq INTEGER NOT NULL DEFAULT -1, num_sent INTEGER NOT NULL DEFAULT 0,
         num_dropped INTEGER NOT NULL DEFAULT 0, said_bye INTEGER NOT NULL DEFAULT 0)""",
-    "CREATE TABLE IF NOT EXISTS steps ("
-    + ", ".join(f"{f.name} {f.sql_type}{'' if f.optional else ' NOT NULL' if f.identity else ''}"
-                for f in step_fields.STEP_FIELDS)
-    + ", PRIMARY KEY (rank, restart, step))",
+    "CREATE TABLE IF NOT EXISTS step_blocks ("
+    + ", ".join(f"{c} {t} NOT NULL" for c, t in BLOCK_HEADER) + ", rows BLOB NOT NULL)",
+    # The window's read: the blocks that end after a step (the run's tail).
+    "CREATE INDEX IF NOT EXISTS step_blocks_last ON step_blocks (last_step)",
+    "CREATE VIEW IF NOT EXISTS steps AS SELECT b.rank AS rank, b.restart AS restart, "
+    "b.node_rank AS node_rank, "
+    + ", ".join(f"json_extract(r.value, '$[{i}]') AS {f.name}"
+                for i, f in enumerate(step_fields.measured()))
+    + " FROM step_blocks AS b, json_each(CAST(b.rows AS TEXT)) AS r",
     "CREATE TABLE IF NOT EXISTS flop_counts (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
     "node_rank INTEGER NOT NULL, t REAL NOT NULL, flops REAL, dtype TEXT, dtype_share REAL, "
     "device_name TEXT, sm_count INTEGER, reason TEXT, ran INTEGER NOT NULL)",
@@ -83,8 +106,7 @@ def _insert(table: str, columns: Sequence[str], verb: str = "INSERT") -> str:
             f"VALUES ({', '.join('?' * len(columns))})")
 
 
-# A stored step is never replaced: a second row for it is a duplicate.
-STEPS_SQL = _insert("steps", step_fields.names(), "INSERT OR IGNORE")
+STEP_BLOCK_SQL = _insert("step_blocks", (*(c for c, _ in BLOCK_HEADER), "rows"))
 PROCESS_SQL = _insert("process", ("rank", "restart", "node_rank", *PROCESS_FIELDS))
 FLOP_COUNT_SQL = _insert("flop_counts", ("rank", "restart", "node_rank", *FLOP_COUNT_COLUMNS))
 SYSTEM_SQL = _insert("system", ("node_rank", "host", *SYSTEM_FIELDS))

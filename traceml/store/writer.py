@@ -4,17 +4,20 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import groupby
 from typing import Any
 
 import orjson
 
-from traceml import stacks
+from traceml import stacks, step_fields
 from traceml.records import FlopCount, Incident, StepRow
 from traceml.store.records import JoinError, SenderState
 from traceml.store.schema import (
+    BLOCK_SUMMED,
     DDL,
     FLOP_COUNT_SQL,
     INCIDENT_SQL,
@@ -26,7 +29,7 @@ from traceml.store.schema import (
     REJECTED_SQL,
     SCHEMA_VERSION,
     SENDER_SQL,
-    STEPS_SQL,
+    STEP_BLOCK_SQL,
     STORE_MODE,
     SYSTEM_SQL,
     StoreError,
@@ -42,6 +45,18 @@ def _pick(fields: Sequence[str], wanted: Sequence[str],
     """Columnar rows reordered to ``wanted``; a field the sender did not send is None."""
     index = [fields.index(f) if f in fields else None for f in wanted]
     return [[row[i] if i is not None else None for i in index] for row in rows]
+
+
+_MEASURED = {f.name: i for i, f in enumerate(step_fields.measured())}
+_STEP = _MEASURED["step"]
+_SUMMED = tuple(_MEASURED[c] for c in BLOCK_SUMMED)
+_EVAL_MS, _NUM_EVAL = _MEASURED["eval_ms"], _MEASURED["num_eval"]
+_PEAK = _MEASURED["peak_allocated_bytes"]
+_NUM_IDENTITY = len(step_fields.STEP_FIELDS) - len(_MEASURED)
+_identity = operator.itemgetter(*range(_NUM_IDENTITY))  # (rank, restart, node_rank)
+
+Prefix = tuple[int, int, int]
+"""A step row's identity columns: rank, restart (its attempt), node rank."""
 
 
 class StoreWriter:
@@ -65,6 +80,8 @@ class StoreWriter:
             for ddl in DDL:
                 self.db.execute(ddl)
         self._set_meta({"store_schema_version": SCHEMA_VERSION})
+        # (rank, restart) -> its last stored step: a step at or before it is a duplicate
+        self._last_step: dict[tuple[int, int], int] = {}
         self._execute("BEGIN")
 
     def commit(self) -> None:
@@ -103,11 +120,51 @@ class StoreWriter:
         self._set_meta({LAUNCHER_LOST_KEY: at, LAUNCHER_LOST_ROLE_KEY: role})
 
     def add_steps(self, rows: Sequence[StepRow]) -> int:
-        """Store the steps; returns how many were new (a step already stored is kept)."""
-        if not rows:
+        """Store the steps (each rank's in step order), a block per run of one rank's
+        rows; returns how many were new (see :meth:`add_blocks`)."""
+        return self.add_blocks([(prefix, [row[_NUM_IDENTITY:] for row in run])
+                                for prefix, run in groupby(rows, key=_identity)])
+
+    def add_step_columns(self, prefixes: Sequence[Prefix | None], columns: list[list[Any]]) -> int:
+        """A relay's steps as it sends them (`traceml.wire.relay.RelayBatch.step_columns`:
+        each row's sender index, then a list per measured column), a block per run of
+        one sender's rows; a sender whose prefix is None is refused (not stored)."""
+        if not columns:
             return 0
-        with sqlite_errors():
-            return int(self.db.executemany(STEPS_SQL, rows).rowcount)
+        index, *values = columns
+        rows = list(zip(*values))
+        runs, at = [], 0
+        for i, run in groupby(index):
+            n = sum(1 for _ in run)
+            if (prefix := prefixes[i]) is not None:
+                runs.append((prefix, rows[at:at + n]))
+            at += n
+        return self.add_blocks(runs)
+
+    def add_blocks(self, runs: Iterable[tuple[Prefix, Sequence[Sequence[Any]]]]) -> int:
+        """Store each run of one rank's steps (its `traceml.step_fields.measured`
+        values) as one block row; returns how many steps were new.  A step at or before
+        the last one stored of its rank's attempt is a duplicate and kept out (a
+        resent batch): each attempt's blocks hold ascending steps that never overlap."""
+        params = []
+        for (rank, restart, node_rank), rows in runs:
+            last = self._last_step.get((rank, restart), -1)
+            steps = [r[_STEP] for r in rows]
+            if not steps or steps[0] <= last or not all(map(operator.lt, steps, steps[1:])):
+                rows = _ascending_after(rows, last)
+                if not rows:
+                    continue
+                steps = [r[_STEP] for r in rows]
+            self._last_step[(rank, restart)] = steps[-1]
+            columns = list(zip(*rows))
+            num_eval, peaks = columns[_NUM_EVAL], columns[_PEAK]
+            evals = (sum(ms for ms, n in zip(columns[_EVAL_MS], num_eval) if n)
+                     if any(num_eval) else 0.0)
+            params.append((rank, restart, node_rank, steps[0], steps[-1], len(rows),
+                           *(sum(columns[i]) for i in _SUMMED), evals, sum(num_eval),
+                           len(peaks) - peaks.count(None), orjson.dumps(rows)))
+        self._executemany(STEP_BLOCK_SQL, params)
+        return sum(p[5] for p in params)
 
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
         prefix = (sender.rank, sender.restart, sender.node_rank)
@@ -165,3 +222,12 @@ class StoreWriter:
     def _executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         with sqlite_errors():
             self.db.executemany(sql, rows)
+
+
+def _ascending_after(rows: Sequence[Sequence[Any]], last: int) -> list[Sequence[Any]]:
+    """The rows of steps after ``last``, ascending, the first row of each step."""
+    first: dict[int, Sequence[Any]] = {}
+    for r in rows:
+        if r[_STEP] > last:
+            first.setdefault(r[_STEP], r)
+    return [first[step] for step in sorted(first)]

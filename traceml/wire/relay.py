@@ -32,9 +32,6 @@ MAX_REJECT_REASONS = 64
 MAX_REASON_CHARS = 200
 
 _MEASURED = step_fields.measured()
-_COLUMN_TYPES: dict[type, frozenset[type]] = {
-    float: frozenset({int, float}), int: frozenset({int}), bool: frozenset({int, bool}),
-    str: frozenset({str})}
 
 
 @dataclass(frozen=True)
@@ -128,15 +125,8 @@ def _step_columns(columns: list[list[Any]], num_senders: int) -> None:
     if set(map(type, index)) != {int} or min(index) < 0 or max(index) >= num_senders:
         raise ProtocolError("relayed step of no relayed sender")
     for f, column in zip(_MEASURED, values):
-        present = [v for v in column if v is not None] if f.optional else column
-        if not set(map(type, present)) <= _COLUMN_TYPES[f.kind]:
-            raise ProtocolError(f"relayed step {f.name} of another type")
-        if f.kind is str:
-            if not all(map(f.choices.__contains__, present)):
-                raise ProtocolError(f"relayed step {f.name} unknown")
-        elif present and not (step_fields.admits(f, min(present))
-                              and step_fields.admits(f, max(present))):
-            raise ProtocolError(f"relayed step {f.name} out of range")
+        if not step_fields.admits_column(f, column):
+            raise ProtocolError(f"relayed step {f.name} of another type or out of range")
 
 
 def _incident(record: list[Any]) -> RelayedIncident:
