@@ -48,6 +48,7 @@ class Store(Protocol):
                          columns: list[list[Any]]) -> int: ...
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None: ...
     def add_process(self, sender: Sender, samples: ProcessRows) -> None: ...
+    def add_processes(self, samples: Iterable[tuple[Sender, ProcessRows]]) -> None: ...
     def add_system(self, sender: Sender, samples: SystemRows) -> None: ...
     def add_incident(self, i: Incident) -> int: ...
     def clear_stall(self, row_id: int, cleared_at: float) -> None: ...
@@ -87,6 +88,12 @@ class Collector:
         self._tokens = (TokenBook(config.secret, config.session_id)
                         if config.tokens and config.secret else None)
         self._budgets = ByteBudgets()
+        # Node 0 writes a known sender's new state at most every SENDER_SAVE_S (a relay
+        # forwards each at once: its batch places steps by their sender's state).
+        self._defer_states = config.upstream is None
+        self._unsaved: dict[str, SenderState] = {}
+        self._ever_saved: set[str] = set()
+        self._states_saved_at = time.monotonic()
 
     def handle(self, data: bytes, from_launcher: bool = False, from_relay: bool = False) -> None:
         """One message; ``from_launcher`` / ``from_relay``: it came with the
@@ -203,7 +210,7 @@ class Collector:
             case Hello():
                 pass
         self._track(state, env)
-        self.store.save_sender(state)
+        self._save_states([state])
 
     def _incident(self, sender: Sender, report: IncidentReport) -> None:
         """A stall or crash, placed at the rank's step and phase: from its step
@@ -268,14 +275,13 @@ class Collector:
         spoke here), then their steps, samples, FLOP counts and incidents."""
         now = time.time()
         senders = [self._relayed_sender(relay, who, values, now) for who, values in batch.senders]
-        self.store.save_senders(self.senders[s.sender_id] for s in senders if s is not None)
+        self._save_states([self.senders[s.sender_id] for s in senders if s is not None])
         self._relayed_steps(batch.step_columns, senders)
         for i, *count in batch.flop_counts:
             if senders[i] is not None:
                 self.store.add_flop_counts(senders[i], [FlopCount(*count)])
-        for i, process in batch.process:
-            if (who := senders[i]) is not None:
-                self.store.add_process(who, process)
+        self.store.add_processes([(who, process) for i, process in batch.process
+                                  if (who := senders[i]) is not None])
         for i, system in batch.system:
             if (who := senders[i]) is not None:
                 self.store.add_system(who, system)
@@ -371,10 +377,30 @@ class Collector:
         else:
             self.ended = True
 
-    def flush(self) -> None:
-        """Commit what was stored; a store that cannot be written (a full disk)
-        is remembered, and the run goes on."""
+    def _save_states(self, states: list[SenderState]) -> None:
+        """Store these senders' states: at once a sender's first and its goodbye (what
+        the launchers wait on), the others with the next flush after SENDER_SAVE_S
+        (thousands of ranks' states change every second; nothing reads them closer)."""
+        if not self._defer_states:
+            self.store.save_senders(states)
+            return
+        now = [s for s in states if s.said_bye or s.sender.sender_id not in self._ever_saved]
+        self._unsaved.update((s.sender.sender_id, s) for s in states)
+        if now:
+            self.store.save_senders(now)
+            for s in now:
+                self._unsaved.pop(s.sender.sender_id, None)
+                self._ever_saved.add(s.sender.sender_id)
+
+    def flush(self, final: bool = False) -> None:
+        """Commit what was stored (with the senders' states due, every one when
+        ``final``); a store that cannot be written (a full disk) is remembered, and
+        the run goes on."""
         try:
+            if self._unsaved and (final or time.monotonic() - self._states_saved_at
+                                  >= SENDER_SAVE_S):
+                self.store.save_senders(self._unsaved.values())
+                self._unsaved, self._states_saved_at = {}, time.monotonic()
             rejected = self.all_rejected()
             if rejected:
                 self.store.save_rejected(rejected)
@@ -388,6 +414,10 @@ class Collector:
         except StoreError:
             self.store_failed = True
 
+
+SENDER_SAVE_S = 2.0
+"""How stale node 0 lets a known sender's stored state get (its last message, counts):
+the launcher's silence watches wait 10 s and more."""
 
 SENDER_BYTES_PER_S = 4 << 20
 """What one rank or node sampler may send, on average (a fast rank sends a few hundred

@@ -137,6 +137,10 @@ class Outbox:
     def add_process(self, sender: Sender, samples: ProcessRows) -> None:
         self._process.append((sender.sender_id, samples))
 
+    def add_processes(self, samples: Iterable[tuple[Sender, ProcessRows]]) -> None:
+        for sender, rows in samples:
+            self.add_process(sender, rows)
+
     def add_system(self, sender: Sender, samples: SystemRows) -> None:
         self._system.append((sender.sender_id, samples))
 

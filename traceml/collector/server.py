@@ -236,7 +236,7 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
     try:
         _loop(listener, collector, config)
     finally:
-        collector.flush()
+        collector.flush(final=True)
         collector.close()
         if dashboard is not None:
             dashboard.finish()

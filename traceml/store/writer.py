@@ -145,17 +145,20 @@ class StoreWriter:
         """Store each run of one rank's steps (its `traceml.step_fields.measured`
         values) as one block row; returns how many steps were new.  A step at or before
         the last one stored of its rank's attempt is a duplicate and kept out (a
-        resent batch): each attempt's blocks hold ascending steps that never overlap."""
-        params = []
+        resent batch): each attempt's blocks hold ascending steps that never overlap.
+        TypeError (nothing stored) for steps or summed values that are not numbers:
+        the rest of the values are checked where the store is read."""
+        params, stored = [], {}
         for (rank, restart, node_rank), rows in runs:
-            last = self._last_step.get((rank, restart), -1)
+            key = (rank, restart)
+            last = stored.get(key, self._last_step.get(key, -1))
             steps = [r[_STEP] for r in rows]
             if not steps or steps[0] <= last or not all(map(operator.lt, steps, steps[1:])):
                 rows = _ascending_after(rows, last)
                 if not rows:
                     continue
                 steps = [r[_STEP] for r in rows]
-            self._last_step[(rank, restart)] = steps[-1]
+            stored[key] = steps[-1]
             columns = list(zip(*rows))
             num_eval, peaks = columns[_NUM_EVAL], columns[_PEAK]
             evals = (sum(ms for ms, n in zip(columns[_EVAL_MS], num_eval) if n)
@@ -164,6 +167,7 @@ class StoreWriter:
                            *(sum(columns[i]) for i in _SUMMED), evals, sum(num_eval),
                            len(peaks) - peaks.count(None), orjson.dumps(rows)))
         self._executemany(STEP_BLOCK_SQL, params)
+        self._last_step.update(stored)
         return sum(p[5] for p in params)
 
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
@@ -173,9 +177,13 @@ class StoreWriter:
 
     def add_process(self, sender: Sender, samples: ProcessRows) -> None:
         """Process samples of a rank (the fields of `wire.rows.PROCESS_FIELDS` it sent)."""
-        prefix = (sender.rank, sender.restart, sender.node_rank)
-        self._executemany(PROCESS_SQL, [(*prefix, *values) for values in _pick(
-            samples.fields, PROCESS_FIELDS, samples.rows)])
+        self.add_processes([(sender, samples)])
+
+    def add_processes(self, samples: Iterable[tuple[Sender, ProcessRows]]) -> None:
+        """Process samples of several ranks (a relay's batch), in one statement."""
+        self._executemany(PROCESS_SQL, [
+            (sender.rank, sender.restart, sender.node_rank, *values) for sender, rows in samples
+            for values in _pick(rows.fields, PROCESS_FIELDS, rows.rows)])
 
     def add_system(self, sender: Sender, samples: SystemRows) -> None:
         """System samples of a node (the fields of `wire.rows.SYSTEM_FIELDS` it sent)."""

@@ -48,10 +48,20 @@ NUM_SENDER_VALUES = 8
 
 def sender_from(values: Any) -> Sender:
     """A sender identity, checked: exact types, and numbers a job can have; TypeError
-    or ValueError otherwise."""
+    or ValueError otherwise.  The identities already checked are remembered by their
+    values and types (node 0 reads the same ones thousands of times a second)."""
     if type(values) is not list or len(values) != NUM_SENDER_VALUES:
         raise TypeError("sender identity is not a list of 8")
-    role, host, pid, node_rank, rank, local_rank, world_size, restart = values
+    try:
+        return _checked_sender((*values, *map(type, values)))
+    except TypeError as exc:  # unhashable: not an identity
+        raise TypeError(f"sender identity of unhashable values: {exc}") from None
+
+
+@functools.lru_cache(maxsize=1 << 15)
+def _checked_sender(key: tuple[Any, ...]) -> Sender:
+    """``key``: the identity's values, then their types (True is 1 to a cache)."""
+    role, host, pid, node_rank, rank, local_rank, world_size, restart = key[:NUM_SENDER_VALUES]
     if role not in ROLES or type(host) is not str or not 0 < len(host) <= MAX_HOST_CHARS \
             or not host.isprintable():
         raise ValueError("sender role or host is not one of ours")

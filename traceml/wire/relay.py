@@ -7,8 +7,9 @@ then one list per measured column of `traceml.step_fields`), FLOP counts
 ``[index, time, *FLOP_COUNT_FIELDS]``, process and system samples by sender index,
 incidents the relay placed at the rank's step (`RelayedIncident`), stalls that
 cleared (``(id, at)``) and the relay's rejections by reason.  Decoding checks every
-value as the kind's own decode would (step rows column by column: the relay ran the
-plausibility checks, node 0 checks types and ranges).
+value as the kind's own decode would, except the step rows' values: their shape
+only (the relay checked the events they came from; the store's reader checks each
+value it loads, column by column).
 """
 
 from __future__ import annotations
@@ -113,20 +114,22 @@ def _senders(value: Any) -> list[tuple[Sender, list[Any]]]:
 
 
 def _step_columns(columns: list[list[Any]], num_senders: int) -> None:
-    """Relayed step rows, column by column: each column's values of its type and
-    within its bounds (`traceml.step_fields`), as node 0 would store them."""
+    """Relayed step rows: the measured columns (`traceml.step_fields`), of one length,
+    each row of a relayed sender.  Their values are not checked here, one by one or
+    column by column: the relay built them from events it checked, the writer
+    refuses a batch whose steps or sums it cannot compute with, and the store's
+    reader checks every value it loads (a stored file can be edited anyway)."""
     if not columns:
         return
     if len(columns) != 1 + len(_MEASURED) or len({len(c) for c in columns}) != 1:
         raise ProtocolError("relayed steps are not the measured columns, of one length")
+    if not all(type(c) is list for c in columns):
+        raise ProtocolError("relayed step columns are not lists")
     if len(columns[0]) > MAX_RELAYED_STEPS:
         raise ProtocolError("more relayed steps than a batch holds")
-    index, *values = columns
+    index = columns[0]
     if set(map(type, index)) != {int} or min(index) < 0 or max(index) >= num_senders:
         raise ProtocolError("relayed step of no relayed sender")
-    for f, column in zip(_MEASURED, values):
-        if not step_fields.admits_column(f, column):
-            raise ProtocolError(f"relayed step {f.name} of another type or out of range")
 
 
 def _incident(record: list[Any]) -> RelayedIncident:

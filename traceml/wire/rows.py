@@ -4,6 +4,7 @@ carried but not stored."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -46,29 +47,41 @@ _SYSTEM_CHECKS: dict[str, Check] = {
     "ram_total_bytes": BYTES, "gpus": _gpus,
 }
 assert set(_SYSTEM_CHECKS) == set(SYSTEM_FIELDS)
+_CHECKS = {"process": _PROCESS_CHECKS, "system": _SYSTEM_CHECKS}
 
 
-def _columnar(payload: dict[str, Any], checks: dict[str, Check]) -> tuple[tuple[str, ...],
-                                                                          list[list[Any]]]:
-    """Fields and rows of a columnar payload whose known fields pass ``checks``;
-    ProtocolError when malformed."""
+def _columnar(payload: dict[str, Any], kind: str) -> tuple[tuple[str, ...], list[list[Any]]]:
+    """Fields and rows of a columnar payload of ``kind`` whose known fields pass its
+    checks; ProtocolError when malformed."""
     fields, rows = payload.get("fields"), payload.get("rows")
     if not isinstance(fields, list) or not isinstance(rows, list):
         raise ProtocolError("payload without fields/rows")
     if len(rows) > MAX_ROWS:
         raise ProtocolError(f"more than {MAX_ROWS} rows")
-    if len(fields) > MAX_FIELDS or not all(type(f) is str for f in fields) \
-            or len(set(fields)) != len(fields):
+    if len(fields) > MAX_FIELDS or not all(type(f) is str for f in fields):
         raise ProtocolError("fields are not distinct names")
-    if "t" not in fields:  # a sample without its time cannot be stored
-        raise ProtocolError("rows without their time 't'")
-    known = [(i, checks[f]) for i, f in enumerate(fields) if f in checks]
+    names = tuple(fields)
+    known = _known(names, kind)
+    width = len(names)
     for row in rows:
-        if not isinstance(row, list) or len(row) != len(fields):
+        if not isinstance(row, list) or len(row) != width:
             raise ProtocolError("row does not match fields")
         if not all(check(row[i]) for i, check in known):
             raise ProtocolError("a value of the wrong type or out of range")
-    return tuple(fields), rows
+    return names, rows
+
+
+@functools.lru_cache(maxsize=64)
+def _known(fields: tuple[str, ...], kind: str) -> tuple[tuple[int, Check], ...]:
+    """The checks of the fields of a process (or system) payload that we know, by place;
+    ProtocolError for fields that are not distinct or lack the time (a sample without
+    it cannot be stored).  Senders send a handful of field lists: each is read once."""
+    if len(set(fields)) != len(fields):
+        raise ProtocolError("fields are not distinct names")
+    if "t" not in fields:
+        raise ProtocolError("rows without their time 't'")
+    checks = _CHECKS[kind]
+    return tuple((i, checks[f]) for i, f in enumerate(fields) if f in checks)
 
 
 _R = TypeVar("_R", bound="Rows")
@@ -78,8 +91,7 @@ _R = TypeVar("_R", bound="Rows")
 class Rows:
     """Columnar samples: ``rows`` of ``fields`` values."""
 
-    KIND: ClassVar[str]
-    CHECKS: ClassVar[dict[str, Check]]
+    KIND: ClassVar[str]  # its checks: _CHECKS[KIND]
 
     fields: tuple[str, ...]
     rows: list[Any]
@@ -89,7 +101,7 @@ class Rows:
 
     @classmethod
     def from_payload(cls: type[_R], payload: dict[str, Any]) -> _R:
-        return cls(*_columnar(payload, cls.CHECKS))
+        return cls(*_columnar(payload, cls.KIND))
 
 
 @dataclass(frozen=True)
@@ -97,7 +109,6 @@ class ProcessRows(Rows):
     """Process samples of one rank (`PROCESS_FIELDS`, or some of them, and more)."""
 
     KIND: ClassVar[str] = "process"
-    CHECKS: ClassVar[dict[str, Check]] = _PROCESS_CHECKS
 
 
 @dataclass(frozen=True)
@@ -105,4 +116,3 @@ class SystemRows(Rows):
     """System samples of one node (`SYSTEM_FIELDS`, or some of them, and more)."""
 
     KIND: ClassVar[str] = "system"
-    CHECKS: ClassVar[dict[str, Check]] = _SYSTEM_CHECKS
