@@ -148,7 +148,8 @@ class StoreWriter:
         resent batch): each attempt's blocks hold ascending steps that never overlap.
         TypeError (nothing stored) for steps or summed values that are not numbers:
         the rest of the values are checked where the store is read."""
-        params, stored = [], {}
+        params: list[tuple[Any, ...]] = []
+        stored: dict[tuple[int, int], int] = {}
         for (rank, restart, node_rank), rows in runs:
             key = (rank, restart)
             last = stored.get(key, self._last_step.get(key, -1))
