@@ -36,6 +36,7 @@ import argparse
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -53,10 +54,9 @@ import zmq
 from bench_options import parse
 
 from traceml import step_fields
-from traceml.collector.config import CollectorConfig
+from traceml.collector.config import CollectorConfig, relay_interval_s
 from traceml.collector.relay import SEND_HWM as RELAY_SEND_HWM
 from traceml.collector.relay import Outbox
-from traceml.collector.server import RELAY_INTERVAL_S
 from traceml.launcher.collector_process import CollectorProcess
 from traceml.records import StepRow
 from traceml.security import derive_keys, new_secret, relay_keys, secure_client
@@ -200,7 +200,7 @@ class Unsent:
 
 
 def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
-    """A simulated node's relay: one batch per `RELAY_INTERVAL_S` of its ranks' step
+    """A simulated node's relay: one batch per `relay_interval_s` of its ranks' step
     rows and samples.  The batches are built by the relay's own `Outbox` (once per
     kind of batch, from step records as a tracker emits them); each batch only
     renumbers the steps and their times, so simulating a node costs little more
@@ -213,15 +213,18 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
     system = Sender("system", host, 40_000 + node, node)
     start = time.time()
     per_flush = max(1, round(steps_per_s * FLUSH_S))
-    every = max(1, round(RELAY_INTERVAL_S / FLUSH_S))  # ticks per batch
+    interval_s = relay_interval_s(max(1, world // RANKS_PER_NODE))
+    every = max(1, round(interval_s / FLUSH_S))  # ticks per batch
+    sampled_every = max(1, round(SAMPLE_S / interval_s))  # batches per process sample
 
     def template(num_ticks: int, with_samples: bool, last: bool) -> RelayBatch:
         outbox = Outbox(Unsent(relay))  # type: ignore[arg-type]  # only take() is used
         for who in ranks:
             outbox.add_steps([step_record(who, i, start) for i in range(per_flush * num_ticks)])
-            if with_samples:
+            if with_samples:  # a sample a second
                 outbox.add_process(who, ProcessRows(PROCESS_FIELDS, [
-                    [start, 95.0, 300 << 20, 64 << 30, 2, None, None, None]]))
+                    [start + i, 95.0, 300 << 20, 64 << 30, 2, None, None, None]
+                    for i in range(max(1, round(num_ticks * FLUSH_S / SAMPLE_S)))]))
             outbox.save_sender(SenderState(who, start, start, said_bye=last))
         if with_samples:
             outbox.add_system(system, SystemRows(SYSTEM_FIELDS, [[start, 50.0, 40.0, 64 << 30, []]]))
@@ -240,7 +243,7 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
         if (tick + 1) % every and not last:
             return []
         n = tick + 1 - done[0]
-        batch = templates[(n, tick // every % round(SAMPLE_S / RELAY_INTERVAL_S) == 0, last)]
+        batch = templates[(n, tick // every % sampled_every == 0, last)]
         columns = list(batch.step_columns)
         first = done[0] * per_flush
         done[0] = tick + 1
@@ -340,7 +343,8 @@ def plan_relay(n: int, port: int, secret: str, steps: float, senders: int,
     for node in range(1, 1 + real):
         relay = CollectorProcess(CollectorConfig(
             session_id=SESSION, bind_host="127.0.0.1", port=0, db_path="",
-            parent_pid=os.getpid(), secret=secret, upstream=node0, node_rank=node))
+            parent_pid=os.getpid(), secret=secret, upstream=node0, node_rank=node,
+            relay_interval_s=relay_interval_s(nodes)))
         plan.relays.append(relay)
         agents.append((f"tcp://127.0.0.1:{relay.port}", keys, [
             ("rank", (r, n, host, steps))
@@ -433,6 +437,8 @@ def bench(n: int, args: argparse.Namespace) -> str:
         report = subprocess.run([sys.executable, "-m", "traceml", "report", str(session_dir)],
                                 capture_output=True, text=True)
         summary_s = time.monotonic() - t0
+        if args.keep_store:  # for profiling the summary on it
+            shutil.copytree(session_dir, Path(args.keep_store) / f"{n}ranks", dirs_exist_ok=True)
     window = tally.last - tally.first
     cpu_pct = 100.0 * (cpu1 - cpu0) / (wall1 - wall0)
     failed = "" if report.returncode == 0 else f"  (report exit {report.returncode})"
@@ -466,6 +472,8 @@ def main() -> None:
     parser.add_argument("--steps-per-s", type=float, default=10.0)
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--senders", type=int, default=3, help="simulating processes")
+    parser.add_argument("--keep-store", metavar="DIR",
+                        help="copy each size's session folder (its store) to DIR/<N>ranks")
     parser.add_argument("--real-relays", type=int, default=2,
                         help="relay processes that run (relay mode)")
     args = parse(parser, quick={"ranks": [64], "duration": 3.0, "senders": 1, "real_relays": 1},

@@ -13,6 +13,21 @@ import orjson
 from traceml.wire import envelope
 
 
+RELAY_INTERVAL_S = 1.0
+"""How often a node's relay sends node 0 its batch, in a job of up to
+`RELAY_BATCHES_PER_S` nodes (`relay_interval_s`)."""
+RELAY_BATCHES_PER_S = 512
+"""The relay batches node 0 takes a second at most: a wider job's relays send less often
+(larger batches), so node 0's work per message does not grow with the nodes."""
+MAX_RELAY_INTERVAL_S = 4.0
+"""...but at least this often (the launcher calls a relay silent for 10 s lost)."""
+
+
+def relay_interval_s(num_nodes: int) -> float:
+    """A relay's batch interval in a job of ``num_nodes`` nodes."""
+    return min(MAX_RELAY_INTERVAL_S, max(RELAY_INTERVAL_S, num_nodes / RELAY_BATCHES_PER_S))
+
+
 @dataclass(frozen=True)
 class CollectorConfig:
     session_id: str
@@ -35,6 +50,7 @@ class CollectorConfig:
     # process forwards what its node's senders send (None: this is the collector).
     upstream: str | None = None
     node_rank: int = -1  # the relay's node (-1: c10d, not known when it starts)
+    relay_interval_s: float = RELAY_INTERVAL_S  # the relay's batch interval (`relay_interval_s`)
     # traceml.init(): the parent is the training process itself, not a launcher.
     in_process: bool = False
     # Every sender proves the identity it claims with its token (`security.TokenBook`,

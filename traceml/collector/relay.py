@@ -7,7 +7,7 @@ node's system sampler) and runs the collector's own intake on what they send
 and claim checks, rejected counts, and the step tracker with its incident
 placement), but over an `Outbox` instead of the store: what node 0 would store
 is collected into one `relay.RelayBatch` and sent to node 0's collector every
-`server.RELAY_INTERVAL_S` with the relays' key (node 0 accepts relay batches
+`config.relay_interval_s` with the relays' key (node 0 accepts relay batches
 from that key alone).  So node 0 stores compact step rows and replays no rank's
 events: its work grows with the number of nodes, not of ranks.
 

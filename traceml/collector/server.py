@@ -41,7 +41,6 @@ HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 COMMIT_INTERVAL_S = 0.25
-RELAY_INTERVAL_S = 1.0
 POLL_MS = 100
 DRAIN_IDLE_S = 0.3
 DRAIN_MAX_S = 5.0
@@ -267,7 +266,7 @@ def _start_dashboard(dashboard: LiveServer | None, config: CollectorConfig,
 
 def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> None:
     # A relay commits a batch to node 0 once a second; node 0 commits to SQLite more often.
-    interval_s = COMMIT_INTERVAL_S if config.upstream is None else RELAY_INTERVAL_S
+    interval_s = COMMIT_INTERVAL_S if config.upstream is None else config.relay_interval_s
     last_commit = time.monotonic()
     drain_since: float | None = None
     last_data = time.monotonic()

@@ -16,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from traceml import environment, security
-from traceml.collector.config import CollectorConfig
+from traceml.collector.config import CollectorConfig, relay_interval_s
 from traceml.config import RunConfig
 from traceml.environment import AgentEnv
 from traceml.errors import UsageError
@@ -241,7 +241,7 @@ def start_relay(cfg: RunConfig, topo: Topology, upstream: str,
         return CollectorProcess(CollectorConfig(
             session_id=cfg.session_id, bind_host="127.0.0.1", port=0, db_path="",
             parent_pid=os.getpid(), secret=secret, upstream=upstream,
-            tokens=rank_keys.available(),
+            tokens=rank_keys.available(), relay_interval_s=relay_interval_s(cfg.max_nodes),
             node_rank=cfg.node_rank if topo.static else -1))
     except UsageError as exc:
         print(f"{exc}; this node's telemetry goes to node 0 directly", file=sys.stderr)
