@@ -252,7 +252,11 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
         done[0] = tick + 1
         columns[step_col] = [first + i for _ in ranks for i in range(per_flush * n)]
         columns[t_col] = [start + s / steps_per_s for s in columns[step_col]]
-        message = replace(batch, step_columns=columns)
+        first_sample = time.time() - SAMPLE_S * max(1, round(interval_s / SAMPLE_S))
+        process = [(i, replace(rows, rows=[[first_sample + k * SAMPLE_S, *r[1:]]
+                                           for k, r in enumerate(rows.rows)]))
+                   for i, rows in batch.process]
+        message = replace(batch, step_columns=columns, process=process)
         out = [(envelope(p, message, relay), per_flush * n * len(ranks))]
         if last:
             out.append((envelope(p, Bye(time.time()), relay), 0))
@@ -372,7 +376,7 @@ def store_counts(db_path: Path) -> tuple[int, int, int, dict[str, int]] | None:
     try:
         db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
         try:
-            (steps,) = db.execute("SELECT COUNT(*) FROM steps").fetchone()
+            (steps,) = db.execute("SELECT COALESCE(SUM(num_rows), 0) FROM step_blocks").fetchone()
             gaps, dropped = db.execute(
                 "SELECT COALESCE(SUM(num_gaps), 0), COALESCE(SUM(num_dropped), 0) "
                 "FROM senders").fetchone()

@@ -110,7 +110,9 @@ STEP_BLOCK_SQL = _insert("step_blocks", (*(c for c, _ in BLOCK_HEADER), "rows"))
 PROCESS_SQL = _insert("process", ("rank", "restart", "node_rank", *PROCESS_FIELDS))
 FLOP_COUNT_SQL = _insert("flop_counts", ("rank", "restart", "node_rank", *FLOP_COUNT_COLUMNS))
 SYSTEM_SQL = _insert("system", ("node_rank", "host", *SYSTEM_FIELDS))
-SENDER_SQL = _insert("senders", _SENDER_COLUMNS, "INSERT OR REPLACE")
+# A sender's state is updated in place (a replace would delete and insert its row).
+SENDER_SQL = (_insert("senders", _SENDER_COLUMNS) + " ON CONFLICT(sender_id) DO UPDATE SET "
+              + ", ".join(f"{c} = excluded.{c}" for c in _SENDER_COLUMNS[1:]))
 REJECTED_SQL = _insert("rejected", ("reason", "count"), "INSERT OR REPLACE")
 INCIDENT_SQL = _insert("incidents", _INCIDENT_COLUMNS)
 META_SQL = ("INSERT INTO meta (key, value) VALUES (?, ?) "

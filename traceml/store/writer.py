@@ -77,6 +77,9 @@ class StoreWriter:
             self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
+            # The pages every commit touches (the tables' and indexes' ends) stay cached:
+            # a wide job's blocks would push them out of SQLite's default 2 MiB.
+            self.db.execute("PRAGMA cache_size=-65536")
             for ddl in DDL:
                 self.db.execute(ddl)
         self._set_meta({"store_schema_version": SCHEMA_VERSION})
