@@ -12,7 +12,6 @@ import orjson
 
 from traceml.wire import envelope
 
-
 RELAY_INTERVAL_S = 1.0
 """How often a node's relay sends node 0 its batch, in a job of up to
 `RELAY_BATCHES_PER_S` nodes (`relay_interval_s`)."""
