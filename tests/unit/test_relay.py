@@ -17,11 +17,17 @@ import zmq
 
 from tests.conftest import free_port
 from tests.raw_wire import envelope_bytes
-from traceml.collector.config import CollectorConfig
-from traceml.collector.dispatch import Collector
+from traceml.collector.config import (
+    RELAY_BATCHES_PER_S,
+    RELAY_INTERVAL_S,
+    CollectorConfig,
+    relay_interval_s,
+)
+from traceml.collector.dispatch import SENDER_SAVE_S, Collector
 from traceml.collector.rank_steps import RankSteps
 from traceml.collector.relay import Outbox, open_outbox
 from traceml.collector.server import Listener
+from traceml.launcher.nodes import RELAY_SILENT_S
 from traceml.records import Incident
 from traceml.security import derive_keys, relay_keys, secure_client
 from traceml.store import SenderState, StoreWriter
@@ -363,3 +369,38 @@ def test_node_0_under_a_flood_returns_to_commit_on_time(nodes: Nodes) -> None:
         nodes.collector0.flush()
     assert max(handled) == 1, handled  # a zero budget: one message a poll, then commit
     assert nodes.rows("SELECT COUNT(*) FROM process") == [(num,)], handled
+
+
+def test_node_0_stores_a_known_senders_state_at_most_every_few_seconds(nodes: Nodes) -> None:
+    """A wide job's ranks change state every second: node 0 stores a sender's first
+    state and its goodbye at once, the others with its first flush SENDER_SAVE_S after
+    the last such write (the launcher's silence watches wait 10 s); its memory is
+    always current.  The clock of those writes is set by hand: no waiting."""
+    agent = nodes.agent(rank(8))
+    who = rank(8).sender_id
+
+    def stored() -> list[tuple[Any, ...]]:
+        return nodes.rows(f"SELECT num_messages, said_bye FROM senders WHERE sender_id = '{who}'")
+
+    agent.send(Hello(time.time()))
+    nodes.pump_until(lambda: stored() == [(1, 0)])
+    nodes.collector0._states_saved_at = time.monotonic() + 3600  # just written
+    agent.send(events(0, range(5)))
+    nodes.pump_until(lambda: nodes.collector0.senders[who].num_messages == 2)
+    nodes.collector0.flush()
+    assert stored() == [(1, 0)]
+    nodes.collector0._states_saved_at = time.monotonic() - SENDER_SAVE_S  # due
+    nodes.collector0.flush()
+    assert stored() == [(2, 0)]
+    nodes.collector0._states_saved_at = time.monotonic() + 3600
+    agent.send(Bye(time.time()))
+    nodes.pump_until(lambda: stored() == [(3, 1)])
+
+
+def test_a_relays_batch_interval_grows_with_the_nodes() -> None:
+    """Node 0 takes at most RELAY_BATCHES_PER_S relay batches a second; a relay still
+    sends at least every 4 s, well within the 10 s after which it counts as silent."""
+    assert relay_interval_s(1) == relay_interval_s(RELAY_BATCHES_PER_S) == RELAY_INTERVAL_S
+    assert relay_interval_s(1024) == 2.0
+    assert relay_interval_s(2048) == 4.0
+    assert relay_interval_s(1 << 20) == 4.0 < RELAY_SILENT_S / 2
