@@ -4,7 +4,7 @@ Starts a real collector process and feeds it N simulated ranks at STEPS_PER_S
 steps per second each for DURATION seconds, on a steady schedule: every
 simulated sender sends its messages at its own offset in the flush interval
 (an agent's events every 0.5 s and a process sample every second; a relay's
-batch every second), never a burst per tick.
+batch every `relay_interval_s` of the job's nodes), never a burst per tick.
 Senders send with NOBLOCK under a bounded high-water mark and count their own
 drops (zmq.Again); the envelopes carry the counts, so the collector's store
 has them too, beside the sequence gaps it counts itself.
