@@ -89,15 +89,16 @@ def least_communication(times: Mapping[int, RankComm]) -> LeastCommunication | N
     """At each typical step every rank had (a step some rank left out as an outlier
     would leave its victims to pick from), the communication of the rank that
     waited least; None without such steps."""
-    columns = {r: [t.per_step(name) for name in phases.collective_names()]
-               for r, t in times.items()}
+    per_rank: dict[int, dict[int, float]] = {}  # rank -> its communication at each step
+    for r, t in times.items():
+        columns = [t.per_step(name) for name in phases.collective_names()]
+        per_rank[r] = dict(zip(columns[0], map(sum, zip(*(c.values() for c in columns)))))
     hooks = {r: t.per_step("hook") for r, t in times.items()}
-    common = set.intersection(*(set(cols[0]) for cols in columns.values())) if columns else set()
+    common = set.intersection(*map(set, per_rank.values())) if per_rank else set()
     totals, hook_ms, wins = [], [], Counter[int]()
     for step in sorted(common):
-        at = {r: sum(c[step] for c in cols) for r, cols in columns.items()}
-        rank = min(at, key=lambda r: (at[r], r))
-        totals.append(at[rank])
+        ms, rank = min((at[step], r) for r, at in per_rank.items())
+        totals.append(ms)
         hook_ms.append(hooks[rank][step])
         wins[rank] += 1
     if not totals:

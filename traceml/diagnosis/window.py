@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -77,11 +78,11 @@ class StepWindow:
     @functools.cached_property  # a frozen instance's __dict__ takes it all the same
     def _time_span(self) -> tuple[float, float] | None:
         rows = [row for rank_rows in self.by_rank.values() for row in rank_rows]
-        ends = [row.t for row in rows if row.t is not None]
-        if not rows or len(ends) < len(rows):
+        begins = [row.t_begin for row in rows]
+        if not rows or None in begins:
             return None
-        starts = [row.t - row.total_ms / 1000.0 for row in rows if row.t is not None]
-        return min(starts), max(ends)
+        known = typing.cast(list[float], begins)
+        return min(known), max(b + row.total_ms / 1e3 for b, row in zip(known, rows))
 
     def time_span(self) -> tuple[float, float] | None:
         """Unix seconds from the first window step's start to the last one's end,

@@ -127,8 +127,12 @@ def step_converter(names: tuple[str, ...],
     return convert
 
 
+_PROCESS_VALUES = ("cpu_pct", "rss_bytes", "host_ram_total_bytes", "num_cpus",
+                   "device_allocated_bytes", "device_reserved_bytes", "device_total_bytes")
+
+
 def process_sample(r: Mapping[str, Any]) -> ProcessSample:
-    v = _numbers(r, r.keys())
+    v = _numbers(r, _PROCESS_VALUES)
     return ProcessSample(
         rank=checked_integer(r["rank"], 0, MAX_WORLD_SIZE - 1), node_rank=checked_integer(r["node_rank"]),
         t=checked_number(r["t"], False), cpu_pct=v["cpu_pct"] or 0.0,
