@@ -3,8 +3,9 @@ column is declared (shared: agent-free leaf read by the collector, the store, th
 records and the report).
 
 A step of one rank is one row of :data:`STEP_FIELDS` values, in table order: the
-store's steps table, its INSERT and its bounded read, the collector's checks of
-what a relay forwards, the row every reader gets back (`traceml.records.StepRow`),
+store's step blocks (their JSON rows, the steps view) and their bounded read with
+its checks (`admits_column`), the relay's columns, the row every reader gets back
+(`traceml.records.StepRow`),
 the recorded-scenario JSON and the summary's per-rank columns (``reported``) all
 derive from it.  Per-phase columns come from `traceml.phases`, so adding a phase
 adds its columns here too.  Adding a column is a new entry (with the default a
@@ -17,6 +18,7 @@ extend it before importing anything else.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from traceml import phases
@@ -129,7 +131,7 @@ _COLUMN_TYPES: dict[type, frozenset[type]] = {
     str: frozenset({str})}
 
 
-def admits_column(f: StepField, column: list[Value] | tuple[Value, ...]) -> bool:
+def admits_column(f: StepField, column: Sequence[Value]) -> bool:
     """Whether every value of ``column``, parsed from JSON (so no NaN), is one a
     collector stores in ``f``, checked as a column: the set of its types, its least
     and greatest value, each one pass in C, so a summary's window costs no loop per

@@ -17,6 +17,7 @@ import zmq
 
 from tests.conftest import free_port
 from tests.raw_wire import envelope_bytes
+from traceml.collector import relay as relay_module
 from traceml.collector.config import (
     RELAY_BATCHES_PER_S,
     RELAY_INTERVAL_S,
@@ -26,7 +27,7 @@ from traceml.collector.config import (
 from traceml.collector.dispatch import SENDER_SAVE_S, Collector
 from traceml.collector.rank_steps import RankSteps
 from traceml.collector.relay import Outbox, open_outbox
-from traceml.collector.server import Listener
+from traceml.collector.server import BEHIND_COMMIT_S, Listener
 from traceml.launcher.nodes import RELAY_SILENT_S
 from traceml.records import Incident
 from traceml.security import derive_keys, relay_keys, secure_client
@@ -403,4 +404,20 @@ def test_a_relays_batch_interval_grows_with_the_nodes() -> None:
     assert relay_interval_s(1) == relay_interval_s(RELAY_BATCHES_PER_S) == RELAY_INTERVAL_S
     assert relay_interval_s(1024) == 2.0
     assert relay_interval_s(2048) == 4.0
-    assert relay_interval_s(1 << 20) == 4.0 < RELAY_SILENT_S / 2
+    # A relay's state is stored as node 0 handles its batch; node 0 behind commits
+    # every BEHIND_COMMIT_S: the launcher reads it at least twice in its silence window.
+    assert relay_interval_s(1 << 20) + BEHIND_COMMIT_S <= RELAY_SILENT_S / 2
+
+
+def test_a_relay_holding_many_steps_sends_them_before_its_interval(
+        nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay sends at once when it holds MAX_BATCH_STEPS step rows (a long relay
+    interval and a fast loop would otherwise make a batch past node 0's message cap)."""
+    monkeypatch.setattr(relay_module, "MAX_BATCH_STEPS", 3)
+    agent = nodes.agent(rank(8))
+    agent.send(events(0, range(5)))
+    deadline = time.monotonic() + 10
+    while nodes.collector0.num_steps < 4 and time.monotonic() < deadline:
+        nodes.listener1.poll(10, nodes.relay)  # never flushed on its interval here
+        nodes.listener0.poll(10, nodes.collector0)
+    assert nodes.collector0.num_steps >= 4

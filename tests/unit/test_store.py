@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sqlite3
 from pathlib import Path
@@ -126,8 +127,9 @@ def _value(name: str, value: str) -> str:
     # the block's own columns: its rows cannot be placed
     ("UPDATE step_blocks SET rank = 10000000000", [], 3),
     ("UPDATE step_blocks SET rows = CAST('[[1, 2' AS BLOB)", [], 3),
-    # steps out of order in a block
+    # steps out of order in a block, a step that is not an integer
     ("UPDATE step_blocks SET rows = json_replace(CAST(rows AS TEXT), '$[1][0]', 7)", [], 3),
+    ("UPDATE step_blocks SET rows = json_replace(CAST(rows AS TEXT), '$[0][0]', 'x')", [], 3),
 ])
 def test_a_bad_stored_step_is_skipped_and_counted(tmp_path: Path, sql: str, kept: list[int],
                                                   skipped: int) -> None:
@@ -177,6 +179,53 @@ def test_steps_are_stored_in_blocks_once_each(tmp_path: Path) -> None:
         assert reader.steps_after(newest.last_row_id, 10).rows == ()
 
 
+def test_a_step_or_sum_the_writer_cannot_store_refuses_that_ranks_run_only(
+        tmp_path: Path) -> None:
+    """A relay's batch (columns) where one rank's steps carry a time out of bounds or a
+    step index that is not one: that rank's run is refused and counted, the others'
+    stored (the writer checks what it computes with; the reader checks the rest)."""
+    writer = StoreWriter(str(tmp_path / "telemetry.sqlite"))
+    names = [f.name for f in step_fields.measured()]
+    rows = [(i, step_record(s, total_ms=10.0)[3:]) for i in range(3) for s in range(4)]
+    columns = [[i for i, _ in rows], *map(list, zip(*(r for _, r in rows)))]
+    columns[1 + names.index("total_ms")][5] = -1.0  # rank 1's second step
+    columns[1 + names.index("step")][9] = "9"  # rank 2's second step
+    prefixes = [(r, 0, 0) for r in range(3)]
+    assert writer.add_step_columns(prefixes, columns) == 4
+    assert writer.num_bad_steps == 8
+    writer.close()
+    with StoreReader(tmp_path / "telemetry.sqlite") as reader:
+        assert {(r.rank, r.step) for r in reader.run(reader.records()).steps} == {
+            (0, s) for s in range(4)}
+
+
+def test_a_step_column_added_since_a_store_was_written_reads_as_its_default(
+        tmp_path: Path) -> None:
+    """A schema-6 store written before a column existed (here: without eval_ms and
+    the hook phase's columns and sum): its rows are mapped by the columns its writer
+    named, a column it lacks read as its default, a sum it lacks as 0."""
+    path = tmp_path / "telemetry.sqlite"
+    _store(path)
+    gone = ("eval_ms", "hook_ms", "num_hook")
+    names = [f.name for f in step_fields.measured()]
+    kept = [i for i, n in enumerate(names) if n not in gone]
+    db = sqlite3.connect(path)
+    for row_id, blob in db.execute("SELECT rowid, rows FROM step_blocks").fetchall():
+        rows = [[r[i] for i in kept] for r in json.loads(blob)]
+        db.execute("UPDATE step_blocks SET rows = ? WHERE rowid = ?", (json.dumps(rows), row_id))
+    db.execute("UPDATE meta SET value = ? WHERE key = 'step_block_columns'",
+               (json.dumps([names[i] for i in kept]),))
+    db.execute("ALTER TABLE step_blocks DROP COLUMN sum_hook_ms")
+    db.commit()
+    db.close()
+    with StoreReader(path) as reader:
+        steps = reader.run(reader.records()).steps
+    assert [(r.step, r.total_ms, r.eval_ms, r.value("hook_ms")) for r in steps] == [
+        (s, 10.0, 0.0, 0.0) for s in range(3)]
+    run, _ = load_run(tmp_path)
+    assert run.totals is not None and run.totals[0].sum_ms["hook"] == 0.0
+
+
 def test_a_store_written_before_step_blocks_reads_the_same(tmp_path: Path) -> None:
     """A schema-5 store (a steps table, one row per step, the hook columns missing as
     in schema 4) is read through the same path, the missing columns as their defaults."""
@@ -199,6 +248,17 @@ def test_a_store_written_before_step_blocks_reads_the_same(tmp_path: Path) -> No
         assert was.run(was.records()).steps == now.run(now.records()).steps
         assert was.num_steps() == 3
     assert load_run(old)[0].steps == load_run(new)[0].steps
+    db = sqlite3.connect(old / "telemetry.sqlite")
+    db.execute("UPDATE steps SET t_begin = 1733212345.123456789 WHERE step = 0")
+    db.execute("UPDATE steps SET wait_ms = x'00' WHERE step = 1")  # a BLOB: that row only
+    db.commit()
+    db.close()
+    with StoreReader(old / "telemetry.sqlite") as was:
+        steps = was.run(was.records()).steps
+        assert [r.step for r in steps] == [0, 2]
+        assert steps[0].t_begin == 1733212345.123456789  # every digit, as SQLite holds it
+    with pytest.raises(StoreError, match="older traceml"):
+        StoreWriter(str(old / "telemetry.sqlite"))
 
 
 def test_once_the_summary_json_is_there_its_text_is_too(

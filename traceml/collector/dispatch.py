@@ -43,6 +43,7 @@ class Store(Protocol):
     """Where the collector puts what it accepted: the SQLite store on node 0
     (`StoreWriter`), or a relay's batch to node 0 (`traceml.collector.relay.Outbox`)."""
 
+    num_bad_steps: int  # steps refused so far: a step index or summed time out of bounds
     def add_steps(self, rows: Sequence[StepRow]) -> int: ...
     def add_step_columns(self, prefixes: Sequence[tuple[int, int, int] | None],
                          columns: list[list[Any]]) -> int: ...
@@ -355,8 +356,11 @@ class Collector:
                     for s in senders]
         refused = sum(prefixes[i] is None for i in columns[0]) if None in prefixes else 0
         self.reject("relayed step of a refused sender", refused)
+        bad_before = self.store.num_bad_steps
         stored = self.store.add_step_columns(prefixes, columns)
-        self.reject("duplicate step", len(columns[0]) - refused - stored)
+        bad = self.store.num_bad_steps - bad_before
+        self.reject("relayed step with a bad step index or time", bad)
+        self.reject("duplicate step", len(columns[0]) - refused - bad - stored)
         self.num_steps += stored
 
     def all_rejected(self) -> dict[str, int]:
@@ -378,13 +382,15 @@ class Collector:
             self.ended = True
 
     def _save_states(self, states: list[SenderState]) -> None:
-        """Store these senders' states: at once a sender's first and its goodbye (what
-        the launchers wait on), the others with the next flush after SENDER_SAVE_S
+        """Store these senders' states: at once a sender's first, its goodbye and every
+        state of a node's own processes (relays, samplers: what the launchers' silence
+        watches read), a rank's others with the next flush after SENDER_SAVE_S
         (thousands of ranks' states change every second; nothing reads them closer)."""
         if not self._defer_states:
             self.store.save_senders(states)
             return
-        now = [s for s in states if s.said_bye or s.sender.sender_id not in self._ever_saved]
+        now = [s for s in states if s.said_bye or s.sender.role in NODE_ROLES
+               or s.sender.sender_id not in self._ever_saved]
         self._unsaved.update((s.sender.sender_id, s) for s in states)
         if now:
             self.store.save_senders(now)

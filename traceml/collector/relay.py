@@ -44,7 +44,9 @@ from traceml.wire.rows import ProcessRows, SystemRows
 SEND_HWM = 100
 SEND_TIMEOUT_MS = 1000  # node 0 slow or gone: the relay waits this long, then drops the batch
 EXIT_LINGER_MS = 2000
-HEARTBEAT_S = 2.0  # a batch at least this often, empty when nothing came: node 0 sees it live
+HEARTBEAT_S = 2.0  # an empty batch when nothing came this long (checked every relay interval)
+MAX_BATCH_STEPS = 16_384  # step rows a relay holds at most: then it sends at once (a message
+# stays far below the 8 MiB a collector takes, whatever the relay interval)
 
 
 class Upstream:
@@ -112,6 +114,7 @@ class Outbox:
         self._next_id = 0
         self._last_batch = time.monotonic()
         self.num_steps = 0  # forwarded so far
+        self.num_bad_steps = 0  # node 0's writer checks the steps it stores
 
     def add_steps(self, rows: Sequence[StepRow]) -> int:
         """The rows' measured columns go to node 0, which takes who ran them from the
@@ -157,7 +160,11 @@ class Outbox:
         self._clears.append((row_id, cleared_at))
 
     def save_sender(self, s: SenderState) -> None:
+        """A sender's state, saved after each of its messages; a full batch goes now
+        (every step held has its sender's state held too)."""
         self._states[s.sender.sender_id] = s
+        if len(self._steps) >= MAX_BATCH_STEPS:
+            self.commit()
 
     def save_senders(self, states: Iterable[SenderState]) -> None:
         for s in states:

@@ -265,7 +265,8 @@ def _start_dashboard(dashboard: LiveServer | None, config: CollectorConfig,
 
 
 def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> None:
-    # A relay commits a batch to node 0 once a second; node 0 commits to SQLite more often.
+    # A relay commits a batch to node 0 every relay interval (1-4 s, by the job's nodes);
+    # node 0 commits to SQLite more often.
     interval_s = COMMIT_INTERVAL_S if config.upstream is None else config.relay_interval_s
     last_commit = time.monotonic()
     drain_since: float | None = None

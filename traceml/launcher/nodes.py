@@ -35,7 +35,7 @@ from traceml.store import STORE_FILENAME, JoinError, SenderState, StoreError, St
 WAIT_REPORT_S = 10.0
 NODES_FINISH_TIMEOUT_S = 20.0
 STOP_WAIT_S = 60.0  # a partial summary being written (seconds at thousands of ranks)
-RELAY_SILENT_S = 10.0  # 5 of a relay's heartbeats (`traceml.collector.relay.HEARTBEAT_S`)
+RELAY_SILENT_S = 10.0  # 2.5 of the longest relay interval (`collector.config.relay_interval_s`)
 JOIN_REPLY_TIMEOUT_MS = 2000
 
 

@@ -33,6 +33,7 @@ from traceml.store.records import JoinError, NewRows, RunRecords, SenderState
 from traceml.store.rows import (
     checked_integer,
     checked_record,
+    checked_step,
     checked_text,
     group_totals,
     incident_from_row,
@@ -40,10 +41,10 @@ from traceml.store.rows import (
     process_sample,
     run_data,
     sender_state,
-    step_converter,
     system_sample,
 )
 from traceml.store.schema import (
+    BLOCK_COLUMNS_KEY,
     BLOCK_SUMMED,
     FLOP_COUNT_COLUMNS,
     JOIN_ERROR_PREFIX,
@@ -86,7 +87,7 @@ class StoreReader:
 
     def __init__(self, path: str | Path, timeout_s: float = 5.0) -> None:
         self.skipped: dict[str, int] = {}  # stored rows not read back, by reason
-        self._blocks: str | None = None  # what the step blocks are read from (`_source`)
+        self._blocks: _Layout | None = None  # how the step blocks are read (`_layout`)
         with sqlite_errors():
             self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout_s)
         self._db.row_factory = sqlite3.Row
@@ -202,11 +203,13 @@ class StoreReader:
         over the blocks, not their rows), and per attempt of a rank its first and last
         step.  A rank whose sums are not what a collector writes (the file was edited)
         is summed row by row instead."""
-        sums = ", ".join(f"SUM(sum_{c}) AS {c}" for c in BLOCK_SUMMED)
+        layout = self._layout()
+        sums = ", ".join(f"SUM(sum_{c}) AS {c}" if f"sum_{c}" in layout.columns else f"0.0 AS {c}"
+                         for c in BLOCK_SUMMED)
         groups = self._rows(
             "SELECT rank, restart, SUM(num_rows) AS num_rows, MIN(first_step) AS first_step, "
             f"MAX(last_step) AS last_step, {sums}, SUM(sum_eval_ms) AS eval_ms, "
-            f"SUM(sum_num_eval) AS num_eval, SUM(num_cuda) AS num_cuda FROM {self._source()} "
+            f"SUM(sum_num_eval) AS num_eval, SUM(num_cuda) AS num_cuda FROM {layout.source} "
             "GROUP BY rank, restart")
         parts: dict[int, list[RankTotals]] = {}
         spans = []
@@ -257,30 +260,36 @@ class StoreReader:
         """The stored steps after ``low`` and up to ``upper`` of the blocks ``where``
         says (SQL on the blocks' columns), by rank, attempt and step; a row that will
         not convert is skipped (and counted, with ``count``)."""
+        layout = self._layout()
         with sqlite_errors():
             cursor = self._db.cursor()
             cursor.row_factory = None  # tuples: a dict per block costs more than the block
             blocks = cursor.execute(
-                f"SELECT {_BLOCK_READ} FROM {self._source()} WHERE {where} "
+                f"SELECT {layout.read} FROM {layout.source} WHERE {where} "
                 "ORDER BY rank, restart, first_step", params)
-            return self._block_steps(blocks, low, upper, count)
+            return self._block_steps(map(layout.block, blocks), low, upper, count)
 
     def _block_steps(self, blocks: Iterable[tuple[Any, ...]], low: int = -1,
                      upper: float = math.inf, count: bool = True) -> tuple[StepRow, ...]:
-        """The steps of these blocks (`_BLOCK_READ`'s columns), those after ``low`` and
-        up to ``upper``.  A block is read whole or not at all: its rows JSON arrays
-        of the measured columns, its steps ascending and after those of its attempt's
-        block before (a store whose file was edited may hold anything).  The values are
-        checked a column at a time (`step_fields.admits_column`), row by row only
-        where a column fails."""
+        """The steps of these blocks (rank, restart, node rank, row count and the rows:
+        JSON, or already lists), those after ``low`` and up to ``upper``.  A block is
+        read whole or not at all: its rows arrays of the store's measured columns, its
+        steps integers, ascending and after those of its attempt's block before (a store
+        whose file was edited may hold anything).  The values are checked a column at a
+        time (`step_fields.admits_column`), row by row only where a column fails."""
+        layout = self._layout()
         out: list[list[Any]] = []
         previous: tuple[Any, Any, Any] = (None, None, -1)  # rank, restart, its last step
-        width = len(_MEASURED)
         for rank, restart, node_rank, num_rows, blob in blocks:
             try:
-                rows = orjson.loads(blob)
+                rows = blob if type(blob) is list else orjson.loads(blob)
+                if (type(rows) is not list or not rows
+                        or set(map(len, rows)) != {layout.width}):
+                    raise ValueError("not a block of rows")
+                if layout.mapped is not None:
+                    rows = list(map(layout.mapped, rows))
                 steps = [r[0] for r in rows]
-                if (type(rows) is not list or not rows or set(map(len, rows)) != {width}
+                if (set(map(type, steps)) != {int}
                         or not all(map(operator.lt, steps, steps[1:]))
                         or ((rank, restart) == previous[:2] and steps[0] <= previous[2])):
                     raise ValueError("not a block of ascending steps")
@@ -301,7 +310,6 @@ class StoreReader:
         columns checked at once; a chunk with a bad value is checked row by row and
         its bad rows skipped (and counted, with ``count``)."""
         out: list[StepRow] = []
-        convert = step_converter(step_fields.names())
         for at in range(0, len(rows), _CHECKED_ROWS):
             chunk = rows[at:at + _CHECKED_ROWS]
             if all(map(step_fields.admits_column, step_fields.STEP_FIELDS, zip(*chunk))):
@@ -309,22 +317,26 @@ class StoreReader:
                 continue
             for row in chunk:
                 try:
-                    out.append(convert(tuple(row)))
+                    out.append(checked_step(row))
                 except (TypeError, ValueError):
                     if count:
                         self._skip("stored step row with bad values")
         return tuple(out)
 
-    def _source(self) -> str:
-        """What the step blocks are read from: the store's ``step_blocks`` or, in a
-        store written before them (schema 5 and older: a steps table), its rows as
-        blocks of one, each column it lacks read as its default."""
+    def _layout(self) -> _Layout:
+        """How this store's step blocks are read (see `_Layout`)."""
         if self._blocks is None:
             kind = self._rows("SELECT type FROM sqlite_master WHERE name = 'steps'")
-            self._blocks = _BLOCKS
-            if kind and kind[0]["type"] == "table":
+            if kind and kind[0]["type"] == "table":  # schema 5 and older
                 have = {r["name"] for r in self._rows("PRAGMA table_info(steps)")}
-                self._blocks = _legacy_blocks(have)
+                self._blocks = _legacy_layout(have)
+            else:
+                stored = self._meta_value(BLOCK_COLUMNS_KEY)
+                names = (tuple(stored) if type(stored) is list
+                         and all(type(n) is str for n in stored) else _MEASURED_NAMES)
+                have = {r["name"] for r in self._rows("PRAGMA table_info(step_blocks)")}
+                self._blocks = _Layout(_BLOCKS, _BLOCK_READ, frozenset(have), len(names),
+                                       _mapping(names))
         return self._blocks
 
     def _samples_near(self, table: str, source: str, where: str,
@@ -387,23 +399,24 @@ class StoreReader:
 
     def num_steps(self) -> int:
         return int(self._rows(
-            f"SELECT COALESCE(SUM(num_rows), 0) AS n FROM {self._source()}")[0]["n"])
+            f"SELECT COALESCE(SUM(num_rows), 0) AS n FROM {self._layout().source}")[0]["n"])
 
     def steps_after(self, row_id: int, limit: int) -> NewRows[StepRow]:
         """The newest ``limit`` steps stored after block ``row_id`` (the last block's
         row id with them)."""
+        layout = self._layout()
         with sqlite_errors():
             cursor = self._db.cursor()
             cursor.row_factory = None
             newest, num_rows = [], 0
             for block in cursor.execute(
-                    f"SELECT row_id, {_BLOCK_READ} FROM {self._source()} WHERE row_id > ? "
+                    f"SELECT row_id, {layout.read} FROM {layout.source} WHERE row_id > ? "
                     "ORDER BY row_id DESC", (row_id,)):
-                newest.append(block)
-                num_rows += _count(block[4])
                 if num_rows >= limit:
                     break
-        steps = self._block_steps(b[1:] for b in reversed(newest))
+                newest.append(block)
+                num_rows += _count(block[4])
+        steps = self._block_steps(layout.block(b[1:]) for b in reversed(newest))
         return NewRows(steps[max(0, len(steps) - limit):],
                        int(newest[0][0]) if newest else row_id)
 
@@ -421,6 +434,14 @@ class StoreReader:
             "ORDER BY rowid DESC LIMIT ?) ORDER BY row_id", (row_id, limit))
         return rows, (int(rows[-1]["row_id"]) if rows else row_id)
 
+    def _meta_value(self, key: str) -> Any:
+        """One meta value (None: absent or not JSON; not counted, `records` counts it)."""
+        rows = self._rows("SELECT value FROM meta WHERE key = ?", (key,))
+        try:
+            return orjson.loads(rows[0]["value"]) if rows else None
+        except (orjson.JSONDecodeError, TypeError):
+            return None
+
     def _meta(self) -> dict[str, Any]:
         pairs = self._read(self._rows("SELECT * FROM meta"),
                            lambda r: (checked_text(r["key"]), orjson.loads(r["value"])), "meta")
@@ -434,6 +455,7 @@ class StoreReader:
 # -- the bounded read's SQL and sums --------------------------------------------------------
 
 _MEASURED = step_fields.measured()
+_MEASURED_NAMES = tuple(f.name for f in _MEASURED)
 _BLOCKS = "(SELECT rowid AS row_id, * FROM step_blocks)"
 _BLOCK_READ = "rank, restart, node_rank, num_rows, rows"  # what `_block_steps` reads
 _CHECKED_ROWS = 4096  # step rows whose columns are checked at once
@@ -452,19 +474,52 @@ def _literal(value: step_fields.Value) -> str:
     return repr(float(value) if type(value) is float else int(value))
 
 
-def _legacy_blocks(have: set[str]) -> str:
-    """A schema-5 store's steps table read as blocks of one step each."""
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How a store's step blocks are read: from where (SQL), which columns of each
+    block, the SQL columns there are (a sum added since reads as 0), the width of its
+    rows and how one maps onto this version's measured columns (None: as it is)."""
+
+    source: str
+    read: str
+    columns: frozenset[str]
+    width: int
+    mapped: Callable[[list[Any]], list[Any]] | None
+    legacy: bool = False  # schema 5: a steps table's rows, as blocks of one
+
+    def block(self, selected: tuple[Any, ...]) -> tuple[Any, ...]:
+        """One selected block as `StoreReader._block_steps` takes it."""
+        return (*selected[:4], [list(selected[4:])]) if self.legacy else selected
+
+
+def _mapping(names: Sequence[str]) -> Callable[[list[Any]], list[Any]] | None:
+    """A stored row of the measured columns ``names`` as this version's, each column
+    it lacks as its default; None when the columns are this version's."""
+    if tuple(names) == _MEASURED_NAMES:
+        return None
+    at = {n: i for i, n in enumerate(names)}
+    defaults = [f.default for f in _MEASURED]
+    pick = operator.itemgetter(*(at.get(f.name, len(names) + i) for i, f in enumerate(_MEASURED)))
+    return lambda row: list(pick(row + defaults))
+
+
+def _legacy_layout(have: set[str]) -> _Layout:
+    """A schema-5 store's steps table read as blocks of one step each, every value
+    as SQLite holds it (each column it lacks as its default)."""
     def column(name: str) -> str:
         return name if name in have else _literal(step_fields.field(name).default)
 
     sums = ", ".join(f"{column(c)} AS sum_{c}" for c in BLOCK_SUMMED)
     eval_ms, num_eval = column("eval_ms"), column("num_eval")
-    values = ", ".join(column(f.name) for f in _MEASURED)
-    return (f"(SELECT rowid AS row_id, rank, restart, node_rank, step AS first_step, "
-            f"step AS last_step, 1 AS num_rows, {sums}, "
-            f"CASE WHEN {num_eval} != 0 THEN {eval_ms} ELSE 0.0 END AS sum_eval_ms, "
-            f"{num_eval} AS sum_num_eval, {column('peak_allocated_bytes')} IS NOT NULL "
-            f"AS num_cuda, json_array(json_array({values})) AS rows FROM steps)")
+    values = ", ".join(f"{column(f.name)} AS {f.name}" for f in _MEASURED)
+    source = (f"(SELECT rowid AS row_id, rank, restart, node_rank, step AS first_step, "
+              f"step AS last_step, 1 AS num_rows, {sums}, "
+              f"CASE WHEN {num_eval} != 0 THEN {eval_ms} ELSE 0.0 END AS sum_eval_ms, "
+              f"{num_eval} AS sum_num_eval, {column('peak_allocated_bytes')} IS NOT NULL "
+              f"AS num_cuda, {values} FROM steps)")
+    read = "rank, restart, node_rank, num_rows, " + ", ".join(_MEASURED_NAMES)
+    return _Layout(source, read, frozenset(f"sum_{c}" for c in BLOCK_SUMMED),
+                   len(_MEASURED), None, legacy=True)
 
 
 _NODE_SAMPLE = "node_rank >= 0"  # a c10d launcher samples before it learns its node rank

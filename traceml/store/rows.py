@@ -6,9 +6,7 @@ and the run's `RunData` and `RunMeta` assembled from them and the store's record
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import orjson
@@ -90,41 +88,13 @@ def sender_state(r: Mapping[str, Any]) -> SenderState:
                        checked_integer(r["num_dropped"], 0), bool(r["said_bye"]))
 
 
-def step_row(r: Mapping[str, Any]) -> StepRow:
-    """A stored step read by column name (the live tail's rows), checked."""
-    return step_converter(tuple(r.keys()))(tuple(r.values()))
-
-
-@functools.lru_cache(maxsize=8)
-def step_converter(names: tuple[str, ...],
-                   check: bool = True) -> Callable[[tuple[Any, ...]], StepRow]:
-    """Stored step rows of these columns (the store's, of `traceml.step_fields`; others
-    are ignored) -> StepRow; ValueError for a row a collector does not write (``check``:
-    every value; without, rows the reader's SQL bounds showed are whole).  A column
-    the store lacks (written before it existed) reads as its default.  Built once per
-    query: a summary converts millions of rows."""
-    fields = step_fields.STEP_FIELDS
-    at = {n: i for i, n in enumerate(names)}
-    whole: Callable[[tuple[Any, ...]], tuple[Any, ...]] = tuple
-    if names != step_fields.names():  # the row, then the defaults: each column from one
-        defaults = tuple(f.default for f in fields)
-        pick = operator.itemgetter(*(at.get(f.name, len(names) + i) for i, f in enumerate(fields)))
-
-        def whole(stored: tuple[Any, ...]) -> tuple[Any, ...]:
-            return tuple(pick(stored + defaults))
-
-    if not check:
-        return lambda stored: StepRow(whole(stored))
-    admits = step_fields.admits
-
-    def convert(stored: tuple[Any, ...]) -> StepRow:
-        values = whole(stored)
-        for f, v in zip(fields, values):
-            if not admits(f, v):
-                raise ValueError(f"{v!r} is not a stored {f.name}")
-        return StepRow(values)
-
-    return convert
+def checked_step(values: Sequence[Any]) -> StepRow:
+    """A stored step's values (every column of `traceml.step_fields`, in table order)
+    as a StepRow; ValueError for a value a collector does not write."""
+    for f, v in zip(step_fields.STEP_FIELDS, values):
+        if not step_fields.admits(f, v):
+            raise ValueError(f"{v!r} is not a stored {f.name}")
+    return StepRow(values)
 
 
 _PROCESS_VALUES = ("cpu_pct", "rss_bytes", "host_ram_total_bytes", "num_cpus",

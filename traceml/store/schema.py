@@ -42,6 +42,10 @@ _SENDER_COLUMNS = ("sender_id", "role", "host", "pid", "node_rank", "rank", "loc
                    "world_size", "restart", "first_seen", "last_seen", "num_messages",
                    "num_gaps", "last_seq", "num_sent", "num_dropped", "said_bye")
 
+BLOCK_COLUMNS_KEY = "step_block_columns"
+"""meta: the columns of a block's JSON rows, in order, as this store's writer had them
+(a reader maps them onto its own: a column added since reads as its default)."""
+
 BLOCK_SUMMED = tuple(p.column for p in TOTALED)
 """The step columns a block's row carries the sums of (``sum_<column>``)."""
 

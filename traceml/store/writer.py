@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import os
 import sqlite3
@@ -17,6 +18,7 @@ from traceml import stacks, step_fields
 from traceml.records import FlopCount, Incident, StepRow
 from traceml.store.records import JoinError, SenderState
 from traceml.store.schema import (
+    BLOCK_COLUMNS_KEY,
     BLOCK_SUMMED,
     DDL,
     FLOP_COUNT_SQL,
@@ -53,6 +55,11 @@ _SUMMED = tuple(_MEASURED[c] for c in BLOCK_SUMMED)
 _EVAL_MS, _NUM_EVAL = _MEASURED["eval_ms"], _MEASURED["num_eval"]
 _PEAK = _MEASURED["peak_allocated_bytes"]
 _NUM_IDENTITY = len(step_fields.STEP_FIELDS) - len(_MEASURED)
+# What the writer computes with (a block's steps, its sums), checked before a block is
+# stored; the other values are checked where the store is read.
+_CHECKED = tuple((_MEASURED[c], step_fields.field(c))
+                 for c in ("step", *BLOCK_SUMMED, "eval_ms", "num_eval"))
+_MAX_SUM = 2**62  # a block's integer sums, as SQLite stores them
 _identity = operator.itemgetter(*range(_NUM_IDENTITY))  # (rank, restart, node_rank)
 
 Prefix = tuple[int, int, int]
@@ -80,11 +87,18 @@ class StoreWriter:
             # The pages every commit touches (the tables' and indexes' ends) stay cached:
             # a wide job's blocks would push them out of SQLite's default 2 MiB.
             self.db.execute("PRAGMA cache_size=-65536")
+            if self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'steps' "
+                               "AND type = 'table'").fetchone():
+                self.db.close()
+                raise StoreError(f"{path} was written by an older traceml (a steps table): "
+                                 "write to a new session folder")
             for ddl in DDL:
                 self.db.execute(ddl)
-        self._set_meta({"store_schema_version": SCHEMA_VERSION})
+        self._set_meta({"store_schema_version": SCHEMA_VERSION,
+                        BLOCK_COLUMNS_KEY: [f.name for f in step_fields.measured()]})
         # (rank, restart) -> its last stored step: a step at or before it is a duplicate
         self._last_step: dict[tuple[int, int], int] = {}
+        self.num_bad_steps = 0  # refused by `add_blocks`: a step index or sum out of bounds
         self._execute("BEGIN")
 
     def commit(self) -> None:
@@ -125,8 +139,9 @@ class StoreWriter:
     def add_steps(self, rows: Sequence[StepRow]) -> int:
         """Store the steps (each rank's in step order), a block per run of one rank's
         rows; returns how many were new (see :meth:`add_blocks`)."""
-        return self.add_blocks([(prefix, [row[_NUM_IDENTITY:] for row in run])
-                                for prefix, run in groupby(rows, key=_identity)])
+        runs = [(prefix, [row[_NUM_IDENTITY:] for row in run])
+                for prefix, run in groupby(rows, key=_identity)]
+        return self.add_blocks(runs, _checked(list(zip(*(r for _, run in runs for r in run)))))
 
     def add_step_columns(self, prefixes: Sequence[Prefix | None], columns: list[list[Any]]) -> int:
         """A relay's steps as it sends them (`traceml.wire.relay.RelayBatch.step_columns`:
@@ -142,18 +157,23 @@ class StoreWriter:
             if (prefix := prefixes[i]) is not None:
                 runs.append((prefix, rows[at:at + n]))
             at += n
-        return self.add_blocks(runs)
+        return self.add_blocks(runs, _checked(values))
 
-    def add_blocks(self, runs: Iterable[tuple[Prefix, Sequence[Sequence[Any]]]]) -> int:
+    def add_blocks(self, runs: Iterable[tuple[Prefix, Sequence[Sequence[Any]]]],
+                   checked: bool = False) -> int:
         """Store each run of one rank's steps (its `traceml.step_fields.measured`
         values) as one block row; returns how many steps were new.  A step at or before
         the last one stored of its rank's attempt is a duplicate and kept out (a
         resent batch): each attempt's blocks hold ascending steps that never overlap.
-        TypeError (nothing stored) for steps or summed values that are not numbers:
-        the rest of the values are checked where the store is read."""
+        A run whose step indexes or summed values are not what a collector stores is
+        refused and counted (`num_bad_steps`), unless the caller ``checked`` them all;
+        the other values are checked where the store is read."""
         params: list[tuple[Any, ...]] = []
         stored: dict[tuple[int, int], int] = {}
         for (rank, restart, node_rank), rows in runs:
+            if not checked and not _checked(list(zip(*rows))):
+                self.num_bad_steps += len(rows)
+                continue
             key = (rank, restart)
             last = stored.get(key, self._last_step.get(key, -1))
             steps = [r[_STEP] for r in rows]
@@ -165,11 +185,12 @@ class StoreWriter:
             stored[key] = steps[-1]
             columns = list(zip(*rows))
             num_eval, peaks = columns[_NUM_EVAL], columns[_PEAK]
-            evals = (sum(ms for ms, n in zip(columns[_EVAL_MS], num_eval) if n)
+            evals = (math.fsum(ms for ms, n in zip(columns[_EVAL_MS], num_eval) if n)
                      if any(num_eval) else 0.0)
             params.append((rank, restart, node_rank, steps[0], steps[-1], len(rows),
-                           *(sum(columns[i]) for i in _SUMMED), evals, sum(num_eval),
-                           len(peaks) - peaks.count(None), orjson.dumps(rows)))
+                           *(math.fsum(columns[i]) for i in _SUMMED), evals,
+                           min(sum(num_eval), _MAX_SUM), len(peaks) - peaks.count(None),
+                           orjson.dumps(rows)))
         self._executemany(STEP_BLOCK_SQL, params)
         self._last_step.update(stored)
         return sum(p[5] for p in params)
@@ -234,6 +255,12 @@ class StoreWriter:
     def _executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         with sqlite_errors():
             self.db.executemany(sql, rows)
+
+
+def _checked(columns: Sequence[Sequence[Any]]) -> bool:
+    """Whether the columns a block's steps and sums come from (of these rows' measured
+    columns) hold values a collector stores; True for no rows."""
+    return not columns or all(step_fields.admits_column(f, columns[i]) for i, f in _CHECKED)
 
 
 def _ascending_after(rows: Sequence[Sequence[Any]], last: int) -> list[Sequence[Any]]:
