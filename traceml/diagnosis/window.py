@@ -15,12 +15,15 @@ else all its samples; so a rank with samples is never missing from them.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from traceml import step_fields
 from traceml.diagnosis import thresholds
 from traceml.records import Incident, ProcessSample, StepRow, SystemSample
 
@@ -116,11 +119,16 @@ def tail_decides(num_aligned: int, window_rows: int) -> bool:
             and warmup_steps(num_aligned) == thresholds.WARMUP_MAX_STEPS)
 
 
+# A step row's columns, as C-level getters (a wide job's window has 400 000 rows).
+_RANK, _STEP, _FLOPS_COUNTED = (operator.itemgetter(step_fields.names().index(c))
+                                for c in ("rank", "step", "flops_counted"))
+
+
 def num_aligned(steps: Iterable[StepRow], ranks: Iterable[int] = ()) -> int:
     """How many step indices every rank of ``steps`` (and of ``ranks``) holds."""
     per_rank: dict[int, set[int]] = {rank: set() for rank in ranks}
-    for row in steps:
-        per_rank.setdefault(row.rank, set()).add(row.step)
+    for rank, rows in itertools.groupby(steps, key=_RANK):  # a run of one rank's rows
+        per_rank.setdefault(rank, set()).update(map(_STEP, rows))
     return len(set.intersection(*per_rank.values())) if per_rank else 0
 
 
@@ -154,16 +162,19 @@ ANALYSIS_WINDOW = AnalysisWindow()
 def select_window(steps: Iterable[StepRow], window_rows: int, world_size: int) -> StepWindow:
     """The last ``window_rows`` aligned steps after warm-up (see the module docstring)."""
     per_rank: dict[int, dict[int, StepRow]] = {}
-    for row in steps:
-        per_rank.setdefault(row.rank, {})[row.step] = row  # a resent step replaces the first
-    common = sorted(set.intersection(*(set(s) for s in per_rank.values()))) if per_rank else []
+    for rank, run in itertools.groupby(steps, key=_RANK):  # a run of one rank's rows
+        rows = list(run)
+        # a resent step replaces the first
+        per_rank.setdefault(rank, {}).update(zip(map(_STEP, rows), rows))
+    common = sorted(set.intersection(*map(set, per_rank.values()))) if per_rank else []
     warm = warmup_steps(len(common))
-    counted = {s for rows in per_rank.values() for s, row in rows.items() if row.flops_counted}
+    counted = {s for rows in per_rank.values()
+               for s in itertools.compress(rows, map(_FLOPS_COUNTED, rows.values()))}
     kept = common[warm:]
     kept = kept[-window_steps(window_rows, len(per_rank)):] if window_rows > 0 else []
     num_counted = sum(s in counted for s in kept)
     kept = [s for s in kept if s not in counted]
-    by_rank = {rank: tuple(rows[s] for s in kept) for rank, rows in per_rank.items()}
+    by_rank = {rank: tuple(map(rows.__getitem__, kept)) for rank, rows in per_rank.items()}
     return StepWindow(by_rank, tuple(kept), warm, window_rows, world_size, num_counted)
 
 
