@@ -181,22 +181,25 @@ def test_steps_are_stored_in_blocks_once_each(tmp_path: Path) -> None:
 
 def test_a_step_or_sum_the_writer_cannot_store_refuses_that_ranks_run_only(
         tmp_path: Path) -> None:
-    """A relay's batch (columns) where one rank's steps carry a time out of bounds or a
-    step index that is not one: that rank's run is refused and counted, the others'
-    stored (the writer checks what it computes with; the reader checks the rest)."""
+    """A relay's batch (columns) where one rank's steps sum to a time no steps add up
+    to, and another's carry a step index that is not one: those ranks' runs are
+    refused and counted, the others' stored.  A bad value that leaves the sums
+    possible is stored, and the reader skips and counts its row."""
     writer = StoreWriter(str(tmp_path / "telemetry.sqlite"))
     names = [f.name for f in step_fields.measured()]
-    rows = [(i, step_record(s, total_ms=10.0)[3:]) for i in range(3) for s in range(4)]
+    rows = [(i, step_record(s, total_ms=10.0)[3:]) for i in range(4) for s in range(4)]
     columns = [[i for i, _ in rows], *map(list, zip(*(r for _, r in rows)))]
-    columns[1 + names.index("total_ms")][5] = -1.0  # rank 1's second step
+    columns[1 + names.index("total_ms")][5] = 5e13  # rank 1's second step
     columns[1 + names.index("step")][9] = "9"  # rank 2's second step
-    prefixes = [(r, 0, 0) for r in range(3)]
-    assert writer.add_step_columns(prefixes, columns) == 4
+    columns[1 + names.index("total_ms")][13] = -1.0  # rank 3's second step: sums to 29
+    prefixes = [(r, 0, 0) for r in range(4)]
+    assert writer.add_step_columns(prefixes, columns) == 8
     assert writer.num_bad_steps == 8
     writer.close()
     with StoreReader(tmp_path / "telemetry.sqlite") as reader:
         assert {(r.rank, r.step) for r in reader.run(reader.records()).steps} == {
-            (0, s) for s in range(4)}
+            *((0, s) for s in range(4)), (3, 0), (3, 2), (3, 3)}
+        assert reader.skipped == {"stored step row with bad values": 1}
 
 
 def test_a_step_column_added_since_a_store_was_written_reads_as_its_default(

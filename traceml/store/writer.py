@@ -55,11 +55,8 @@ _SUMMED = tuple(_MEASURED[c] for c in BLOCK_SUMMED)
 _EVAL_MS, _NUM_EVAL = _MEASURED["eval_ms"], _MEASURED["num_eval"]
 _PEAK = _MEASURED["peak_allocated_bytes"]
 _NUM_IDENTITY = len(step_fields.STEP_FIELDS) - len(_MEASURED)
-# What the writer computes with (a block's steps, its sums), checked before a block is
-# stored; the other values are checked where the store is read.
-_CHECKED = tuple((_MEASURED[c], step_fields.field(c))
-                 for c in ("step", *BLOCK_SUMMED, "eval_ms", "num_eval"))
-_MAX_SUM = 2**62  # a block's integer sums, as SQLite stores them
+_MAX_STEP = int(step_fields.field("step").high)
+_MAX_PASSES = 1 << 30  # evaluation passes before one step: beyond any loop
 _identity = operator.itemgetter(*range(_NUM_IDENTITY))  # (rank, restart, node_rank)
 
 Prefix = tuple[int, int, int]
@@ -139,9 +136,8 @@ class StoreWriter:
     def add_steps(self, rows: Sequence[StepRow]) -> int:
         """Store the steps (each rank's in step order), a block per run of one rank's
         rows; returns how many were new (see :meth:`add_blocks`)."""
-        runs = [(prefix, [row[_NUM_IDENTITY:] for row in run])
-                for prefix, run in groupby(rows, key=_identity)]
-        return self.add_blocks(runs, _checked(list(zip(*(r for _, run in runs for r in run)))))
+        return self.add_blocks([(prefix, [row[_NUM_IDENTITY:] for row in run])
+                                for prefix, run in groupby(rows, key=_identity)])
 
     def add_step_columns(self, prefixes: Sequence[Prefix | None], columns: list[list[Any]]) -> int:
         """A relay's steps as it sends them (`traceml.wire.relay.RelayBatch.step_columns`:
@@ -157,39 +153,31 @@ class StoreWriter:
             if (prefix := prefixes[i]) is not None:
                 runs.append((prefix, rows[at:at + n]))
             at += n
-        return self.add_blocks(runs, _checked(values))
+        return self.add_blocks(runs)
 
-    def add_blocks(self, runs: Iterable[tuple[Prefix, Sequence[Sequence[Any]]]],
-                   checked: bool = False) -> int:
+    def add_blocks(self, runs: Iterable[tuple[Prefix, Sequence[Sequence[Any]]]]) -> int:
         """Store each run of one rank's steps (its `traceml.step_fields.measured`
         values) as one block row; returns how many steps were new.  A step at or before
         the last one stored of its rank's attempt is a duplicate and kept out (a
         resent batch): each attempt's blocks hold ascending steps that never overlap.
-        A run whose step indexes or summed values are not what a collector stores is
-        refused and counted (`num_bad_steps`), unless the caller ``checked`` them all;
-        the other values are checked where the store is read."""
+        A run whose step indexes are not integers a collector stores, or whose sums
+        are not those of values it stores (a negative or unbounded time), is refused
+        and counted (`num_bad_steps`); each value is checked where the store is read."""
         params: list[tuple[Any, ...]] = []
         stored: dict[tuple[int, int], int] = {}
         for (rank, restart, node_rank), rows in runs:
-            if not checked and not _checked(list(zip(*rows))):
-                self.num_bad_steps += len(rows)
-                continue
             key = (rank, restart)
             last = stored.get(key, self._last_step.get(key, -1))
-            steps = [r[_STEP] for r in rows]
-            if not steps or steps[0] <= last or not all(map(operator.lt, steps, steps[1:])):
-                rows = _ascending_after(rows, last)
-                if not rows:
-                    continue
-                steps = [r[_STEP] for r in rows]
-            stored[key] = steps[-1]
-            columns = list(zip(*rows))
-            num_eval, peaks = columns[_NUM_EVAL], columns[_PEAK]
-            evals = (math.fsum(ms for ms, n in zip(columns[_EVAL_MS], num_eval) if n)
-                     if any(num_eval) else 0.0)
-            params.append((rank, restart, node_rank, steps[0], steps[-1], len(rows),
-                           *(math.fsum(columns[i]) for i in _SUMMED), evals,
-                           min(sum(num_eval), _MAX_SUM), len(peaks) - peaks.count(None),
+            try:
+                block = _block(rows, last)
+            except (TypeError, ValueError, OverflowError):
+                self.num_bad_steps += len(rows)
+                continue
+            if block is None:
+                continue
+            first_step, last_step, num_rows, sums, rows = block
+            stored[key] = last_step
+            params.append((rank, restart, node_rank, first_step, last_step, num_rows, *sums,
                            orjson.dumps(rows)))
         self._executemany(STEP_BLOCK_SQL, params)
         self._last_step.update(stored)
@@ -257,10 +245,32 @@ class StoreWriter:
             self.db.executemany(sql, rows)
 
 
-def _checked(columns: Sequence[Sequence[Any]]) -> bool:
-    """Whether the columns a block's steps and sums come from (of these rows' measured
-    columns) hold values a collector stores; True for no rows."""
-    return not columns or all(step_fields.admits_column(f, columns[i]) for i, f in _CHECKED)
+def _block(rows: Sequence[Sequence[Any]], last: int
+           ) -> tuple[int, int, int, list[Any], Sequence[Sequence[Any]]] | None:
+    """A run's block: its first and last step, row count, `BLOCK_HEADER`'s sums and
+    the rows after ``last`` (None: none); ValueError or TypeError for step indexes
+    that are not integers in bounds or sums out of bounds."""
+    steps = [r[_STEP] for r in rows]
+    if set(map(type, steps)) != {int}:
+        raise ValueError("step indexes that are not integers")
+    if not steps or steps[0] <= last or not all(map(operator.lt, steps, steps[1:])):
+        rows = _ascending_after(rows, last)
+        if not rows:
+            return None
+        steps = [r[_STEP] for r in rows]
+    if steps[0] < 0 or steps[-1] > _MAX_STEP:
+        raise ValueError("step index out of bounds")
+    columns = list(zip(*rows))
+    n = len(rows)
+    num_eval, peaks = columns[_NUM_EVAL], columns[_PEAK]
+    times = [math.fsum(columns[i]) for i in _SUMMED]
+    times.append(math.fsum(ms for ms, k in zip(columns[_EVAL_MS], num_eval) if k)
+                 if any(num_eval) else 0.0)
+    passes = sum(num_eval)
+    if not (all(0.0 <= t <= n * step_fields.MAX_STEP_MS for t in times)
+            and type(passes) is int and 0 <= passes <= n * _MAX_PASSES):
+        raise ValueError("a sum that no collector's values add up to")
+    return steps[0], steps[-1], n, [*times, passes, n - peaks.count(None)], rows
 
 
 def _ascending_after(rows: Sequence[Sequence[Any]], last: int) -> list[Sequence[Any]]:
