@@ -187,14 +187,19 @@ def test_a_step_or_sum_the_writer_cannot_store_refuses_that_ranks_run_only(
     possible is stored, and the reader skips and counts its row."""
     writer = StoreWriter(str(tmp_path / "telemetry.sqlite"))
     names = [f.name for f in step_fields.measured()]
-    rows = [(i, step_record(s, total_ms=10.0)[3:]) for i in range(4) for s in range(4)]
+    rows = [(i, step_record(s, total_ms=10.0)[3:]) for i in range(6) for s in range(4)]
     columns = [[i for i, _ in rows], *map(list, zip(*(r for _, r in rows)))]
     columns[1 + names.index("total_ms")][5] = 5e13  # rank 1's second step
     columns[1 + names.index("step")][9] = "9"  # rank 2's second step
     columns[1 + names.index("total_ms")][13] = -1.0  # rank 3's second step: sums to 29
-    prefixes = [(r, 0, 0) for r in range(4)]
+    columns[1 + names.index("step")][16] = -1  # rank 4's first step
+    nested: list[object] = []
+    for _ in range(300):  # deeper than JSON can be written back
+        nested = [nested]
+    columns[1 + names.index("boundary")][21] = nested  # rank 5's second step
+    prefixes = [(r, 0, 0) for r in range(6)]
     assert writer.add_step_columns(prefixes, columns) == 8
-    assert writer.num_bad_steps == 8
+    assert writer.num_bad_steps == 16
     writer.close()
     with StoreReader(tmp_path / "telemetry.sqlite") as reader:
         assert {(r.rank, r.step) for r in reader.run(reader.records()).steps} == {

@@ -267,8 +267,11 @@ class Collector:
             steps.flop_counts = []
         plausible = [r for r in records if _plausible(r)]
         self.reject("implausible step times", len(records) - len(plausible))
+        bad_before = self.store.num_bad_steps
         stored = self.store.add_steps(plausible)
-        self.reject("duplicate step", len(plausible) - stored)
+        bad = self.store.num_bad_steps - bad_before
+        self.reject("step with a bad step index or time", bad)
+        self.reject("duplicate step", len(plausible) - bad - stored)
         self.num_steps += stored
 
     def _relayed(self, relay: Sender, batch: RelayBatch) -> None:

@@ -56,7 +56,6 @@ _EVAL_MS, _NUM_EVAL = _MEASURED["eval_ms"], _MEASURED["num_eval"]
 _PEAK = _MEASURED["peak_allocated_bytes"]
 _NUM_IDENTITY = len(step_fields.STEP_FIELDS) - len(_MEASURED)
 _MAX_STEP = int(step_fields.field("step").high)
-_MAX_PASSES = 1 << 30  # evaluation passes before one step: beyond any loop
 _identity = operator.itemgetter(*range(_NUM_IDENTITY))  # (rank, restart, node_rank)
 
 Prefix = tuple[int, int, int]
@@ -160,9 +159,10 @@ class StoreWriter:
         values) as one block row; returns how many steps were new.  A step at or before
         the last one stored of its rank's attempt is a duplicate and kept out (a
         resent batch): each attempt's blocks hold ascending steps that never overlap.
-        A run whose step indexes are not integers a collector stores, or whose sums
-        are not those of values it stores (a negative or unbounded time), is refused
-        and counted (`num_bad_steps`); each value is checked where the store is read."""
+        A run whose step indexes are not integers a collector stores (out-of-order ones
+        are sorted, repeats dropped), whose sums are not those of values it stores (a
+        negative or unbounded time) or whose rows JSON cannot hold is refused and
+        counted (`num_bad_steps`); each value is checked where the store is read."""
         params: list[tuple[Any, ...]] = []
         stored: dict[tuple[int, int], int] = {}
         for (rank, restart, node_rank), rows in runs:
@@ -170,15 +170,12 @@ class StoreWriter:
             last = stored.get(key, self._last_step.get(key, -1))
             try:
                 block = _block(rows, last)
-            except (TypeError, ValueError, OverflowError):
+            except (TypeError, ValueError, OverflowError, orjson.JSONEncodeError):
                 self.num_bad_steps += len(rows)
                 continue
-            if block is None:
-                continue
-            first_step, last_step, num_rows, sums, rows = block
-            stored[key] = last_step
-            params.append((rank, restart, node_rank, first_step, last_step, num_rows, *sums,
-                           orjson.dumps(rows)))
+            if block is not None:
+                stored[key] = block[1]  # its last step
+                params.append((rank, restart, node_rank, *block))
         self._executemany(STEP_BLOCK_SQL, params)
         self._last_step.update(stored)
         return sum(p[5] for p in params)
@@ -245,21 +242,19 @@ class StoreWriter:
             self.db.executemany(sql, rows)
 
 
-def _block(rows: Sequence[Sequence[Any]], last: int
-           ) -> tuple[int, int, int, list[Any], Sequence[Sequence[Any]]] | None:
-    """A run's block: its first and last step, row count, `BLOCK_HEADER`'s sums and
-    the rows after ``last`` (None: none); ValueError or TypeError for step indexes
-    that are not integers in bounds or sums out of bounds."""
+def _block(rows: Sequence[Sequence[Any]], last: int) -> tuple[Any, ...] | None:
+    """A run's block row after its identity: `BLOCK_HEADER`'s first and last step,
+    row count and sums, then the rows after ``last`` as JSON (None: no such rows).
+    ValueError or TypeError (JSONEncodeError) for step indexes that are not integers
+    in bounds, sums that no collector's values add up to, or rows JSON cannot hold."""
     steps = [r[_STEP] for r in rows]
-    if set(map(type, steps)) != {int}:
-        raise ValueError("step indexes that are not integers")
-    if not steps or steps[0] <= last or not all(map(operator.lt, steps, steps[1:])):
-        rows = _ascending_after(rows, last)
+    if set(map(type, steps)) != {int} or min(steps) < 0 or max(steps) > _MAX_STEP:
+        raise ValueError("step indexes that are not integers in bounds")
+    if steps[0] <= last or not all(map(operator.lt, steps, steps[1:])):
+        rows = _ascending_after(rows, last)  # sorted, repeats and stored steps dropped
         if not rows:
             return None
         steps = [r[_STEP] for r in rows]
-    if steps[0] < 0 or steps[-1] > _MAX_STEP:
-        raise ValueError("step index out of bounds")
     columns = list(zip(*rows))
     n = len(rows)
     num_eval, peaks = columns[_NUM_EVAL], columns[_PEAK]
@@ -268,9 +263,10 @@ def _block(rows: Sequence[Sequence[Any]], last: int
                  if any(num_eval) else 0.0)
     passes = sum(num_eval)
     if not (all(0.0 <= t <= n * step_fields.MAX_STEP_MS for t in times)
-            and type(passes) is int and 0 <= passes <= n * _MAX_PASSES):
+            and type(passes) is int and 0 <= passes <= step_fields.MAX_COUNT):
         raise ValueError("a sum that no collector's values add up to")
-    return steps[0], steps[-1], n, [*times, passes, n - peaks.count(None)], rows
+    return (steps[0], steps[-1], n, *times, passes, n - peaks.count(None),
+            orjson.dumps(rows))
 
 
 def _ascending_after(rows: Sequence[Sequence[Any]], last: int) -> list[Sequence[Any]]:
