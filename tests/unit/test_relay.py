@@ -24,7 +24,7 @@ from traceml.collector.config import (
     CollectorConfig,
     relay_interval_s,
 )
-from traceml.collector.dispatch import SENDER_SAVE_S, Collector
+from traceml.collector.dispatch import Collector
 from traceml.collector.rank_steps import RankSteps
 from traceml.collector.relay import Outbox, open_outbox
 from traceml.collector.server import BEHIND_COMMIT_S, Listener
@@ -32,6 +32,7 @@ from traceml.launcher.nodes import RELAY_SILENT_S
 from traceml.records import Incident
 from traceml.security import derive_keys, relay_keys, secure_client
 from traceml.store import SenderState, StoreWriter
+from traceml.store.writer import SENDER_SAVE_S
 from traceml.wire import events as ev
 from traceml.wire.envelope import Envelope, Message, encode
 from traceml.wire.events import EventBatch
@@ -385,15 +386,15 @@ def test_node_0_stores_a_known_senders_state_at_most_every_few_seconds(nodes: No
 
     agent.send(Hello(time.time()))
     nodes.pump_until(lambda: stored() == [(1, 0)])
-    nodes.collector0._states_saved_at = time.monotonic() + 3600  # just written
+    nodes.collector0.store._states_saved_at = time.monotonic() + 3600  # just written
     agent.send(events(0, range(5)))
     nodes.pump_until(lambda: nodes.collector0.senders[who].num_messages == 2)
     nodes.collector0.flush()
     assert stored() == [(1, 0)]
-    nodes.collector0._states_saved_at = time.monotonic() - SENDER_SAVE_S  # due
+    nodes.collector0.store._states_saved_at = time.monotonic() - SENDER_SAVE_S  # due
     nodes.collector0.flush()
     assert stored() == [(2, 0)]
-    nodes.collector0._states_saved_at = time.monotonic() + 3600
+    nodes.collector0.store._states_saved_at = time.monotonic() + 3600
     agent.send(Bye(time.time()))
     nodes.pump_until(lambda: stored() == [(3, 1)])
 

@@ -89,12 +89,6 @@ class Collector:
         self._tokens = (TokenBook(config.secret, config.session_id)
                         if config.tokens and config.secret else None)
         self._budgets = ByteBudgets()
-        # Node 0 writes a known sender's new state at most every SENDER_SAVE_S (a relay
-        # forwards each at once: its batch places steps by their sender's state).
-        self._defer_states = config.upstream is None
-        self._unsaved: dict[str, SenderState] = {}
-        self._ever_saved: set[str] = set()
-        self._states_saved_at = time.monotonic()
 
     def handle(self, data: bytes, from_launcher: bool = False, from_relay: bool = False) -> None:
         """One message; ``from_launcher`` / ``from_relay``: it came with the
@@ -211,7 +205,7 @@ class Collector:
             case Hello():
                 pass
         self._track(state, env)
-        self._save_states([state])
+        self.store.save_sender(state)
 
     def _incident(self, sender: Sender, report: IncidentReport) -> None:
         """A stall or crash, placed at the rank's step and phase: from its step
@@ -267,19 +261,15 @@ class Collector:
             steps.flop_counts = []
         plausible = [r for r in records if _plausible(r)]
         self.reject("implausible step times", len(records) - len(plausible))
-        bad_before = self.store.num_bad_steps
-        stored = self.store.add_steps(plausible)
-        bad = self.store.num_bad_steps - bad_before
-        self.reject("step with a bad step index or time", bad)
-        self.reject("duplicate step", len(plausible) - bad - stored)
-        self.num_steps += stored
+        self._count_stored(len(plausible), lambda: self.store.add_steps(plausible),
+                           "step with a bad step index or time")
 
     def _relayed(self, relay: Sender, batch: RelayBatch) -> None:
         """A node's relay's batch: its senders' states (each claims its rank as if it
         spoke here), then their steps, samples, FLOP counts and incidents."""
         now = time.time()
         senders = [self._relayed_sender(relay, who, values, now) for who, values in batch.senders]
-        self._save_states([self.senders[s.sender_id] for s in senders if s is not None])
+        self.store.save_senders(self.senders[s.sender_id] for s in senders if s is not None)
         self._relayed_steps(batch.step_columns, senders)
         for i, *count in batch.flop_counts:
             if senders[i] is not None:
@@ -359,11 +349,18 @@ class Collector:
                     for s in senders]
         refused = sum(prefixes[i] is None for i in columns[0]) if None in prefixes else 0
         self.reject("relayed step of a refused sender", refused)
+        self._count_stored(len(columns[0]) - refused,
+                           lambda: self.store.add_step_columns(prefixes, columns),
+                           "relayed step with a bad step index or time")
+
+    def _count_stored(self, offered: int, store: Callable[[], int], bad_reason: str) -> None:
+        """Store ``offered`` steps with ``store``; count those stored, those the store
+        refused (``bad_reason``) and the rest, duplicates."""
         bad_before = self.store.num_bad_steps
-        stored = self.store.add_step_columns(prefixes, columns)
+        stored = store()
         bad = self.store.num_bad_steps - bad_before
-        self.reject("relayed step with a bad step index or time", bad)
-        self.reject("duplicate step", len(columns[0]) - refused - bad - stored)
+        self.reject(bad_reason, bad)
+        self.reject("duplicate step", offered - bad - stored)
         self.num_steps += stored
 
     def all_rejected(self) -> dict[str, int]:
@@ -384,32 +381,10 @@ class Collector:
         else:
             self.ended = True
 
-    def _save_states(self, states: list[SenderState]) -> None:
-        """Store these senders' states: at once a sender's first, its goodbye and every
-        state of a node's own processes (relays, samplers: what the launchers' silence
-        watches read), a rank's others with the next flush after SENDER_SAVE_S
-        (thousands of ranks' states change every second; nothing reads them closer)."""
-        if not self._defer_states:
-            self.store.save_senders(states)
-            return
-        now = [s for s in states if s.said_bye or s.sender.role in NODE_ROLES
-               or s.sender.sender_id not in self._ever_saved]
-        self._unsaved.update((s.sender.sender_id, s) for s in states)
-        if now:
-            self.store.save_senders(now)
-            for s in now:
-                self._unsaved.pop(s.sender.sender_id, None)
-                self._ever_saved.add(s.sender.sender_id)
-
-    def flush(self, final: bool = False) -> None:
-        """Commit what was stored (with the senders' states due, every one when
-        ``final``); a store that cannot be written (a full disk) is remembered, and
-        the run goes on."""
+    def flush(self) -> None:
+        """Commit what was stored; a store that cannot be written (a full disk)
+        is remembered, and the run goes on."""
         try:
-            if self._unsaved and (final or time.monotonic() - self._states_saved_at
-                                  >= SENDER_SAVE_S):
-                self.store.save_senders(self._unsaved.values())
-                self._unsaved, self._states_saved_at = {}, time.monotonic()
             rejected = self.all_rejected()
             if rejected:
                 self.store.save_rejected(rejected)
@@ -423,10 +398,6 @@ class Collector:
         except StoreError:
             self.store_failed = True
 
-
-SENDER_SAVE_S = 2.0
-"""How stale node 0 lets a known sender's stored state get (its last message, counts):
-the launcher's silence watches wait 10 s and more."""
 
 SENDER_BYTES_PER_S = 4 << 20
 """What one rank or node sampler may send, on average (a fast rank sends a few hundred

@@ -235,7 +235,7 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
     try:
         _loop(listener, collector, config)
     finally:
-        collector.flush(final=True)
+        collector.flush()
         collector.close()
         if dashboard is not None:
             dashboard.finish()

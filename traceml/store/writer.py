@@ -8,6 +8,7 @@ import math
 import operator
 import os
 import sqlite3
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import groupby
 from typing import Any
@@ -58,6 +59,10 @@ _NUM_IDENTITY = len(step_fields.STEP_FIELDS) - len(_MEASURED)
 _MAX_STEP = int(step_fields.field("step").high)
 _identity = operator.itemgetter(*range(_NUM_IDENTITY))  # (rank, restart, node_rank)
 
+SENDER_SAVE_S = 2.0
+"""How stale a rank's stored state may get (its last message, counts): the launcher's
+silence watches read the nodes' own senders, stored at once, and wait 10 s and more."""
+
 Prefix = tuple[int, int, int]
 """A step row's identity columns: rank, restart (its attempt), node rank."""
 
@@ -95,12 +100,18 @@ class StoreWriter:
         # (rank, restart) -> its last stored step: a step at or before it is a duplicate
         self._last_step: dict[tuple[int, int], int] = {}
         self.num_bad_steps = 0  # refused by `add_blocks`: a step index or sum out of bounds
+        self._saved_states: set[str] = set()  # senders whose state is stored
+        self._held_states: dict[str, SenderState] = {}  # ranks' states not stored yet
+        self._states_saved_at = time.monotonic()
         self._execute("BEGIN")
 
     def commit(self) -> None:
-        """Commit the batch and begin the next; StoreError when the batch could not
-        be written (a full disk: it is lost, and the next batch begins anyway)."""
+        """Commit the batch (with the ranks' states held since SENDER_SAVE_S) and begin
+        the next; StoreError when the batch could not be written (a full disk: it is
+        lost, and the next batch begins anyway)."""
         try:
+            if self._held_states and time.monotonic() - self._states_saved_at >= SENDER_SAVE_S:
+                self._write_held_states()
             self._execute("COMMIT")
         finally:
             with contextlib.suppress(sqlite3.Error):
@@ -112,6 +123,7 @@ class StoreWriter:
         """Commit and fold the write-ahead log into the file: the closed store is one
         self-contained file (no ``-wal`` beside it), synced to disk."""
         try:
+            self._write_held_states()
             self._execute("COMMIT")
             with contextlib.suppress(StoreError):  # a reader still open keeps the log
                 self._execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -222,6 +234,27 @@ class StoreWriter:
         self.save_senders((s,))
 
     def save_senders(self, states: Iterable[SenderState]) -> None:
+        """Store these senders' states: at once a sender's first, its goodbye and every
+        state of a node's own processes (relays, samplers: what the launchers' silence
+        watches read); a rank's others are held and written by the first commit after
+        SENDER_SAVE_S (thousands of ranks' states change every second; nothing reads
+        them closer), or at close."""
+        now = []
+        for s in states:
+            key = s.sender.sender_id
+            if s.said_bye or s.sender.role != "rank" or key not in self._saved_states:
+                now.append(s)
+                self._held_states.pop(key, None)
+                self._saved_states.add(key)
+            else:
+                self._held_states[key] = s
+        self._write_states(now)
+
+    def _write_held_states(self) -> None:
+        self._write_states(self._held_states.values())
+        self._held_states, self._states_saved_at = {}, time.monotonic()
+
+    def _write_states(self, states: Iterable[SenderState]) -> None:
         self._executemany(SENDER_SQL, [(
             s.sender.sender_id, s.sender.role, s.sender.host, s.sender.pid, s.sender.node_rank,
             s.sender.rank, s.sender.local_rank, s.sender.world_size, s.sender.restart,

@@ -117,7 +117,7 @@ def _step_columns(columns: list[list[Any]], num_senders: int) -> None:
     """Relayed step rows: the measured columns (`traceml.step_fields`), of one length,
     each row of a relayed sender.  Their values are not checked here, one by one or
     column by column: the relay built them from events it checked, the writer
-    refuses a batch whose steps or sums it cannot compute with, and the store's
+    refuses a rank's run whose steps or sums it cannot compute with, and the store's
     reader checks every value it loads (a stored file can be edited anyway)."""
     if not columns:
         return
