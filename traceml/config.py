@@ -85,6 +85,9 @@ class RunConfig:
     filled_options: tuple[str, ...] = ()
     # a line on a SLURM job this launcher filled nothing for (outside srun, heterogeneous)
     scheduler_hint: str = ""
+    # --metrics-port: Prometheus's /metrics on node 0's collector (None: off)
+    metrics_port: int | None = None
+    metrics_bind_host: str = "127.0.0.1"
 
     @property
     def multi_node(self) -> bool:

@@ -84,6 +84,7 @@ TRACEML_OPTIONS = {
     "--sample-interval", "--sample_interval", "--stall-timeout", "--stall_timeout",
     "--dashboard-port", "--dashboard_port", "--html",
     "--no-trace", "--no_trace", "--no-flops", "--no_flops", "--peak-tflops", "--peak_tflops",
+    "--metrics-port", "--metrics_port", "--metrics-bind-host", "--metrics_bind_host",
 }
 
 

@@ -1,7 +1,8 @@
 """``python -m traceml.collector CONFIG_JSON`` (collector process).
 
 The collector's composition root: the server, plus the live page's server when
-the configuration asks for one (``--mode=dashboard``); or, with an ``upstream``,
+the configuration asks for one (``--mode=dashboard``) and the metrics endpoint
+(``--metrics-port``); or, with an ``upstream``,
 a node's relay (`traceml.collector.relay`).  Composed here so that
 ``traceml.collector.server`` does not import the live views.
 """
@@ -26,6 +27,15 @@ def live_server(config: CollectorConfig) -> LiveServer | None:
     return Dashboard(Path(config.db_path), config.session_id)
 
 
+def metrics_server(config: CollectorConfig) -> LiveServer | None:
+    """Prometheus's ``/metrics`` for ``--metrics-port``; only such runs import it."""
+    if config.metrics_port is None:
+        return None
+    from traceml.live.metrics import MetricsServer  # noqa: TID251
+
+    return MetricsServer(Path(config.db_path), config.session_id)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The configuration arrives on stdin (it may hold the session secret)."""
     forbid_inspection()  # the ranks, run by the same user, must not read the secret
@@ -36,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         from traceml.collector.relay import serve_relay
 
         return serve_relay(config)
-    return serve(config, live_server(config))
+    return serve(config, live_server(config), metrics=metrics_server(config))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ class CollectorConfig:
     # --mode=dashboard: the live page's server runs in this process (see LiveServer).
     dashboard_port: int | None = None
     dashboard_host: str = "127.0.0.1"
+    # --metrics-port: Prometheus's /metrics, served in this process (`traceml.live.metrics`).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     # CURVE keys: from ``secret`` (None: from the session id); the launcher's own key
     # from ``launcher_secret`` (None: nobody may send control messages).
     secret: str | None = None

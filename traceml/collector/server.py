@@ -10,9 +10,9 @@ batches).  On several nodes, other nodes' senders reach it through their node's
 relay (`traceml.collector.relay`, which runs this module's `serve` over an
 outbox), whose batches it takes from the relays' key alone.  It stops when the
 launcher says the run ended (after draining what is still in flight) or when the
-launcher disappears.  The live page's server (``--mode=dashboard``) is handed in
-by the entry point, ``traceml.collector.__main__``: this module does not import
-the live views.
+launcher disappears.  The live page's server (``--mode=dashboard``) and the
+metrics endpoint (``--metrics-port``) are handed in by the entry point,
+``traceml.collector.__main__``: this module does not import the live views.
 """
 
 from __future__ import annotations
@@ -206,11 +206,14 @@ def open_store_writer(config: CollectorConfig) -> Store:
 
 
 def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
-          open_store: Callable[[CollectorConfig], Store] = open_store_writer) -> int:
+          open_store: Callable[[CollectorConfig], Store] = open_store_writer,
+          metrics: LiveServer | None = None) -> int:
     """Run until the launcher ends the session; returns the exit status (3: the
     store could not be written, so what arrived is not all stored).
 
-    ``dashboard`` is started when the configuration asks for one (``dashboard_port``);
+    ``dashboard`` is started when the configuration asks for one (``dashboard_port``),
+    ``metrics`` likewise (``metrics_port``; a port it cannot listen on stops the start:
+    scrape configurations name the port, so it is not moved);
     ``open_store`` opens where accepted messages go (a relay: its batches to node 0)."""
     # Ctrl-C and the job's SIGTERM (``timeout``, ``scancel`` of the process group) are
     # the launcher's to handle: it stops this process once the run is over.
@@ -222,14 +225,25 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
     except zmq.ZMQError as exc:
         return _not_ready(context, f"cannot listen on {config.bind_host}:{config.port}: "
                                    f"{exc.strerror}")
+    ready: dict[str, Any] = {"port": listener.port, "pid": os.getpid()}
+    if metrics is not None and config.metrics_port is not None:
+        try:  # before the store: a refused start leaves no store behind
+            ready["metrics"] = metrics.start(config.metrics_host, config.metrics_port)
+        except OSError as exc:
+            listener.close()
+            return _not_ready(context, f"--metrics-port {config.metrics_port}: cannot listen "
+                                       f"on {config.metrics_host}:{config.metrics_port} "
+                                       f"({exc.strerror or exc}); choose a free port",
+                              usage_error=True)
     try:
         store = open_store(config)
     except StoreError as exc:
         listener.close()
+        if metrics is not None:
+            metrics.finish()
         return _not_ready(context, f"cannot write telemetry to {config.db_path}: {exc}",
                           store_error=True)
     collector = Collector(config, store)
-    ready: dict[str, Any] = {"port": listener.port, "pid": os.getpid()}
     dashboard = _start_dashboard(dashboard, config, ready)
     print(orjson.dumps(ready).decode(), flush=True)
     try:
@@ -239,14 +253,19 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
         collector.close()
         if dashboard is not None:
             dashboard.finish()
+        if metrics is not None and "metrics" in ready:
+            metrics.finish()
         listener.close()
         context.term()
     return 3 if collector.store_failed else 0
 
 
-def _not_ready(context: Any, error: str, store_error: bool = False) -> int:
-    """Say why the collector cannot run, on the line the launcher waits for."""
-    print(orjson.dumps({"error": error, "store_error": store_error}).decode(), flush=True)
+def _not_ready(context: Any, error: str, store_error: bool = False,
+               usage_error: bool = False) -> int:
+    """Say why the collector cannot run, on the line the launcher waits for
+    (``usage_error``: an option of the user's cannot be honoured)."""
+    print(orjson.dumps({"error": error, "store_error": store_error,
+                        "usage_error": usage_error}).decode(), flush=True)
     context.destroy(0)
     return 2
 

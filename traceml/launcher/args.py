@@ -40,7 +40,8 @@ from traceml.wire.identity import MAX_NODES, MAX_WORLD_SIZE
 OWN_DESTS = (
     "mode", "logs_dir", "session_id", "aggregator_host", "aggregator_port",
     "aggregator_bind_host", "summary_window_rows", "sample_interval", "dashboard_port",
-    "html", "no_trace", "stall_timeout", "no_flops", "peak_tflops",
+    "html", "no_trace", "stall_timeout", "no_flops", "peak_tflops", "metrics_port",
+    "metrics_bind_host",
 )
 WORKER_LOG_DIR = "workers"  # in the session folder, without torch's --log-dir
 
@@ -106,6 +107,16 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
                             "0 turns it off).")
     group.add_argument("--dashboard-port", "--dashboard_port", dest="dashboard_port",
                        type=_port, default=8765, help="Port of --mode=dashboard (default 8765).")
+    group.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", type=_port,
+                       default=None,
+                       help="Serve Prometheus metrics of the live run (steps, phases, "
+                            "throughput, the findings) at :PORT/metrics on node 0 "
+                            "(default: off; docs/metrics.md).")
+    group.add_argument("--metrics-bind-host", "--metrics_bind_host", dest="metrics_bind_host",
+                       default="127.0.0.1",
+                       help="Address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 "
+                            "for a Prometheus on another host: anyone who reaches the port "
+                            "reads the metrics).")
     group.add_argument("--html", action="store_true",
                        help="Also write final_summary.html.")
     group.add_argument("--no-trace", "--no_trace", dest="no_trace", action="store_true",
@@ -180,6 +191,8 @@ def parse(command: str, argv: Sequence[str],
         sample_interval_s=ns.sample_interval,
         stall_timeout_s=ns.stall_timeout,
         dashboard_port=ns.dashboard_port,
+        metrics_port=ns.metrics_port,
+        metrics_bind_host=ns.metrics_bind_host,
         html=ns.html,
         no_trace=ns.no_trace,
         training_script=ns.training_script,

@@ -84,6 +84,8 @@ class CollectorProcess:
             reason = ready.get("error", "it did not start")
             if ready.get("store_error"):
                 raise StoreUnwritable(f"traceml: warning: {reason}")
+            if ready.get("usage_error"):
+                raise UsageError(f"traceml: {reason}")
             raise CollectorFailed(reason)
         self.port = int(ready["port"])
         self.ready = ready  # what the collector reported: its port, its dashboard's address

@@ -106,6 +106,7 @@ def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
             session_id=cfg.session_id, bind_host=topo.bind_host, port=topo.port,
             db_path=str(session_dir / STORE_FILENAME), parent_pid=os.getpid(),
             dashboard_port=cfg.dashboard_port if cfg.mode == "dashboard" else None,  # live views
+            metrics_port=cfg.metrics_port, metrics_host=cfg.metrics_bind_host,
             secret=secret, join_port=topo.join_port if cfg.multi_node else None,
             tokens=rank_keys.available(),
             expected={"nnodes": cfg.torch.nnodes, "nproc_per_node": cfg.torch.nproc_per_node},
@@ -119,6 +120,19 @@ def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
                   f"{topo.connect_host}:{topo.port}", file=sys.stderr)
             return None
         raise
+
+
+def announce_metrics(cfg: RunConfig, collector: CollectorProcess | None) -> None:
+    """Where ``--metrics-port`` serves, or that node 0 serves it."""
+    if cfg.metrics_port is None:
+        return
+    info = collector.ready.get("metrics") if collector is not None else None
+    if info is None:
+        print("traceml: --metrics-port: node 0's collector serves the metrics of every node",
+              file=sys.stderr)
+    else:
+        print(f"traceml: Prometheus metrics at {info['url']} (docs/metrics.md)",
+              file=sys.stderr)
 
 
 def agent_env_for(cfg: RunConfig, endpoint: str, session_dir: Path, topo: Topology,
@@ -194,6 +208,7 @@ def run(cfg: RunConfig) -> int:
         return run_torch(torch_namespace(cfg, redirect_output=False))
     if collector is not None:
         record_start(collector, cfg)
+    announce_metrics(cfg, collector)
     port = collector.port if collector is not None else topo.port
     endpoint = f"tcp://{topo.connect_host}:{port}"
     relay = start_relay(cfg, topo, endpoint, secret) if collector is None else None
