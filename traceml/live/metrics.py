@@ -14,7 +14,8 @@ The metric families are plain data (:class:`Family`), built by
 labels and meaning, is ``docs/metrics.md``.  Bounded at scale: up to
 ``ALL_RANKS`` ranks, every rank has its series; beyond, only the ranks a reader
 needs (:func:`exported_ranks`): those the findings name, stalled or crashed
-ranks, and per measured value the worst and the median rank.
+ranks, and per measured value the worst and the median rank; and only their
+nodes' host and GPU series, with the busiest and the median node's.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def families(snap: Snapshot, run: RunData, state: str | None = None,
             [({"rank": str(r)}, float(r in crashed)) for r in sorted(ranks | crashed)])
     _throughput_families(out, snap, ranks)
     _finding_families(out, snap)
-    _memory_families(out, run, ranks)
+    _memory_families(out, run, ranks, bounded=len(snap.phases) > all_ranks)
     transport = meta.transport
     out.add("telemetry_dropped_messages_total", "counter",
             "Messages the ranks' senders dropped (collector unreachable or behind).",
@@ -246,7 +247,7 @@ def _finding_families(out: _Families, snap: Snapshot) -> None:
             excess)
 
 
-def _memory_families(out: _Families, run: RunData, ranks: set[int]) -> None:
+def _memory_families(out: _Families, run: RunData, ranks: set[int], bounded: bool) -> None:
     latest = {}
     for sample in run.process:  # in time order: the newest of each rank wins
         if sample.rank in ranks:
@@ -266,6 +267,10 @@ def _memory_families(out: _Families, run: RunData, ranks: set[int]) -> None:
     nodes = {}
     for system in run.system:
         nodes[system.node_rank] = system
+    if bounded:  # the exported ranks' nodes, and the busiest and median node
+        kept = {n.node_rank for n in run.meta.nodes if ranks & set(n.ranks)}
+        kept |= _worst_and_median([(s.cpu_pct, n) for n, s in nodes.items()], highest=True)
+        nodes = {n: s for n, s in nodes.items() if n in kept}
     hosts = [nodes[n] for n in sorted(nodes)]
     for name, key, scale, help in (
             ("node_cpu_ratio", "cpu_pct", 0.01, "The node's CPU busy, 0 to 1,"),
