@@ -21,13 +21,15 @@ Reported per size, over the real send window (first to last send): step rows
 stored per second, drops counted by the senders and by the collector (gaps),
 node 0's collector CPU % (its cpu_times over the window), its peak RSS, how
 long after the last send the store held every row, and the wall time of
-``traceml report`` on the store at the end.
+``traceml report`` on the store at the end.  ``--scrape on`` serves Prometheus's
+``/metrics`` (``traceml run --metrics-port``) from the collector and scrapes it
+once a second, as a Prometheus would (``both``: each size without, then with).
 
 A simulating process that fails ends the benchmark with exit 1 and its error;
 so does the whole run lasting past ``--time-limit``.
 
     python scripts/bench_collector_scale.py [--ranks 1024 4096 8192] [--mode relay]
-        [--quick] [--time-limit S]
+        [--scrape off|on|both] [--quick] [--time-limit S]
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ import queue
 import shutil
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -393,7 +398,45 @@ def cpu_s(proc: psutil.Process) -> float:
     return float(t.user + t.system)
 
 
-def bench(n: int, args: argparse.Namespace) -> str:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Scraper(threading.Thread):
+    """A Prometheus stand-in: GETs /metrics once a second, timing each answer."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.done = threading.Event()
+        self.seconds: list[float] = []
+        self.size = 0
+        self.failed = 0
+        self.start()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            t0 = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.url, timeout=10) as response:
+                    self.size = len(response.read())
+                self.seconds.append(time.monotonic() - t0)
+            except OSError:
+                self.failed += 1
+
+    def stop(self) -> str:
+        self.done.set()
+        self.join(15)
+        if not self.seconds:
+            return f"/metrics scraped 1/s: no answer ({self.failed} failed)"
+        return (f"/metrics scraped 1/s: {len(self.seconds)} answers, {self.failed} failed, "
+                f"median {statistics.median(self.seconds) * 1e3:.0f} ms, "
+                f"slowest {max(self.seconds) * 1e3:.0f} ms, {self.size / 1024:.0f} KiB")
+
+
+def bench(n: int, args: argparse.Namespace, scrape: bool = False) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         session_dir = Path(tmp) / SESSION
         session_dir.mkdir()
@@ -401,7 +444,8 @@ def bench(n: int, args: argparse.Namespace) -> str:
         secret = new_secret()
         collector = CollectorProcess(CollectorConfig(
             session_id=SESSION, bind_host="127.0.0.1", port=0, db_path=str(db_path),
-            parent_pid=os.getpid(), secret=secret))
+            parent_pid=os.getpid(), secret=secret, metrics_port=free_port() if scrape else None))
+        scraper = Scraper(collector.ready["metrics"]["url"]) if scrape else None
         collector.record(RunStart(
             session_id=SESSION, command=("bench",), started_at=time.time(),
             traceml_version="", torch_version="", python_version="",
@@ -430,6 +474,7 @@ def bench(n: int, args: argparse.Namespace) -> str:
                 peak_rss = max(peak_rss, proc.memory_info().rss)
                 time.sleep(0.5)
             cpu1, wall1 = cpu_s(proc), time.time()
+            scraped = scraper.stop() if scraper is not None else ""
             tally = gather(workers, out, deadline=time.time() + 60.0)
             for w in workers:
                 w.join()
@@ -459,6 +504,7 @@ def bench(n: int, args: argparse.Namespace) -> str:
             f"all stored {caught_up:4.1f} s after the last send  final summary "
             f"{summary_s:5.1f} s{failed}\n       {plan.note}"
             + (f"; {reported} drops reported in-band" if reported else "")
+            + (f"\n       {scraped}" if scrape else "")
             + (f"\n       rejected by node 0: {rejected}" if rejected else ""))
 
 
@@ -487,12 +533,17 @@ def main() -> None:
                         help="copy each size's session folder (its store) to DIR/<N>ranks")
     parser.add_argument("--real-relays", type=int, default=2,
                         help="relay processes that run (relay mode)")
+    parser.add_argument("--scrape", choices=("off", "on", "both"), default="off",
+                        help="serve Prometheus /metrics and scrape it once a second (both: "
+                             "each size without, then with)")
     args = parse(parser, quick={"ranks": [64], "duration": 3.0, "senders": 1, "real_relays": 1},
                  limit_s=3600.0)
     print(f"{args.steps_per_s:g} steps/s per rank for {args.duration:g} s, mode {args.mode}, "
           f"{os.cpu_count()} CPUs", flush=True)
+    scrapes = {"off": (False,), "on": (True,), "both": (False, True)}[args.scrape]
     for n in args.ranks:
-        print(bench(n, args), flush=True)
+        for scrape in scrapes:
+            print(bench(n, args, scrape), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ untraced ratio for a short (~1 ms) and a long (~20 ms) step, then times
 ``traceml run`` against ``torchrun`` on an empty script.
 
     python scripts/bench_overhead.py [--blocks 40] [--startup-runs 5] [--dashboard] [--quick]
+                                     [--metrics]
                                      [--device cuda [--cuda-timing both] [--long-ms 20]]
 
 ``--device cuda`` runs the loop on the GPU: the short step is launch-bound
@@ -23,7 +24,8 @@ untraced blocks with its own A/A line; ``sampled`` or ``every-step`` runs one.
 
 ``--dashboard`` runs the collector as ``--mode=dashboard`` does, with a page
 polling the live data once a second, to show the live view costs training
-nothing.
+nothing; ``--metrics`` likewise with ``--metrics-port``'s endpoint scraped once
+a second.
 
 ``--ddp`` times communication timing instead: 2 gloo ranks (processes) train
 a DDP model in alternating blocks with the agent's communication timing on and
@@ -230,11 +232,12 @@ def free_port() -> int:
 
 
 class DashboardPoller(threading.Thread):
-    """A browser stand-in: fetches the live data once a second."""
+    """A browser stand-in: fetches the live data once a second (or a Prometheus
+    stand-in: /metrics)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
-        self.url = url.rstrip("/") + SNAPSHOT_PATH
+        self.url = url
         self.done = threading.Event()
         self.answered = 0
         self.start()
@@ -377,6 +380,8 @@ def main() -> None:
                         help="--device cuda: the long step's GPU time to size it to")
     parser.add_argument("--dashboard", action="store_true",
                         help="collector with the live dashboard, polled once a second")
+    parser.add_argument("--metrics", action="store_true",
+                        help="collector serving Prometheus /metrics, scraped once a second")
     parser.add_argument("--ddp", action="store_true",
                         help="the cost of communication timing on 2-rank gloo DDP")
     args = parse(parser, quick={"blocks": 2, "startup_runs": 1}, limit_s=3600.0)
@@ -390,9 +395,13 @@ def main() -> None:
             session_id="bench", bind_host="127.0.0.1", port=0,
             db_path=os.path.join(tmp, "telemetry.sqlite"), parent_pid=os.getpid(),
             dashboard_port=free_port() if args.dashboard else None, secret=secret,
-            tokens=True))
-        poller = (DashboardPoller(collector.ready["dashboard"]["url"]) if args.dashboard
-                  else None)
+            tokens=True, metrics_port=free_port() if args.metrics else None))
+        poller = None
+        if args.dashboard:
+            poller = DashboardPoller(collector.ready["dashboard"]["url"].rstrip("/")
+                                     + SNAPSHOT_PATH)
+        elif args.metrics:
+            poller = DashboardPoller(collector.ready["metrics"]["url"])
         # The batch watch runs as in a real rank; the one FLOP-counting step is a
         # one-time cost of its own (README), so counting is off here.
         env = AgentEnv(session_id="bench", endpoint=f"tcp://127.0.0.1:{collector.port}",
@@ -405,7 +414,8 @@ def main() -> None:
         if args.device.startswith("cuda") and not runtime.device.watch():
             parser.error("--device cuda: torch sees no CUDA device")
         inst = Instrumentation(runtime.probe)
-        mode = "with the live dashboard polled 1/s" if args.dashboard else "summary mode"
+        mode = ("with the live dashboard polled 1/s" if args.dashboard else
+                "with Prometheus /metrics scraped 1/s" if args.metrics else "summary mode")
         print(f"torch {torch.__version__} on {args.device}, 1 thread, "
               f"collector live on port {collector.port}, {mode}")
         if args.device.startswith("cuda"):
@@ -420,7 +430,8 @@ def main() -> None:
         runtime.probe.log(CLOSE)  # what the agent logs at exit
         runtime.sender.stop()
         if poller is not None:
-            print(f"dashboard polls answered: {poller.stop()}")
+            print(f"{'dashboard polls' if args.dashboard else '/metrics scrapes'} answered: "
+                  f"{poller.stop()}")
         collector.stop()
         with StoreReader(os.path.join(tmp, "telemetry.sqlite")) as reader:
             stored = reader.num_steps()

@@ -47,14 +47,18 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 if [ "$DEV" = 1 ]; then
     # Live-view tests: Debian's Chromium driven by Playwright (Playwright's own
-    # browser download is not reachable) and tmux for the terminal view.
-    if [ ! -x /usr/bin/chromium ] || ! command -v tmux >/dev/null; then
+    # browser download is not reachable) and tmux for the terminal view; the
+    # metrics test scrapes with a real Prometheus server (Debian's).
+    if [ ! -x /usr/bin/chromium ] || ! command -v tmux >/dev/null \
+            || [ ! -x /usr/bin/prometheus ]; then
         if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
             apt-get update -qq
             DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium tmux >/dev/null
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                prometheus >/dev/null
         else
-            echo "scripts/setup.sh: the live-view tests need Debian's chromium and tmux:" \
-                 "apt-get install chromium tmux (as root)" >&2
+            echo "scripts/setup.sh: the live-view and metrics tests need Debian's chromium," \
+                 "tmux and prometheus: apt-get install chromium tmux prometheus (as root)" >&2
         fi
     fi
     "${PIP[@]}" -r requirements-dev.txt

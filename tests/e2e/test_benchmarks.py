@@ -29,13 +29,18 @@ SCRIPTS = ROOT / "scripts"
 # of an accuracy case may end it (exit 1 after its tally), lines its output must hold
 STORED_ALL = r"^\s*64 ranks .* stored (\d+)/\1 .* dropped: senders 0, collector 0 gaps"
 QUICK: list[tuple[str, list[str], bool, list[str]]] = [
-    ("bench_collector_scale.py", [], False, [STORED_ALL, r"^\s+relay: 8 nodes of 8 ranks"]),
+    ("bench_collector_scale.py", ["--scrape", "on"], False,
+     [STORED_ALL, r"^\s+relay: 8 nodes of 8 ranks",
+      r"^\s+/metrics scraped 1/s: [1-9]\d* answers, 0 failed"]),
     ("bench_collector_scale.py", ["--mode", "direct"], False,
      [STORED_ALL, r"^\s+direct: 64 ranks send to the collector"]),
     ("bench_overhead.py", [], False,
      [r"^short step paired added cpu .* µs/step", r"^long step\s+A/A ",
       r"^steps the collector made of the events: [1-9]\d*, messages sent \d+, dropped 0$",
       r"^start-up\s+torchrun [\d.]+ s\s+traceml run [\d.]+ s"]),
+    ("bench_overhead.py", ["--metrics", "--startup-runs", "0"], False,
+     [r"^torch .* collector live on port \d+, with Prometheus /metrics scraped 1/s$",
+      r"^short step paired added cpu .* µs/step", r"^/metrics scrapes answered: [1-9]\d*$"]),
     ("bench_overhead.py", ["--ddp"], False,
      [r"^ddp comm\s+cpu paired added .* µs/bucket, \d+ buckets",
       r"^ddp in flight\s+cpu added .* µs/backward"]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -212,3 +213,26 @@ def test_prometheus_scrapes_a_live_run_and_alerts_on_a_hung_rank(
     ended = prom.query(f'last_over_time(traceml_run_state{{session="{SESSION}",'
                        'state="succeeded"}[1m])')
     assert [float(r["value"][1]) for r in ended] == [1.0], job.output()
+
+
+def test_a_metrics_port_out_of_range_or_in_use_stops_before_training(tmp_path: Path) -> None:
+    from tests.conftest import run_traceml
+
+    loop = script("loop.py")
+    res = run_traceml(tmp_path, "run", "--metrics-port", "70000", loop, "--steps", "3")
+    assert res.returncode == 2 and not res.steps
+    assert res.stderr.strip().splitlines()[-1] == (
+        "traceml run: argument --metrics-port/--metrics_port: not a TCP port: 70000 "
+        "(see 'traceml run --help')")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = run_traceml(tmp_path, "run", "--metrics-port", str(port), loop, "--steps", "3",
+                          session="taken")
+    assert res.returncode == 2 and not res.steps
+    last = res.stderr.strip().splitlines()[-1]
+    assert last == (f"traceml: --metrics-port {port}: cannot listen on 127.0.0.1:{port} "
+                    "(Address already in use); choose a free port"), res.stderr
+    assert not (res.session_dir / "telemetry.sqlite").exists()
+    assert res.evidence() == {}  # the script never ran

@@ -19,15 +19,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import free_port
 from tests.live.conftest import T0, comm_run, fixed_run, wide_run
 from tests.live.test_dashboard import make_store
-from traceml.live.metrics import ALL_RANKS, MetricsServer, families, to_text
+from traceml.live.metrics import ALL_RANKS, LiveFamilies, MetricsServer, families, live_values, to_text
 from traceml.records import Incident, RunData
-from traceml.report.page.snapshot import live_snapshot
 
 
 def scrape(run: RunData, all_ranks: int = ALL_RANKS) -> dict[str, list[Any]]:
     """The exposition text of ``run``'s live snapshot, parsed as Prometheus would:
     sample name -> [(labels, value)]."""
-    text = to_text(families(live_snapshot(run, 100), run, all_ranks=all_ranks))
+    text = to_text(families(live_values(run, 100), run, all_ranks=all_ranks))
     out: dict[str, list[Any]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -146,7 +145,7 @@ def get(url: str) -> tuple[int, str, str]:
 
 def test_the_endpoint_serves_a_store_and_stops_after_one_more_scrape(tmp_path: Path) -> None:
     make_store(tmp_path / "telemetry.sqlite", num_steps=30)
-    server = MetricsServer(tmp_path / "telemetry.sqlite", "dash")
+    server = MetricsServer(LiveFamilies(tmp_path / "telemetry.sqlite"))
     port = free_port()
     address = server.start("127.0.0.1", port)
     assert address == {"url": f"http://127.0.0.1:{port}/metrics", "port": port}
@@ -175,7 +174,7 @@ def test_a_taken_port_cannot_be_served(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(OSError):
-            MetricsServer(tmp_path / "telemetry.sqlite", "dash").start(
+            MetricsServer(LiveFamilies(tmp_path / "telemetry.sqlite")).start(
                 "127.0.0.1", taken.getsockname()[1])
 
 
@@ -185,3 +184,20 @@ def test_many_nodes_export_the_exported_ranks_nodes_only() -> None:
     assert "17" in nodes and len(nodes) <= 8  # r137's node among a few
     assert {labels["node"] for labels, _ in m["traceml_gpu_utilization_ratio"]} == nodes
     assert len(scrape(wide_run(16, 30, slow_rank=3))["traceml_node_cpu_ratio"]) == 2
+
+
+def test_a_finding_that_names_every_rank_exports_its_first_ranks_only() -> None:
+    """HIGH CPU on 1000 ranks names them all: the series stay bounded."""
+    from traceml.diagnosis.finding import Finding
+    from traceml.live.metrics import NAMED_PER_FINDING, exported_ranks
+
+    run = wide_run(300, 30, slow_rank=137)
+    values = live_values(run, 100)
+    busy = Finding("HIGH_CPU", "HIGH CPU", "warn", "every rank is busy.", "",
+                   tuple(range(299, -1, -1)))
+    process = dataclasses.replace(values.report.process, findings=(busy,))
+    crowded = dataclasses.replace(values, report=dataclasses.replace(values.report,
+                                                                    process=process))
+    chosen = exported_ranks(crowded, set())
+    assert set(range(299, 299 - NAMED_PER_FINDING, -1)) <= chosen
+    assert len(chosen) <= len(exported_ranks(values, set())) + NAMED_PER_FINDING

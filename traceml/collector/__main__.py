@@ -31,9 +31,9 @@ def metrics_server(config: CollectorConfig) -> LiveServer | None:
     """Prometheus's ``/metrics`` for ``--metrics-port``; only such runs import it."""
     if config.metrics_port is None:
         return None
-    from traceml.live.metrics import MetricsServer  # noqa: TID251
+    from traceml.live.metrics import LiveFamilies, MetricsServer  # noqa: TID251
 
-    return MetricsServer(Path(config.db_path), config.session_id)
+    return MetricsServer(LiveFamilies(Path(config.db_path)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,16 +5,16 @@ process (never a training thread), bound to 127.0.0.1 unless
 ``--metrics-bind-host`` says otherwise.  A scrape reads what the live views read
 (`traceml.live.tail.StoreTail`: the store's new rows, read-only, bounded) and
 the live report built over it, at most once per ``MIN_REBUILD_S`` however many
-scrapers ask.  When the run is over the endpoint serves the last values with
-the run's state until it has been scraped once more (``FINAL_LINGER_S`` at
-most), then stops.
+scrapers ask, and less often when a build takes long (``BUILD_SHARE``).  When
+the run is over the endpoint serves the last values with the run's state until
+it has been scraped once more (``FINAL_LINGER_S`` at most), then stops.
 
 The metric families are plain data (:class:`Family`), built by
 :func:`families` from a snapshot; the schema, with every metric's type, unit,
 labels and meaning, is ``docs/metrics.md``.  Bounded at scale: up to
 ``ALL_RANKS`` ranks, every rank has its series; beyond, only the ranks a reader
-needs (:func:`exported_ranks`): those the findings name, stalled or crashed
-ranks, and per measured value the worst and the median rank; and only their
+needs (:func:`exported_ranks`): those the findings name first, stalled or
+crashed ranks, and per measured value the worst and the median rank; and only their
 nodes' host and GPU series, with the busiest and the median node's.
 """
 
@@ -34,12 +34,8 @@ from traceml.diagnosis.step_time import RankStepTimes, comm_measured
 from traceml.diagnosis.throughput import RankThroughput
 from traceml.live.tail import StoreTail
 from traceml.records import RunData, StepRow
-from traceml.report.model import SECTION_NAMES
-from traceml.report.page.snapshot import (
-    TABLE_PARTS,
-    Snapshot,
-    live_snapshot,
-)
+from traceml.report.model import SECTION_NAMES, Report
+from traceml.report.page.snapshot import TABLE_PARTS, RankPhases, live_report, phase_rows
 from traceml.store import StoreError
 
 MIN_REBUILD_S = 1.0
@@ -48,7 +44,12 @@ FINAL_LINGER_S = 5.0
 launcher stops the collector within 15 s); with a longer scrape interval the
 target's going away (``up == 0``) marks the end."""
 ALL_RANKS = 64
-"""Up to this many ranks every rank has its per-rank series (see `exported_ranks`)."""
+"""Up to this many ranks every rank has its per-rank series (see `exported_ranks`)..."""
+NAMED_PER_FINDING = 8
+"""...beyond, a finding's first ranks (most affected first) have theirs."""
+BUILD_SHARE = 0.1
+"""A rebuild waits at least this many times its own last build time over again, so
+building the values takes about this share of a core at most, at any size."""
 PREFIX = "traceml_"
 
 PHASE_PARTS = tuple(p for p in TABLE_PARTS if p is not phases.TOTAL)
@@ -63,6 +64,21 @@ FINDING_PHASES: Mapping[str, str] = {
 RUN_STATES = ("running", "succeeded", "failed")
 
 Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Values:
+    """What the metrics are read from: a report and its per-rank phase table (the
+    live views' snapshot without what only a page draws)."""
+
+    report: Report
+    phases: tuple[RankPhases, ...]
+
+
+def live_values(run: RunData, window_rows: int) -> Values:
+    """The values of a running job over the live window of its recent rows."""
+    report = live_report(run, window_rows)
+    return Values(report, phase_rows(run, report))
 
 
 @dataclass(frozen=True)
@@ -99,9 +115,9 @@ def run_state(run: RunData) -> str:
     return "succeeded" if run.meta.exit_code == 0 else "failed"
 
 
-def families(snap: Snapshot, run: RunData, state: str | None = None,
+def families(snap: Values, run: RunData, state: str | None = None,
              all_ranks: int = ALL_RANKS) -> list[Family]:
-    """The metric families of one snapshot of ``run`` (see ``docs/metrics.md``)."""
+    """The metric families of ``run``'s values (see ``docs/metrics.md``)."""
     meta = run.meta
     out = _Families(meta.session_id)
     state = state or run_state(run)
@@ -138,7 +154,7 @@ def families(snap: Snapshot, run: RunData, state: str | None = None,
     return out.out
 
 
-def exported_ranks(snap: Snapshot, named: set[int], all_ranks: int = ALL_RANKS) -> set[int]:
+def exported_ranks(snap: Values, named: set[int], all_ranks: int = ALL_RANKS) -> set[int]:
     """The ranks with per-rank series: every rank up to ``all_ranks``; beyond, ``named``
     ranks, those the findings name, and for each phase, the last step and each rate,
     the worst and the median rank."""
@@ -148,7 +164,7 @@ def exported_ranks(snap: Snapshot, named: set[int], all_ranks: int = ALL_RANKS) 
     chosen = set(named)
     for section in SECTION_NAMES:
         for finding in snap.report.section(section).findings:
-            chosen.update(finding.ranks)
+            chosen.update(finding.ranks[:NAMED_PER_FINDING])
     for part in TABLE_PARTS:
         chosen.update(_worst_and_median([(r.median_ms[part.column], r.rank) for r in rows
                                          if part.column in r.median_ms], highest=True))
@@ -169,7 +185,7 @@ def _worst_and_median(values: list[tuple[float, int]], highest: bool) -> set[int
     return {worst[1], ordered[(len(ordered) - 1) // 2][1]}
 
 
-def _step_families(out: _Families, snap: Snapshot, run: RunData, ranks: set[int]) -> None:
+def _step_families(out: _Families, snap: Values, run: RunData, ranks: set[int]) -> None:
     rows = [r for r in snap.phases if r.rank in ranks]
     times = {r.rank: r for r in snap.report.step_time.ranks if isinstance(r, RankStepTimes)}
     # Collectives untimed (one rank, NCCL): their phases are absent, not 0.
@@ -209,7 +225,7 @@ def _last_steps(steps: Iterable[StepRow], ranks: set[int]) -> dict[int, float]:
     return out
 
 
-def _throughput_families(out: _Families, snap: Snapshot, ranks: set[int]) -> None:
+def _throughput_families(out: _Families, snap: Values, ranks: set[int]) -> None:
     section = snap.report.throughput
     rows = [r for r in section.ranks if isinstance(r, RankThroughput) and r.rank in ranks]
     for name, key, scale, help in (
@@ -225,7 +241,7 @@ def _throughput_families(out: _Families, snap: Snapshot, ranks: set[int]) -> Non
                 [({}, _scaled(getattr(job, key) if job is not None else None, scale))])
 
 
-def _finding_families(out: _Families, snap: Snapshot) -> None:
+def _finding_families(out: _Families, snap: Values) -> None:
     report = snap.report
     found, excess = [], []
     for name in SECTION_NAMES:
@@ -337,16 +353,56 @@ class _Adapter:
             yield metric
 
 
-class MetricsServer:
-    """``/metrics`` of a live run: a daemon HTTP thread in the collector process."""
+class LiveFamilies:
+    """The families of a live run, from its store (`StoreTail`): rebuilt when asked,
+    at most once per MIN_REBUILD_S and never sooner than 1 / BUILD_SHARE times the
+    last build's own time (any thread; the endpoint and the OTLP export share one)."""
 
-    def __init__(self, db_path: Path, session_id: str) -> None:
-        self.db_path = db_path
-        self.session_id = session_id
+    def __init__(self, db_path: Path) -> None:
         self._tail = StoreTail(db_path)
         self._lock = threading.Lock()
         self._families: list[Family] = []
-        self._built_at = float("-inf")
+        self._next_at = float("-inf")
+        self.final = False
+        self.build_s: float | None = None  # the last build's time
+
+    def current(self) -> list[Family]:
+        """The families now (the last ones until a rebuild is due)."""
+        with self._lock:
+            if not self.final and time.monotonic() >= self._next_at:
+                self._rebuild()
+            return self._families
+
+    def finish(self) -> list[Family]:
+        """The run is over and the store closed: one last read, its ending among it;
+        these families from now on."""
+        with self._lock:
+            if not self.final:
+                self._rebuild()
+                self.final = True
+            return self._families
+
+    def _rebuild(self) -> None:
+        began = time.monotonic()
+        try:
+            run, window_rows = self._tail.poll()
+            if run.steps or run.process or run.system:
+                self._families = families(live_values(run, window_rows), run)
+        except StoreError as exc:  # busy for a moment: the last values again
+            if self.final:
+                print(f"traceml collector: metrics have no final values: {exc}",
+                      file=sys.stderr)
+        now = time.monotonic()
+        self.build_s = now - began
+        self._next_at = now + max(MIN_REBUILD_S, self.build_s / BUILD_SHARE)
+
+
+class MetricsServer:
+    """``/metrics`` of a live run: a daemon HTTP thread in the collector process."""
+
+    def __init__(self, source: LiveFamilies) -> None:
+        self.source = source
+        self._lock = threading.Lock()
         self._final = False
         self._scraped = threading.Event()  # a scrape after the final values were set
         self._last_scrape = 0.0
@@ -365,36 +421,22 @@ class MetricsServer:
         return {"url": f"http://{shown}:{bound}/metrics", "port": bound}
 
     def current(self) -> list[Family]:
-        """The families now: rebuilt at most once per MIN_REBUILD_S (scrape thread)."""
+        """The families a scrape gets (scrape thread)."""
         with self._lock:
             now = time.monotonic()
             self._interval = now - self._last_scrape if self._last_scrape > 0 else None
             self._last_scrape = now
             if self._final:
                 self._scraped.set()
-            elif time.monotonic() - self._built_at >= MIN_REBUILD_S:
-                try:
-                    run, window_rows = self._tail.poll()
-                    if run.steps or run.process or run.system:
-                        self._families = families(live_snapshot(run, window_rows), run)
-                except StoreError:
-                    pass  # busy for a moment: the last values again
-                self._built_at = time.monotonic()
-            return self._families
+        return self.source.current()
 
     def finish(self) -> None:
-        """The run is over and the store closed: one last read (its ending among it),
-        served until scraped once more, at most 1.5 scrape intervals and
-        FINAL_LINGER_S; nobody scraping: stop at once.  Cheap: the launcher
+        """The run is over and the store closed: the last values, the run's ending
+        among them, served until scraped once more (at most 1.5 scrape intervals
+        and FINAL_LINGER_S); nobody scraping: stop at once.  Cheap: the launcher
         builds the summary, not this."""
+        self.source.finish()
         with self._lock:
-            try:
-                run, window_rows = self._tail.poll()
-                if run.steps or run.process or run.system:
-                    self._families = families(live_snapshot(run, window_rows), run)
-            except StoreError as exc:
-                print(f"traceml collector: metrics have no final values: {exc}",
-                      file=sys.stderr)
             self._final = True
             interval = self._interval
         if interval is not None:
@@ -407,4 +449,3 @@ class MetricsServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-

@@ -102,9 +102,13 @@ class Snapshot:
 
 def live_snapshot(run: RunData, window_rows: int, now: float | None = None) -> Snapshot:
     """The snapshot of a running job from its recent rows."""
+    return build_snapshot(run, live_report(run, window_rows), ended=False, now=now)
+
+
+def live_report(run: RunData, window_rows: int) -> Report:
+    """The report of a running job over the live window of its recent rows."""
     num_ranks = len({row.rank for row in run.steps})
-    report = build_report(run, min(window_rows, live_window_steps(num_ranks)))
-    return build_snapshot(run, report, ended=False, now=now)
+    return build_report(run, min(window_rows, live_window_steps(num_ranks)))
 
 
 def build_snapshot(run: RunData, report: Report, *, ended: bool, now: float | None = None,
