@@ -88,6 +88,9 @@ class RunConfig:
     # --metrics-port: Prometheus's /metrics on node 0's collector (None: off)
     metrics_port: int | None = None
     metrics_bind_host: str = "127.0.0.1"
+    # --otlp-endpoint: the same metrics pushed over OTLP/HTTP from node 0 (None: off)
+    otlp_endpoint: str | None = None
+    otlp_interval_s: float = 10.0
 
     @property
     def multi_node(self) -> bool:

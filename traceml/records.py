@@ -240,6 +240,9 @@ class RunMeta:
     # What vanished before recording the end: "launcher" (kill -9), or "process" (the one
     # training process of traceml.init()); None: nothing did.
     lost: str | None = None
+    # How the collector's metrics exports went: exporter ("otlp") -> endpoint, sent,
+    # failed, error (`traceml.live.otlp`); empty when none ran.
+    exports: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -201,3 +201,29 @@ def test_a_finding_that_names_every_rank_exports_its_first_ranks_only() -> None:
     chosen = exported_ranks(crowded, set())
     assert set(range(299, 299 - NAMED_PER_FINDING, -1)) <= chosen
     assert len(chosen) <= len(exported_ranks(values, set())) + NAMED_PER_FINDING
+
+
+def test_values_are_rebuilt_at_most_once_a_second_and_then_follow_the_store(
+        tmp_path: Path) -> None:
+    from tests.live.conftest import wait_for
+    from tests.rows import sent_by, step_record
+    from traceml.store import StoreWriter
+    from traceml.wire.identity import Sender
+
+    db = tmp_path / "telemetry.sqlite"
+    make_store(db, num_steps=30)
+    source = LiveFamilies(db)
+
+    def steps() -> dict[int, float]:
+        fam = next(f for f in source.current() if f.name == "traceml_steps_completed_total")
+        return {int(dict(labels)["rank"]): v for labels, v in fam.samples}
+
+    assert steps() == {0: 30.0, 1: 30.0} and source.build_s is not None
+    writer = StoreWriter(str(db))
+    sender = Sender(role="agent", host="h", pid=10, node_rank=0, rank=0, local_rank=0,
+                    world_size=2)
+    writer.add_steps(sent_by(sender, [step_record(s, t_begin=T0 + s, total_ms=10.0)
+                                      for s in range(30, 40)]))
+    writer.close()
+    assert steps() == {0: 30.0, 1: 30.0}  # asked again at once: the last values
+    wait_for(lambda: steps()[0] == 40.0 or None, 5.0, "the new steps")

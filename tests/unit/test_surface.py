@@ -85,6 +85,7 @@ TRACEML_OPTIONS = {
     "--dashboard-port", "--dashboard_port", "--html",
     "--no-trace", "--no_trace", "--no-flops", "--no_flops", "--peak-tflops", "--peak_tflops",
     "--metrics-port", "--metrics_port", "--metrics-bind-host", "--metrics_bind_host",
+    "--otlp-endpoint", "--otlp_endpoint", "--otlp-interval", "--otlp_interval",
 }
 
 

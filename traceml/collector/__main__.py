@@ -1,8 +1,8 @@
 """``python -m traceml.collector CONFIG_JSON`` (collector process).
 
 The collector's composition root: the server, plus the live page's server when
-the configuration asks for one (``--mode=dashboard``) and the metrics endpoint
-(``--metrics-port``); or, with an ``upstream``,
+the configuration asks for one (``--mode=dashboard``), the metrics endpoint
+(``--metrics-port``) and the OTLP push (``--otlp-endpoint``); or, with an ``upstream``,
 a node's relay (`traceml.collector.relay`).  Composed here so that
 ``traceml.collector.server`` does not import the live views.
 """
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from traceml.collector.config import CollectorConfig
-from traceml.collector.server import LiveServer, serve
+from traceml.collector.server import Exporter, LiveServer, serve
 from traceml.security import forbid_inspection
 
 
@@ -27,13 +27,22 @@ def live_server(config: CollectorConfig) -> LiveServer | None:
     return Dashboard(Path(config.db_path), config.session_id)
 
 
-def metrics_server(config: CollectorConfig) -> LiveServer | None:
-    """Prometheus's ``/metrics`` for ``--metrics-port``; only such runs import it."""
-    if config.metrics_port is None:
-        return None
+def metrics_exports(config: CollectorConfig) -> tuple[LiveServer | None, Exporter | None]:
+    """Prometheus's ``/metrics`` for ``--metrics-port`` and the OTLP push for
+    ``--otlp-endpoint``, from one source of values; only such runs import them."""
+    if config.metrics_port is None and config.otlp_endpoint is None:
+        return None, None
     from traceml.live.metrics import LiveFamilies, MetricsServer  # noqa: TID251
 
-    return MetricsServer(LiveFamilies(Path(config.db_path)))
+    source = LiveFamilies(Path(config.db_path))
+    server = MetricsServer(source) if config.metrics_port is not None else None
+    exporter = None
+    if config.otlp_endpoint is not None:
+        from traceml.live.otlp import OtlpExport  # noqa: TID251
+
+        exporter = OtlpExport(source, config.otlp_endpoint, config.session_id,
+                              config.otlp_interval_s)
+    return server, exporter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         from traceml.collector.relay import serve_relay
 
         return serve_relay(config)
-    return serve(config, live_server(config), metrics=metrics_server(config))
+    metrics, exporter = metrics_exports(config)
+    return serve(config, live_server(config), metrics=metrics, exporter=exporter)
 
 
 if __name__ == "__main__":

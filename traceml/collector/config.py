@@ -41,6 +41,9 @@ class CollectorConfig:
     # --metrics-port: Prometheus's /metrics, served in this process (`traceml.live.metrics`).
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # --otlp-endpoint: the same metrics pushed over OTLP/HTTP (`traceml.live.otlp`).
+    otlp_endpoint: str | None = None
+    otlp_interval_s: float = 10.0
     # CURVE keys: from ``secret`` (None: from the session id); the launcher's own key
     # from ``launcher_secret`` (None: nobody may send control messages).
     secret: str | None = None

@@ -59,6 +59,7 @@ class Store(Protocol):
     def save_run(self, record: RunStart | RunEnd) -> None: ...
     def add_join_error(self, error: JoinError) -> None: ...
     def save_launcher_lost(self, at: float, role: str) -> None: ...
+    def save_exports(self, exports: Mapping[str, Mapping[str, Any]]) -> None: ...
     def commit(self) -> None: ...
     def close(self) -> None: ...
 
@@ -109,6 +110,13 @@ class Collector:
         traceml.init()) vanished before telling the run's end."""
         try:
             self.store.save_launcher_lost(at, role)
+        except StoreError:
+            self.store_failed = True
+
+    def save_exports(self, exports: Mapping[str, Mapping[str, Any]]) -> None:
+        """Record how the metrics exports went (``{"otlp": {"sent": .., "failed": ..}}``)."""
+        try:
+            self.store.save_exports(exports)
         except StoreError:
             self.store_failed = True
 

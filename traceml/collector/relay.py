@@ -182,6 +182,9 @@ class Outbox:
     def save_launcher_lost(self, at: float, role: str) -> None:
         """A relay's launcher is its node's: node 0 learns of it as a lost node."""
 
+    def save_exports(self, exports: Mapping[str, Mapping[str, Any]]) -> None:
+        """Metrics are exported by node 0's collector only."""
+
     def commit(self) -> None:
         """Send what arrived since the last batch, as one message.  A batch node 0
         did not take (it was slow or gone) gives back its sender states, incidents

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import orjson
@@ -65,6 +65,16 @@ class LiveServer(Protocol):
 
     def finish(self) -> None:
         """The run is over and the store closed: serve the final report, then stop."""
+
+
+class Exporter(Protocol):
+    """What the collector needs of a metrics push (``traceml.live.otlp``)."""
+
+    def start(self) -> object:
+        """Start pushing; returns what to report as ready."""
+
+    def finish(self) -> Mapping[str, Any]:
+        """The run is over and the store committed: the last push; how the pushes went."""
 
 
 def _bind(sock: Any, host: str, port: int) -> int:
@@ -207,13 +217,14 @@ def open_store_writer(config: CollectorConfig) -> Store:
 
 def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
           open_store: Callable[[CollectorConfig], Store] = open_store_writer,
-          metrics: LiveServer | None = None) -> int:
+          metrics: LiveServer | None = None, exporter: Exporter | None = None) -> int:
     """Run until the launcher ends the session; returns the exit status (3: the
     store could not be written, so what arrived is not all stored).
 
     ``dashboard`` is started when the configuration asks for one (``dashboard_port``),
     ``metrics`` likewise (``metrics_port``; a port it cannot listen on stops the start:
-    scrape configurations name the port, so it is not moved);
+    scrape configurations name the port, so it is not moved); ``exporter`` pushes
+    until the end, and how its pushes went is stored with the run;
     ``open_store`` opens where accepted messages go (a relay: its batches to node 0)."""
     # Ctrl-C and the job's SIGTERM (``timeout``, ``scancel`` of the process group) are
     # the launcher's to handle: it stops this process once the run is over.
@@ -245,11 +256,15 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
                           store_error=True)
     collector = Collector(config, store)
     dashboard = _start_dashboard(dashboard, config, ready)
+    if exporter is not None:
+        ready["otlp"] = exporter.start()
     print(orjson.dumps(ready).decode(), flush=True)
     try:
         _loop(listener, collector, config)
     finally:
         collector.flush()
+        if exporter is not None:
+            collector.save_exports({"otlp": exporter.finish()})
         collector.close()
         if dashboard is not None:
             dashboard.finish()

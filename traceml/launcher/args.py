@@ -41,7 +41,7 @@ OWN_DESTS = (
     "mode", "logs_dir", "session_id", "aggregator_host", "aggregator_port",
     "aggregator_bind_host", "summary_window_rows", "sample_interval", "dashboard_port",
     "html", "no_trace", "stall_timeout", "no_flops", "peak_tflops", "metrics_port",
-    "metrics_bind_host",
+    "metrics_bind_host", "otlp_endpoint", "otlp_interval",
 )
 WORKER_LOG_DIR = "workers"  # in the session folder, without torch's --log-dir
 
@@ -117,6 +117,14 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
                        help="Address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 "
                             "for a Prometheus on another host: anyone who reaches the port "
                             "reads the metrics).")
+    group.add_argument("--otlp-endpoint", "--otlp_endpoint", dest="otlp_endpoint", default=None,
+                       metavar="URL",
+                       help="Push the same metrics over OTLP/HTTP to URL (e.g. "
+                            "http://otel-collector:4318/v1/metrics) from node 0; needs "
+                            "traceml-run[otel] (default: off).")
+    group.add_argument("--otlp-interval", "--otlp_interval", dest="otlp_interval",
+                       type=_positive_float, default=10.0, metavar="SEC",
+                       help="Seconds between OTLP pushes (default 10).")
     group.add_argument("--html", action="store_true",
                        help="Also write final_summary.html.")
     group.add_argument("--no-trace", "--no_trace", dest="no_trace", action="store_true",
@@ -173,6 +181,12 @@ def parse(command: str, argv: Sequence[str],
         raise UsageError(f"traceml {command}: bad --nnodes {ns.nnodes!r}: give N or MIN:MAX "
                          f"with 1 <= MIN <= MAX <= {MAX_NODES}")
     check_torch_values(command, ns)
+    if ns.otlp_endpoint is not None:
+        from traceml.live.otlp import check_endpoint
+
+        problem = check_endpoint(ns.otlp_endpoint)
+        if problem:
+            raise UsageError(f"traceml {command}: {problem}")
     check_session_id(command, ns, max_nodes)
     session_id = ns.session_id or new_session_id()
     torch_ns = argparse.Namespace(
@@ -193,6 +207,8 @@ def parse(command: str, argv: Sequence[str],
         dashboard_port=ns.dashboard_port,
         metrics_port=ns.metrics_port,
         metrics_bind_host=ns.metrics_bind_host,
+        otlp_endpoint=ns.otlp_endpoint,
+        otlp_interval_s=ns.otlp_interval,
         html=ns.html,
         no_trace=ns.no_trace,
         training_script=ns.training_script,

@@ -107,6 +107,7 @@ def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
             db_path=str(session_dir / STORE_FILENAME), parent_pid=os.getpid(),
             dashboard_port=cfg.dashboard_port if cfg.mode == "dashboard" else None,  # live views
             metrics_port=cfg.metrics_port, metrics_host=cfg.metrics_bind_host,
+            otlp_endpoint=cfg.otlp_endpoint, otlp_interval_s=cfg.otlp_interval_s,
             secret=secret, join_port=topo.join_port if cfg.multi_node else None,
             tokens=rank_keys.available(),
             expected={"nnodes": cfg.torch.nnodes, "nproc_per_node": cfg.torch.nproc_per_node},

@@ -94,6 +94,7 @@ def meta_to_json(meta: RunMeta, duration_s: float) -> dict[str, Json]:
         "transport": {key: meta.transport.get(key) for key in TRANSPORT_KEYS},
         "rejected": {reason: meta.rejected[reason] for reason in sorted(meta.rejected)},
         "telemetry_complete": meta.telemetry_complete,
+        "exports": {name: dict(meta.exports[name]) for name in sorted(meta.exports)},
     }
 
 

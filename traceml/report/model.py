@@ -21,7 +21,8 @@ from traceml.diagnosis.throughput import JobThroughput, RankThroughput
 from traceml.diagnosis.window import Scope
 from traceml.records import RunMeta
 
-SCHEMA_VERSION = "1.4"  # 1.4: launcher_lost; 1.3: hook phase, straggler steadiness; 1.2: ending, ...
+SCHEMA_VERSION = "1.5"  # 1.5: meta.exports; 1.4: launcher_lost; 1.3: hook phase, straggler
+# steadiness; 1.2: ending, ...
 """Version of final_summary.json; bump the major part on incompatible changes."""
 
 RankRow = RankStepTimes | RankMemory | RankProcess | NodeSystem | RankThroughput

@@ -71,6 +71,8 @@ _META = _obj({
     "transport": _obj({k: _INT_OR_NULL for k in ("sent", "dropped", "gaps", "rejected")}),
     "rejected": {"type": "object", "additionalProperties": _INT},
     "telemetry_complete": {"type": "boolean"},
+    "exports": {"type": "object", "additionalProperties": _obj({
+        "endpoint": _STR, "sent": _INT, "failed": _INT, "error": {"type": ["string", "null"]}})},
 })
 
 _SCOPE = _obj({

@@ -92,6 +92,12 @@ def _overview(report: Report) -> list[str]:
                      "ended; the exit status and end time are the launcher's.")
     if meta.rejected:
         lines.append(rejected_line(meta.rejected))
+    for name, tally in sorted(meta.exports.items()):
+        if tally.get("failed"):
+            done = tally["sent"] + tally["failed"]
+            lines.append(f"{name.upper()} export: {tally['failed']} of {done} pushes to "
+                         f"{tally['endpoint']} failed ({tally.get('error')}); the metrics "
+                         "there have gaps.")
     return lines
 
 

@@ -46,6 +46,7 @@ from traceml.store.rows import (
 from traceml.store.schema import (
     BLOCK_COLUMNS_KEY,
     BLOCK_SUMMED,
+    EXPORTS_KEY,
     FLOP_COUNT_COLUMNS,
     JOIN_ERROR_PREFIX,
     LAUNCHER_LOST_KEY,
@@ -79,6 +80,20 @@ class WindowPolicy(Protocol):
 
     def crash_spans(self, incidents: Sequence[Incident]) -> list[tuple[float, float]]:
         """Spans around the crashes whose host samples the ending reads."""
+
+
+def checked_exports(value: Any) -> dict[str, dict[str, Any]]:
+    """The exports record as the collector writes it; anything else (an edited store)
+    reads as no record."""
+    out: dict[str, dict[str, Any]] = {}
+    if not isinstance(value, dict):
+        return out
+    for name, tally in value.items():
+        if (isinstance(tally, dict) and isinstance(tally.get("endpoint"), str)
+                and all(type(tally.get(k)) is int and tally[k] >= 0 for k in ("sent", "failed"))
+                and (tally.get("error") is None or isinstance(tally.get("error"), str))):
+            out[str(name)] = {k: tally.get(k) for k in ("endpoint", "sent", "failed", "error")}
+    return out
 
 
 class StoreReader:
@@ -118,7 +133,8 @@ class StoreReader:
         lost = meta.get(LAUNCHER_LOST_KEY)
         lost_at = float(lost) if isinstance(lost, (int, float)) and math.isfinite(lost) else None
         role = "process" if meta.get(LAUNCHER_LOST_ROLE_KEY) == "process" else "launcher"
-        return RunRecords(start, end, senders, {**rejected, **self.skipped}, lost_at, role)
+        return RunRecords(start, end, senders, {**rejected, **self.skipped}, lost_at, role,
+                          checked_exports(meta.get(EXPORTS_KEY)))
 
     def senders(self, role: str | None = None) -> tuple[SenderState, ...]:
         """Every sender that spoke (of one role: ``"system"`` is each node's launcher)."""

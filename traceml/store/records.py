@@ -6,7 +6,7 @@ the launcher, offline analysis and the live views read them)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from traceml.wire.identity import Sender
@@ -53,6 +53,8 @@ class RunRecords:
     # When the collector saw its launcher vanish before the end (None: it did not).
     launcher_lost_at: float | None = None
     launcher_lost_role: str = "launcher"  # or "process": traceml.init()'s training process
+    # How the collector's metrics exports went, by exporter (`traceml.live.otlp`).
+    exports: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 _T = TypeVar("_T")

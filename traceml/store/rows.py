@@ -217,6 +217,7 @@ def _run_meta(records: RunRecords, totals: tuple[RankTotals, ...],
                    "rejected": sum(records.rejected.values())},
         mode=start.mode, rejected=dict(records.rejected), telemetry_complete=complete,
         lost=records.launcher_lost_role if lost_at is not None else None,
+        exports={name: dict(tally) for name, tally in records.exports.items()},
     )
 
 

@@ -24,6 +24,7 @@ SCHEMA_VERSION = 6  # 2: a column per phase (communication), collective_ms
 # values as JSON, their sums beside them); `steps` is a view of their rows (a store
 # with a steps table is read through the same view's shape)
 JOIN_ERROR_PREFIX = "join_error/"
+EXPORTS_KEY = "exports"  # meta: exporter -> how its pushes went (sent, failed, endpoint, error)
 LAUNCHER_LOST_KEY = "launcher_lost_at"  # meta: when the collector saw its launcher vanish
 LAUNCHER_LOST_ROLE_KEY = "launcher_lost_role"  # ...which: "launcher", or "process" (init())
 STORE_MODE = 0o600

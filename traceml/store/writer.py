@@ -22,6 +22,7 @@ from traceml.store.schema import (
     BLOCK_COLUMNS_KEY,
     BLOCK_SUMMED,
     DDL,
+    EXPORTS_KEY,
     FLOP_COUNT_SQL,
     INCIDENT_SQL,
     JOIN_ERROR_PREFIX,
@@ -137,6 +138,10 @@ class StoreWriter:
 
     def add_join_error(self, error: JoinError) -> None:
         self._set_meta({f"{JOIN_ERROR_PREFIX}{error.at:.6f}": error.problem})
+
+    def save_exports(self, exports: Mapping[str, Mapping[str, Any]]) -> None:
+        """How the collector's metrics exports went (`traceml.live.otlp`), by exporter."""
+        self._set_meta({EXPORTS_KEY: exports})
 
     def save_launcher_lost(self, at: float, role: str) -> None:
         """The collector's own record that its launcher (``role``: or the training
