@@ -17,7 +17,13 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from tests.conftest import free_port, run_traceml, script
-from traceml.live.otlp import check_endpoint, metrics_url, resource_attributes, unit_of
+from traceml.live.otlp import (
+    check_endpoint,
+    metrics_url,
+    resource_attributes,
+    shown_url,
+    unit_of,
+)
 
 
 class Receiver(ThreadingHTTPServer):
@@ -76,7 +82,7 @@ def points(request: ExportMetricsServiceRequest) -> dict[str, list[tuple[dict[st
 
 def test_a_run_pushes_its_metrics_and_job_over_otlp(tmp_path: Path, receiver: Receiver) -> None:
     res = run_traceml(tmp_path, "run", "--otlp-endpoint", receiver.url, "--otlp-interval", "1",
-                      script("loop.py"), "--steps", "150", "--input-sleep-ms", "10",
+                      script("loop.py"), "--steps", "300", "--input-sleep-ms", "10",
                       session="otlp", env={"POD_NAME": "trainer-0", "POD_NAMESPACE": "ml"})
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(receiver.requests) >= 2 and set(receiver.paths) == {"/v1/metrics"}
@@ -87,7 +93,7 @@ def test_a_run_pushes_its_metrics_and_job_over_otlp(tmp_path: Path, receiver: Re
     assert resource["host.name"]
     last = points(receiver.requests[-1])  # the push at the end
     (attrs, steps), = last["traceml_steps_completed"]
-    assert attrs == {"rank": "0"} and steps.as_double == 150.0
+    assert attrs == {"rank": "0"} and steps.as_double == 300.0
     metric = next(m for m in receiver.requests[-1].resource_metrics[0].scope_metrics[0].metrics
                   if m.name == "traceml_steps_completed")
     assert metric.sum.is_monotonic and metric.sum.aggregation_temporality == 2  # cumulative
@@ -134,7 +140,9 @@ def test_bad_endpoints_are_refused_with_one_line() -> None:
     assert attrs["slurm.job.id"] == "4242" and "k8s.pod.name" not in attrs
     assert [unit_of(n) for n in ("traceml_step_duration_seconds", "traceml_mfu_ratio",
                                  "traceml_process_resident_memory_bytes",
-                                 "traceml_steps_completed_total")] == ["s", "1", "By", "1"]
+                                 "traceml_steps_completed_total")] == ["s", "1", "By", ""]
+    assert shown_url("https://user:tok@otel:4318/v1/metrics?key=x") == \
+        "https://otel:4318/v1/metrics"
 
 
 def test_an_endpoint_that_is_not_a_url_stops_before_training(tmp_path: Path) -> None:

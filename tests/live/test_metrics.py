@@ -17,9 +17,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port
-from tests.live.conftest import T0, comm_run, fixed_run, wide_run
+from tests.live.conftest import T0, comm_run, fixed_run, wait_for, wide_run
 from tests.live.test_dashboard import make_store
-from traceml.live.metrics import ALL_RANKS, LiveFamilies, MetricsServer, families, live_values, to_text
+from traceml.live.metrics import (
+    ALL_RANKS,
+    FINAL_LINGER_S,
+    LiveFamilies,
+    MetricsServer,
+    families,
+    live_values,
+    to_text,
+)
 from traceml.records import Incident, RunData
 
 
@@ -116,6 +124,13 @@ def test_many_ranks_export_the_named_worst_and_median_ranks_only() -> None:
         assert ranks <= exported, name
     assert by_rank(m["traceml_rank_stalled"])[211] == 1.0
     assert sum(by_rank(m["traceml_rank_stalled"]).values()) == 1.0
+    # Every rank hung (a collective that never returns): still a few series, and counts.
+    hung = tuple(dataclasses.replace(stall, rank=r, began_at=T0 + 2.5 + r / 1000)
+                 for r in range(300))
+    m_hung = scrape(dataclasses.replace(run, incidents=hung))
+    stalled = by_rank(m_hung["traceml_rank_stalled"])
+    assert set(range(8)) <= set(stalled) and len(stalled) <= 50
+    assert m_hung["traceml_ranks_stalled"][0][1] == 300.0
     # The same run with a higher bound: every rank.
     assert len(by_rank(scrape(run, all_ranks=300)["traceml_steps_completed_total"])) == 300
 
@@ -155,13 +170,17 @@ def test_the_endpoint_serves_a_store_and_stops_after_one_more_scrape(tmp_path: P
         assert 'traceml_steps_completed_total{rank="1",session="dash"} 30.0' in body
         get(address["url"])  # a second scrape: the interval the end waits on
         scraped: list[str] = []
-        later = threading.Thread(target=lambda: (time.sleep(0.3),
-                                                 scraped.append(get(address["url"])[2])))
+
+        def scrape_the_end() -> None:  # as Prometheus would, once the run is over
+            wait_for(lambda: server.final or None, 10.0, "the end")
+            scraped.append(get(address["url"])[2])
+
+        later = threading.Thread(target=scrape_the_end)
         later.start()
         began = time.monotonic()
         server.finish()  # waits for the scrape above, then stops
         later.join()
-        assert time.monotonic() - began < 5.0 and scraped
+        assert time.monotonic() - began < FINAL_LINGER_S and scraped
         with pytest.raises(OSError):
             get(address["url"])
     finally:
@@ -203,15 +222,16 @@ def test_a_finding_that_names_every_rank_exports_its_first_ranks_only() -> None:
     assert len(chosen) <= len(exported_ranks(values, set())) + NAMED_PER_FINDING
 
 
-def test_values_are_rebuilt_at_most_once_a_second_and_then_follow_the_store(
-        tmp_path: Path) -> None:
-    from tests.live.conftest import wait_for
+def test_values_are_kept_until_a_rebuild_is_due_and_then_follow_the_store(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.rows import sent_by, step_record
+    from traceml.live import metrics
     from traceml.store import StoreWriter
     from traceml.wire.identity import Sender
 
     db = tmp_path / "telemetry.sqlite"
     make_store(db, num_steps=30)
+    monkeypatch.setattr(metrics, "MIN_REBUILD_S", 3600.0)
     source = LiveFamilies(db)
 
     def steps() -> dict[int, float]:
@@ -225,5 +245,8 @@ def test_values_are_rebuilt_at_most_once_a_second_and_then_follow_the_store(
     writer.add_steps(sent_by(sender, [step_record(s, t_begin=T0 + s, total_ms=10.0)
                                       for s in range(30, 40)]))
     writer.close()
-    assert steps() == {0: 30.0, 1: 30.0}  # asked again at once: the last values
-    wait_for(lambda: steps()[0] == 40.0 or None, 5.0, "the new steps")
+    assert steps() == {0: 30.0, 1: 30.0}  # no rebuild due: the last values
+    monkeypatch.setattr(metrics, "MIN_REBUILD_S", 0.0)
+    source = LiveFamilies(db)
+    assert steps() == {0: 40.0, 1: 30.0}
+    assert source.build_s is not None and source.build_s < 60.0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -246,33 +247,51 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
                                        f"on {config.metrics_host}:{config.metrics_port} "
                                        f"({exc.strerror or exc}); choose a free port",
                               usage_error=True)
+    if exporter is not None:
+        try:
+            ready["otlp"] = exporter.start()
+        except Exception as exc:  # an OpenTelemetry setting it cannot use
+            listener.close()
+            if metrics is not None and "metrics" in ready:
+                metrics.finish()
+            return _not_ready(context, f"--otlp-endpoint: cannot export: {exc!r}",
+                              usage_error=True)
     try:
         store = open_store(config)
     except StoreError as exc:
         listener.close()
-        if metrics is not None:
+        if metrics is not None and "metrics" in ready:
             metrics.finish()
+        if exporter is not None:
+            _finishing(exporter.finish)
         return _not_ready(context, f"cannot write telemetry to {config.db_path}: {exc}",
                           store_error=True)
     collector = Collector(config, store)
     dashboard = _start_dashboard(dashboard, config, ready)
-    if exporter is not None:
-        ready["otlp"] = exporter.start()
     print(orjson.dumps(ready).decode(), flush=True)
     try:
         _loop(listener, collector, config)
     finally:
         collector.flush()
         if exporter is not None:
-            collector.save_exports({"otlp": exporter.finish()})
+            _finishing(lambda: collector.save_exports({"otlp": exporter.finish()}))
         collector.close()
         if dashboard is not None:
             dashboard.finish()
         if metrics is not None and "metrics" in ready:
-            metrics.finish()
+            _finishing(metrics.finish)
         listener.close()
         context.term()
     return 3 if collector.store_failed else 0
+
+
+def _finishing(step: Callable[[], object]) -> None:
+    """One of the collector's last steps (a metrics export's end): its error is said,
+    and the rest of the end (the store's close, the sockets) still runs."""
+    try:
+        step()
+    except Exception as exc:
+        print(f"traceml collector: warning: {exc!r} at the end", file=sys.stderr, flush=True)
 
 
 def _not_ready(context: Any, error: str, store_error: bool = False,

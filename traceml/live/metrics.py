@@ -20,11 +20,13 @@ nodes' host and GPU series, with the busiest and the median node's.
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +35,18 @@ from traceml.diagnosis.finding import NOT_MEASURED
 from traceml.diagnosis.step_time import RankStepTimes, comm_measured
 from traceml.diagnosis.throughput import RankThroughput
 from traceml.live.tail import StoreTail
-from traceml.records import RunData, StepRow
+from traceml.records import Incident, RunData, StepRow
 from traceml.report.model import SECTION_NAMES, Report
 from traceml.report.page.snapshot import TABLE_PARTS, RankPhases, live_report, phase_rows
 from traceml.store import StoreError
 
 MIN_REBUILD_S = 1.0
-FINAL_LINGER_S = 5.0
+FINAL_LINGER_S = 3.0
 """After the run, the final values wait this long at most for one more scrape (the
-launcher stops the collector within 15 s); with a longer scrape interval the
-target's going away (``up == 0``) marks the end."""
+launcher stops the collector within 15 s, the dashboard's and OTLP's ends among
+it); with a longer scrape interval the target's going away (``up == 0``) marks
+the end."""
+MIN_LINGER_S = 1.0
 ALL_RANKS = 64
 """Up to this many ranks every rank has its per-rank series (see `exported_ranks`)..."""
 NAMED_PER_FINDING = 8
@@ -126,18 +130,23 @@ def families(snap: Values, run: RunData, state: str | None = None,
                "version": meta.versions.get("traceml", "")}, 1)])
     out.add("run_state", "gauge", "1 for the run's state (running, succeeded, failed), else 0.",
             [({"state": s}, float(s == state)) for s in RUN_STATES])
-    stalled = {i.rank for i in run.incidents if i.what == "stall" and i.cleared_at is None}
-    crashed = {i.rank for i in run.incidents if i.what != "stall"}
-    ranks = exported_ranks(snap, stalled | crashed, all_ranks)
+    stalled = _first_ranks(i for i in run.incidents if i.what == "stall" and i.cleared_at is None)
+    crashed = _first_ranks(i for i in run.incidents if i.what != "stall")
+    # A hang of every rank stalls them all: the first ones keep their series (earliest first).
+    ranks = exported_ranks(snap, set(list(stalled)[:NAMED_PER_FINDING])
+                           | set(list(crashed)[:NAMED_PER_FINDING]), all_ranks)
     out.add("ranks", "gauge", "Ranks that reported steps.", [({}, len(snap.phases))])
+    out.add("ranks_stalled", "gauge", "Ranks reported stalled now.", [({}, len(stalled))])
+    out.add("ranks_crashed", "gauge", "Ranks that ended with an exception or a failed exit.",
+            [({}, len(crashed))])
     out.add("ranks_exported", "gauge", "Ranks with per-rank series in this endpoint "
             f"(every rank up to {all_ranks}; beyond, the named, worst and median ones).",
             [({}, len(ranks))])
     _step_families(out, snap, run, ranks)
     out.add("rank_stalled", "gauge", "1 while the rank is reported stalled (no progress).",
-            [({"rank": str(r)}, float(r in stalled)) for r in sorted(ranks | stalled)])
+            [({"rank": str(r)}, float(r in stalled)) for r in sorted(ranks)])
     out.add("rank_crashed", "gauge", "1 once the rank ended with an exception or a failed exit.",
-            [({"rank": str(r)}, float(r in crashed)) for r in sorted(ranks | crashed)])
+            [({"rank": str(r)}, float(r in crashed)) for r in sorted(ranks)])
     _throughput_families(out, snap, ranks)
     _finding_families(out, snap)
     _memory_families(out, run, ranks, bounded=len(snap.phases) > all_ranks)
@@ -152,6 +161,11 @@ def families(snap: Values, run: RunData, state: str | None = None,
             "Messages the collector refused, by reason (they are not in any figure).",
             [({"reason": reason}, n) for reason, n in sorted(meta.rejected.items())])
     return out.out
+
+
+def _first_ranks(incidents: Iterable[Incident]) -> dict[int, None]:
+    """The ranks of ``incidents``, earliest first (an ordered set)."""
+    return dict.fromkeys(i.rank for i in sorted(incidents, key=lambda i: (i.began_at, i.rank)))
 
 
 def exported_ranks(snap: Values, named: set[int], all_ranks: int = ALL_RANKS) -> set[int]:
@@ -364,6 +378,7 @@ class LiveFamilies:
         self._families: list[Family] = []
         self._next_at = float("-inf")
         self.final = False
+        self._failed = False  # a build failed (said once)
         self.build_s: float | None = None  # the last build's time
 
     def current(self) -> list[Family]:
@@ -388,13 +403,17 @@ class LiveFamilies:
             run, window_rows = self._tail.poll()
             if run.steps or run.process or run.system:
                 self._families = families(live_values(run, window_rows), run)
-        except StoreError as exc:  # busy for a moment: the last values again
-            if self.final:
-                print(f"traceml collector: metrics have no final values: {exc}",
-                      file=sys.stderr)
-        now = time.monotonic()
-        self.build_s = now - began
-        self._next_at = now + max(MIN_REBUILD_S, self.build_s / BUILD_SHARE)
+        except StoreError:
+            pass  # busy for a moment: the last values again
+        except Exception as exc:  # never the collector's end: the last values, said once
+            if not self._failed:
+                self._failed = True
+                print(f"traceml collector: warning: metrics not updated: {exc!r}",
+                      file=sys.stderr, flush=True)
+        finally:
+            now = time.monotonic()
+            self.build_s = now - began
+            self._next_at = now + max(MIN_REBUILD_S, self.build_s / BUILD_SHARE)
 
 
 class MetricsServer:
@@ -404,19 +423,23 @@ class MetricsServer:
         self.source = source
         self._lock = threading.Lock()
         self._final = False
-        self._scraped = threading.Event()  # a scrape after the final values were set
+        self._scraped = threading.Event()  # a scrape of the final values was answered
         self._last_scrape = 0.0
         self._interval: float | None = None  # between the last two scrapes
-        self._server: Any = None
+        self._server: _Server | None = None
 
     def start(self, host: str, port: int) -> dict[str, Any]:
         """Listen on ``host:port`` (OSError when it cannot: the launcher stops there)."""
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Adapter(self.current))
-        self._server, _ = start_http_server(port, addr=host, registry=registry)
-        bound = int(self._server.server_address[1])
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server = _Server((host, port), _Handler, registry, self, family)
+        self._server = server
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                         name="traceml-metrics", daemon=True).start()
+        bound = int(server.server_address[1])
         shown = f"[{host}]" if ":" in host else host
         return {"url": f"http://{shown}:{bound}/metrics", "port": bound}
 
@@ -426,21 +449,32 @@ class MetricsServer:
             now = time.monotonic()
             self._interval = now - self._last_scrape if self._last_scrape > 0 else None
             self._last_scrape = now
-            if self._final:
-                self._scraped.set()
         return self.source.current()
+
+    def answered(self, final: bool) -> None:
+        """A scrape's answer was written (``final``: of the values after the run)."""
+        if final:
+            self._scraped.set()
+
+    @property
+    def final(self) -> bool:
+        return self._final
 
     def finish(self) -> None:
         """The run is over and the store closed: the last values, the run's ending
-        among them, served until scraped once more (at most 1.5 scrape intervals
-        and FINAL_LINGER_S); nobody scraping: stop at once.  Cheap: the launcher
-        builds the summary, not this."""
+        among them, served until scraped once more (1.5 scrape intervals, between
+        MIN_LINGER_S and FINAL_LINGER_S); never scraped: stop at once.  Cheap: the
+        launcher builds the summary, not this."""
+        with self._lock:
+            interval = self._interval if self._last_scrape > 0 else None
+        if self._server is None or self._last_scrape == 0:
+            self.close()
+            return
         self.source.finish()
         with self._lock:
             self._final = True
-            interval = self._interval
-        if interval is not None:
-            self._scraped.wait(min(FINAL_LINGER_S, 1.5 * interval + 0.5))
+        linger = 1.5 * interval + 0.5 if interval is not None else FINAL_LINGER_S
+        self._scraped.wait(min(FINAL_LINGER_S, max(MIN_LINGER_S, linger)))
         self.close()
 
     def close(self) -> None:
@@ -449,3 +483,40 @@ class MetricsServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 registry: Any, owner: MetricsServer, family: int) -> None:
+        self.address_family = family
+        self.registry = registry
+        self.owner = owner
+        super().__init__(address, handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:  # the name http.server calls
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            self._send(404, "text/plain; charset=utf-8", b"not found: /metrics\n")
+            return
+        owner = self.server.owner
+        final = owner.final
+        self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.server.registry))
+        owner.answered(final)
+
+    def _send(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+
+    def log_message(self, format: str, *args: Any) -> None:  # the base signature
+        """Quiet: the collector's stderr is not for access logs."""

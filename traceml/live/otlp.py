@@ -18,7 +18,8 @@ it (``slurm.job.id``; ``k8s.pod.name`` and ``k8s.namespace.name`` from the
 downward-API variables ``POD_NAME`` and ``POD_NAMESPACE``).
 
 A receiver that cannot be reached never stops the run: one warning on stderr,
-and the summary counts the exports that failed.
+and the summary counts the exports that failed.  The endpoint is printed and
+stored without what may be a credential (``user:password@``, the query).
 """
 
 from __future__ import annotations
@@ -30,19 +31,22 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from traceml.live.metrics import Family, LiveFamilies
 
 DEFAULT_INTERVAL_S = 10.0
-EXPORT_TIMEOUT_S = 5.0
-"""One export's time, retries included, before it counts as failed."""
+EXPORT_TIMEOUT_S = 3.0
+"""One export's time, retries included, before it counts as failed (the collector's
+end waits for the last one: the launcher stops the collector within 15 s)."""
 METRICS_PATH = "/v1/metrics"
 SCOPE = "traceml"
 
 _UNITS = (("_seconds", "s"), ("_bytes", "By"), ("_ratio", "1"), ("_per_second", "1/s"),
           ("_cores", "{core}"))
+"""Units by name suffix; any other metric has none ("": a Prometheus receiver would
+name a gauge of unit "1" ``..._ratio``)."""
 
 
 def metrics_url(url: str) -> str:
@@ -81,7 +85,15 @@ def resource_attributes(session_id: str, environ: Mapping[str, str]) -> dict[str
 
 def unit_of(name: str) -> str:
     base = name.removesuffix("_total")
-    return next((unit for suffix, unit in _UNITS if base.endswith(suffix)), "1")
+    return next((unit for suffix, unit in _UNITS if base.endswith(suffix)), "")
+
+
+def shown_url(url: str) -> str:
+    """``url`` without what may be a credential (user:password@, the query)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 def metrics_data(fams: list[Family], resource: Mapping[str, str], started_ns: int,
@@ -106,7 +118,7 @@ def metrics_data(fams: list[Family], resource: Mapping[str, str], started_ns: in
     for fam in fams:
         points = [NumberDataPoint(attributes={k: v for k, v in labels if k != "session"},
                                   start_time_unix_nano=started_ns, time_unix_nano=now_ns,
-                                  value=value, exemplars=[])
+                                  value=value)
                   for labels, value in fam.samples]
         data: Any
         if fam.kind == "counter":
@@ -131,6 +143,7 @@ class OtlpExport:
                  environ: Mapping[str, str] | None = None) -> None:
         self.source = source
         self.endpoint = metrics_url(endpoint)
+        self.shown = shown_url(self.endpoint)  # what is printed and stored
         self.interval_s = interval_s
         self.resource = resource_attributes(session_id, os.environ if environ is None
                                             else environ)
@@ -155,19 +168,20 @@ class OtlpExport:
 
     def _run(self) -> None:
         while not self._done.wait(self.interval_s):
-            self.export(self.source.current())
+            self.export(self.source.current)
 
-    def export(self, fams: list[Family]) -> bool:
-        """One push; False (counted, and said once) when it failed."""
-        if not fams:
-            return True
+    def export(self, values: Callable[[], list[Family]]) -> bool:
+        """One push of what ``values`` gives; False (counted, and said once) when it failed."""
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
         try:
+            fams = values()
+            if not fams:
+                return True
             data = metrics_data(fams, self.resource, self._started_ns, time.time_ns())
             ok = self._exporter.export(data, timeout_millis=EXPORT_TIMEOUT_S * 1e3) \
                 == MetricExportResult.SUCCESS
-            error = "" if ok else f"no answer or an error status from {self.endpoint}"
+            error = "" if ok else f"no answer or an error status from {self.shown}"
         except Exception as exc:  # the export is the exporter's to get right, never the run's
             ok, error = False, repr(exc)
         if ok:
@@ -176,18 +190,21 @@ class OtlpExport:
         self.num_failed += 1
         if self.first_error is None:
             self.first_error = error
-            print(f"traceml collector: warning: OTLP export to {self.endpoint} failed ({error}); "
+            print(f"traceml collector: warning: OTLP export to {self.shown} failed ({error}); "
                   "the run goes on, and the summary counts the failed exports",
                   file=sys.stderr, flush=True)
         return False
 
     def finish(self) -> dict[str, Any]:
-        """The run is over (the store committed): the last push; what was sent and failed."""
+        """The run is over (the store committed): the last push, unless a periodic
+        one is still under way (the collector's end is bounded); what was sent and failed."""
         self._done.set()
+        busy = False
         if self._thread is not None:
-            self._thread.join(EXPORT_TIMEOUT_S + 1)
-        self.export(self.source.finish())
-        if self._exporter is not None:
+            self._thread.join(1.0)
+            busy = self._thread.is_alive()
+        if self._exporter is not None and not busy:
+            self.export(self.source.finish)
             self._exporter.shutdown()
-        return {"endpoint": self.endpoint, "sent": self.num_sent, "failed": self.num_failed,
+        return {"endpoint": self.shown, "sent": self.num_sent, "failed": self.num_failed,
                 "error": self.first_error}
