@@ -250,3 +250,17 @@ def test_values_are_kept_until_a_rebuild_is_due_and_then_follow_the_store(
     source = LiveFamilies(db)
     assert steps() == {0: 40.0, 1: 30.0}
     assert source.build_s is not None and source.build_s < 60.0
+
+
+def test_the_values_say_how_old_they_are(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from traceml.live import metrics
+
+    make_store(tmp_path / "telemetry.sqlite", num_steps=30)
+    monkeypatch.setattr(metrics, "MIN_REBUILD_S", 3600.0)
+    source = LiveFamilies(tmp_path / "telemetry.sqlite")
+    first = {f.name: f for f in source.current()}["traceml_metrics_age_seconds"]
+    (labels, age0), = first.samples
+    assert dict(labels) == {"session": "dash"} and 0.0 <= age0 < 60.0
+    wait_for(lambda: {f.name: f for f in source.current()}[
+        "traceml_metrics_age_seconds"].samples[0][1] > age0 or None, 5.0, "an older age")

@@ -379,14 +379,25 @@ class LiveFamilies:
         self._next_at = float("-inf")
         self.final = False
         self._failed = False  # a build failed (said once)
+        self._built_at: float | None = None  # when the families were built
         self.build_s: float | None = None  # the last build's time
 
     def current(self) -> list[Family]:
-        """The families now (the last ones until a rebuild is due)."""
+        """The families now (the last ones until a rebuild is due), with their age."""
         with self._lock:
             if not self.final and time.monotonic() >= self._next_at:
                 self._rebuild()
+            return self._with_age()
+
+    def _with_age(self) -> list[Family]:
+        if not self._families or self._built_at is None:
             return self._families
+        labels = self._families[0].samples[0][0][:1]  # the session label
+        age = Family(PREFIX + "metrics_age_seconds", "gauge",
+                     "How old these values are: the time since traceml built them from "
+                     "the store (at most a second up to a few hundred ranks).",
+                     ((labels, time.monotonic() - self._built_at),))
+        return [*self._families, age]
 
     def finish(self) -> list[Family]:
         """The run is over and the store closed: one last read, its ending among it;
@@ -395,7 +406,7 @@ class LiveFamilies:
             if not self.final:
                 self._rebuild()
                 self.final = True
-            return self._families
+            return self._with_age()
 
     def _rebuild(self) -> None:
         began = time.monotonic()
@@ -403,6 +414,7 @@ class LiveFamilies:
             run, window_rows = self._tail.poll()
             if run.steps or run.process or run.system:
                 self._families = families(live_values(run, window_rows), run)
+                self._built_at = time.monotonic()
         except StoreError:
             pass  # busy for a moment: the last values again
         except Exception as exc:  # never the collector's end: the last values, said once
