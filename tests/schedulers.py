@@ -77,6 +77,10 @@ def _expand(text: str, env: Mapping[str, str]) -> str:
                   lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
 
 
+POD_FIELDS = {"metadata.name": "traceml-train-pod-0", "metadata.namespace": "training"}
+"""The pod's own name and namespace, as the downward API gives them."""
+
+
 def _value(item: Mapping[str, Any], labels: Mapping[str, str], annotations: Mapping[str, str],
            secrets: Mapping[tuple[str, str], str]) -> str:
     if "value" in item:
@@ -86,6 +90,8 @@ def _value(item: Mapping[str, Any], labels: Mapping[str, str], annotations: Mapp
         ref = source["secretKeyRef"]
         return secrets[(ref["name"], ref["key"])]
     path = source["fieldRef"]["fieldPath"]
+    if path in POD_FIELDS:
+        return POD_FIELDS[path]
     match = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
     assert match, f"fieldRef {path} not modelled here"
     return (labels if match.group(1) == "labels" else annotations)[match.group(2)]

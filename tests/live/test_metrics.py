@@ -264,3 +264,15 @@ def test_the_values_say_how_old_they_are(tmp_path: Path,
     assert dict(labels) == {"session": "dash"} and 0.0 <= age0 < 60.0
     wait_for(lambda: {f.name: f for f in source.current()}[
         "traceml_metrics_age_seconds"].samples[0][1] > age0 or None, 5.0, "an older age")
+
+
+def test_a_watched_run_without_steps_has_its_hosts_and_no_rank_series() -> None:
+    """traceml watch: nothing injected, so no steps; the node series still answer."""
+    run = fixed_run(30)
+    watched = dataclasses.replace(run, steps=(), meta=dataclasses.replace(run.meta, mode="watch"))
+    m = scrape(watched)
+    assert m["traceml_ranks"][0][1] == 0.0 and "traceml_steps_completed_total" not in m
+    assert "traceml_step_duration_seconds" not in m
+    assert all(labels["rank"] == "" for labels, _ in m.get("traceml_finding_info", []))
+    assert [labels["node"] for labels, _ in m["traceml_node_cpu_ratio"]] == ["0"]
+    assert {labels["mode"] for labels, _ in m["traceml_run_info"]} == {"watch"}
