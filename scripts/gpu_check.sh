@@ -19,7 +19,9 @@
 #   5. NCCL: 1-rank DDP on the GPU (NCCL refuses two ranks on one GPU) trains
 #      under traceml with steps counted, and communication says "not measured"
 #      rather than a host time that is not the GPU's (NCCL makes streams wait,
-#      not the host): no communication phase, in flight null.
+#      not the host): no communication phase, in flight null; and the compute
+#      stream's wait on DDP's all-reduce is timed with CUDA events on the sampled
+#      steps (gpu_communication_ms, not yet used by the report).
 #   6. MFU: a bf16 (autocast) transformer step's FLOPs per step, counted by
 #      torch's FLOP counter in one step, equal the hand count (3 x the forward
 #      matmuls) within 2 %, the dtype is bf16, the peak is the table's for this
@@ -191,6 +193,11 @@ check("NCCL: no host time passed off as communication",
       all(s[0] == 0 and s[1] == 0 for s in steps),
       f"median backward {sorted(s[3] for s in steps)[len(steps)//2]:.3f} ms" if steps else "none")
 check("NCCL: in flight not measured on CUDA (null)", all(s[2] is None for s in steps))
+gcomm = [v for (v,) in nccl.execute("SELECT gpu_communication_ms FROM steps") if v is not None]
+check("NCCL: DDP's wait timed on the GPU on the sampled steps (gpu_communication_ms)",
+      len(gcomm) >= 20 and all(v >= 0 for v in gcomm),
+      f"{len(gcomm)} timed steps, median {sorted(gcomm)[len(gcomm) // 2]:.3f} ms" if gcomm
+      else "none")
 
 from traceml.diagnosis.peaks import peak_for
 own = json.load(open(f"{logs}/../mfu_own.json"))

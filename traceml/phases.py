@@ -52,7 +52,8 @@ PHASES: tuple[Phase, ...] = (
     Phase("forward", "Forward", "#59a14f", compute=True, gpu_timed=True),
     Phase("backward", "Backward", "#f28e2b", compute=True, gpu_timed=True),
     Phase("optimizer", "Optimizer", "#b07aa1", compute=True, gpu_timed=True),
-    Phase("communication", "Communication", "#edc948", collective=True, waits=True),
+    Phase("communication", "Communication", "#edc948", collective=True, waits=True,
+          gpu_timed=True),
     Phase("hook", "Comm hook", "#9c755f", collective=True),
 )
 """The measured phases in step order; a phase's wire code is its position."""
@@ -100,6 +101,12 @@ def starts_step(phase: Phase) -> bool:
 def gpu_timed() -> tuple[Phase, ...]:
     """The phases CUDA events time, in step order."""
     return tuple(p for p in PHASES if p.gpu_timed)
+
+
+def gpu_compute() -> tuple[Phase, ...]:
+    """The compute phases CUDA events time: a step's GPU compute time is their sum
+    (communication's GPU time is the compute stream waiting on collectives)."""
+    return tuple(p for p in PHASES if p.gpu_timed and p.compute)
 
 
 def step_metrics() -> tuple[Phase, ...]:

@@ -27,7 +27,7 @@ _MS_INDEX = {"total": _INDEX["total_ms"], "wait": _INDEX["wait_ms"],
              **{p.name: _INDEX[p.column] for p in phases.PHASES}}
 _COMPUTE_INDEX = tuple(_MS_INDEX[n] for n in phases.compute_names())
 _COUNT_INDEX = tuple(_INDEX[p.count_column] for p in phases.PHASES)
-_GPU_INDEX = tuple(_INDEX[p.gpu_column] for p in phases.gpu_timed())
+_GPU_INDEX = tuple(_INDEX[p.gpu_column] for p in phases.gpu_compute())
 
 
 def _column(name: str) -> Any:

@@ -332,3 +332,76 @@ def test_uninstall_puts_every_function_back(group: None) -> None:
     assert {name: getattr(dist, name) for name in before} == before
     assert dist.Work.wait is wait and DDP.register_comm_hook is register
     assert DDP._ddp_init_helper is init
+
+
+# -- CUDA DDP: the wait on the GPU, from events the fake GPU clock stamps ----------
+
+
+def _gpu_probe(probe: Probe) -> Any:
+    """Arm ``probe`` as on a step the CUDA path times, with stand-in events."""
+    from tests.unit.test_cuda_timing import FakeCuda
+    from traceml.agent.cuda_timing import CudaPhaseTimer
+
+    cuda = FakeCuda()
+    probe.cuda_timer = CudaPhaseTimer(cuda, share_within_s=0.0)
+    return cuda
+
+
+def test_on_cuda_ddps_wait_is_the_gpu_time_between_compute_queued_and_its_wait(
+        probe: Probe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DDP model on CUDA (its device stood in): each timed backward records one event
+    once backward's compute is queued and one after DDP's reducer, which queued its
+    own finalisation (the stream's wait for the all-reduces) in between; the
+    communication span nests in backward and is taken out of its GPU time.  No host
+    communication event: host time there is not the GPU's."""
+    import traceml.agent.comm as comm
+
+    monkeypatch.setattr(comm, "_on_host", lambda ddp: False)
+    model = DDP(_net())
+    assert probe.on_backward is not None and probe.on_backward.__name__ == "mark_exposed_gpu"
+    cuda = _gpu_probe(probe)
+    stand_in = _GpuStandIn(cuda, compute_ms=4.0, wait_ms=3.0)
+    for p in model.parameters():  # the last gradient queues the "reducer's" finalisation
+        p.register_post_accumulate_grad_hook(stand_in.grad_ready)
+    stand_in.expect = sum(1 for _ in model.parameters())
+    loss = model(torch.randn(4, 16)).sum()
+    loss.register_hook(lambda grad: stand_in.compute())  # backward's kernels, queued
+    loss.backward()  # the agent's wrapper times backward on the GPU, as on a timed step
+    spans = probe.cuda_timer.take_step()
+    gpu = dict(zip((p.name for p in phases.gpu_timed()), probe.cuda_timer.resolve(spans)))
+    assert gpu["communication"] == pytest.approx(3.0)  # the stream's wait, alone
+    assert gpu["backward"] == pytest.approx(4.0)  # compute only: the wait taken out
+    times, _ = probe.take(float("inf"))
+    assert times[COMM] == []  # nothing on the host clock
+
+
+class _GpuStandIn:
+    """The fake GPU clock moving as backward's kernels and DDP's wait would move it."""
+
+    def __init__(self, cuda: Any, compute_ms: float, wait_ms: float) -> None:
+        self.cuda, self.compute_ms, self.wait_ms = cuda, compute_ms, wait_ms
+        self.expect = 0
+        self.seen = 0
+
+    def compute(self) -> None:
+        self.cuda.gpu_ms += self.compute_ms
+
+    def grad_ready(self, param: Any) -> None:
+        self.seen += 1
+        if self.seen == self.expect:  # as DDP's reducer: its finalisation, at the end
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalise)
+
+    def finalise(self) -> None:
+        self.cuda.gpu_ms += self.wait_ms
+
+
+def test_on_cuda_an_untimed_step_records_nothing(probe: Probe,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import traceml.agent.comm as comm
+
+    monkeypatch.setattr(comm, "_on_host", lambda ddp: False)
+    model = DDP(_net())
+    assert probe.cuda_timer is None
+    model(torch.randn(4, 16)).sum().backward()
+    times, _ = probe.take(float("inf"))
+    assert times[COMM] == []

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.unit.test_cuda_timing import FakeCuda
-from traceml.agent.cuda_timing import SamplingRule
+from traceml.agent.cuda_timing import TIMED, SamplingRule
 from traceml.agent.patches import Instrumentation
 from traceml.agent.probe import Probe
 from traceml.agent.runtime import AgentRuntime
@@ -184,10 +184,11 @@ class StandInTimer:
     def stop(self) -> None:
         pass
 
-    def resolve(self, spans: list[int]) -> tuple[float, float, float] | None:
+    def resolve(self, spans: list[int]) -> tuple[float | None, ...] | None:
         if self.error is not None:
             raise self.error
-        return (float(len(spans)), 0.0, 0.0) if max(spans) < self.done else None
+        rest = (0.0,) * (len(TIMED) - 1)  # forward's ms, the other phases' 0
+        return (float(len(spans)), *rest) if max(spans) < self.done else None
 
 
 def log_device_marks(runtime: AgentRuntime, timer: StandInTimer) -> None:

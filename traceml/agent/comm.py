@@ -33,11 +33,18 @@ torch.compile traces); ``Work.wait`` is wrapped for the asynchronous ones, and
 DDP's ``_sync_buffers`` (its C++ broadcast of BatchNorm statistics before each
 forward) is timed too.
 
-On gloo every time is the host clock.  On CUDA nothing is timed: a NCCL
-collective returns once its kernels are queued and DDP's reducer makes streams
-wait, not the host, so host time would read as free communication; the report
-says communication was not measured instead.  (CUDA events on the collective's
-stream are the way to time it there; not built yet.)
+On gloo every time is the host clock.  On CUDA the host clock says nothing: a
+NCCL collective returns once its kernels are queued and DDP's reducer makes
+streams wait, not the host, so host time would read as free communication.
+There, on the steps the CUDA path times (`traceml.agent.cuda_timing`), the same
+two callbacks record CUDA events on the current stream instead: the first once
+backward's compute is queued, the second after DDP's reducer has made the
+stream wait for its all-reduces (and queued the copy of their results into the
+gradients).  The GPU time between them is the time the compute stream waited
+on communication, ``gpu_communication_ms``, nested in backward's GPU time and
+taken out of it.  Nothing per bucket, no synchronisation, no host event.  The
+report does not use it yet (it says communication was not measured on CUDA)
+until the GPU checks (`scripts/gpu_check.sh`) prove it against ground truth.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ class CommTiming:
         self._handle: Any = None  # the prehook on the running backward's root
         self.first_buckets: list[FirstBucket] = []  # each host DDP model's (in flight)
         self._opens = self._exposed_callbacks()
+        self._gpu_opens = self._gpu_callbacks()
 
     def install(self) -> None:
         if not dist.is_available():
@@ -137,6 +145,7 @@ class CommTiming:
 
     def _wrap_ddp_init(self, orig: Any) -> Any:
         probe, mark, firsts = self.probe, self.mark_exposed, self.first_buckets
+        mark_gpu = self.mark_exposed_gpu
 
         @functools.wraps(orig)
         def _ddp_init_helper(ddp: Any, parameters: Any, *args: Any, **kwargs: Any) -> None:
@@ -153,6 +162,8 @@ class CommTiming:
                     firsts.append(FirstBucket(ddp, list(parameters), probe.clock))
                 except Exception as exc:
                     probe.on_error(exc)
+            elif probe.on_backward is None:  # CUDA: GPU events on the timed steps only
+                probe.on_backward = mark_gpu
         return _ddp_init_helper
 
     def mark_exposed(self, tensors: Any) -> None:
@@ -165,6 +176,43 @@ class CommTiming:
         node = getattr(root, "grad_fn", None)
         if node is not None:
             self._handle = node.register_prehook(self._queue_exposed)
+
+    def mark_exposed_gpu(self, tensors: Any) -> None:
+        """A CUDA DDP model's backward begins (training thread): on a step the CUDA
+        path times, the same prehook queues the callbacks that record DDP's wait on
+        the GPU (`_gpu_callbacks`); on the other steps, nothing."""
+        if self.probe.cuda_timer is None:
+            return
+        root = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
+        node = getattr(root, "grad_fn", None)
+        if node is not None:
+            self._handle = node.register_prehook(self._queue_gpu)
+
+    def _queue_gpu(self, grad_outputs: Any) -> None:
+        try:
+            self._handle.remove()
+            _engine().queue_callback(self._gpu_opens)
+        except Exception as exc:
+            self.probe.on_error(exc)
+
+    def _gpu_callbacks(self) -> Callable[[], None]:
+        probe, engine = self.probe, _engine()
+
+        def closes() -> None:  # after DDP's reducer made the stream wait for its work
+            timer = probe.cuda_timer
+            if timer is not None:
+                probe.guarded(timer.stop)
+
+        def opens() -> None:  # backward's compute is queued: the stream waits from here
+            timer = probe.cuda_timer
+            if timer is None:
+                return
+            try:
+                timer.start(COMM)
+                engine.queue_callback(closes)
+            except Exception as exc:
+                probe.on_error(exc)
+        return opens
 
     def _queue_exposed(self, grad_outputs: Any) -> None:
         # Queued as the engine starts: before DDP queues its finalisation (when

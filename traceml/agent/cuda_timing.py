@@ -40,6 +40,9 @@ from traceml import phases
 
 TIMED = tuple(phases.code(p.name) for p in phases.gpu_timed())
 """The wire codes of the phases CUDA events time, in `wire.events.DEVICE_MARK_FIELDS` order."""
+ONLY_WHEN_SEEN = frozenset(phases.code(p.name) for p in phases.gpu_timed() if p.collective)
+"""Phases whose GPU time is None, not 0, in a timed step without them (communication:
+timed only where a CUDA DDP model waits; elsewhere it is not measured)."""
 POOL_MAX = 4096
 SHARE_WITHIN_S = 10e-6
 """A phase starting this soon after the previous one ended shares its end event;
@@ -118,10 +121,12 @@ class CudaPhaseTimer:
         spent, self.spent_s = self.spent_s, 0.0
         return spent
 
-    def resolve(self, spans: list[Span]) -> tuple[float, ...] | None:
-        """Exclusive GPU ms of each TIMED phase; None until the GPU is done."""
+    def resolve(self, spans: list[Span]) -> tuple[float | None, ...] | None:
+        """Exclusive GPU ms of each TIMED phase (None: a phase of ONLY_WHEN_SEEN that
+        the step did not have); None until the GPU is done."""
         if any(not end.query() for _, _, end, _ in spans):
             return None
+        seen = {phase for phase, _, _, _ in spans}
         totals = {p: 0.0 for p in TIMED}
         nested_ms: dict[int, float] = {}  # depth -> time of spans closed inside it
         for phase, start, end, depth in spans:  # in closing order: children first
@@ -132,7 +137,7 @@ class CudaPhaseTimer:
                 nested_ms.pop(0)
             totals[phase] += own
         self._recycle(spans)
-        return tuple(totals[p] for p in TIMED)
+        return tuple(None if p in ONLY_WHEN_SEEN and p not in seen else totals[p] for p in TIMED)
 
     def _recycle(self, spans: list[Span]) -> None:
         seen: set[int] = set()  # a shared boundary is one event in two spans

@@ -234,7 +234,7 @@ def _gpu_time(section: Section) -> list[str]:
     stat = section.stats.get("gpu_ms")
     if stat is None:
         return [f"- GPU time: not measured ({of} carry GPU times)"]
-    parts = "+".join(p.name for p in phases.gpu_timed())
+    parts = "+".join(p.name for p in phases.gpu_compute())
     where = f" r{stat.worst_rank}" if len(rows) > 1 else ""
     return [f"- GPU time: median/worst {stat.median:.1f}/{stat.worst:.1f}ms{where} "
             f"({parts}), from {of} (those timed)"]
