@@ -88,6 +88,7 @@ class CommTiming:
         self.first_buckets: list[FirstBucket] = []  # each host DDP model's (in flight)
         self._opens = self._exposed_callbacks()
         self._gpu_opens = self._gpu_callbacks()
+        self._queued = self._opens  # what the root's prehook queues (gloo's or the GPU's)
 
     def install(self) -> None:
         if not dist.is_available():
@@ -152,7 +153,8 @@ class CommTiming:
             orig(ddp, parameters, *args, **kwargs)
             # From now on each backward marks where its compute ends (DDP waits
             # from there): one prehook per backward, nothing per bucket.  On
-            # CUDA DDP's reducer makes streams wait, not the host: not measured.
+            # CUDA DDP's reducer makes streams wait, not the host: the same
+            # callbacks record CUDA events instead, on the timed steps only.
             if _on_host(ddp):
                 probe.on_backward = mark
                 try:
@@ -172,28 +174,22 @@ class CommTiming:
         DDP model's first bucket is hooked once its buckets are rebuilt."""
         for first in self.first_buckets:
             first.arm()
-        root = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
-        node = getattr(root, "grad_fn", None)
-        if node is not None:
-            self._handle = node.register_prehook(self._queue_exposed)
+        self._hook_root(tensors, self._opens)
 
     def mark_exposed_gpu(self, tensors: Any) -> None:
         """A CUDA DDP model's backward begins (training thread): on a step the CUDA
         path times, the same prehook queues the callbacks that record DDP's wait on
         the GPU (`_gpu_callbacks`); on the other steps, nothing."""
-        if self.probe.cuda_timer is None:
-            return
+        if self.probe.cuda_timer is not None:
+            self._hook_root(tensors, self._gpu_opens)
+
+    def _hook_root(self, tensors: Any, opens: Callable[[], None]) -> None:
+        """A prehook on the graph's root that queues ``opens`` as the engine starts."""
         root = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
         node = getattr(root, "grad_fn", None)
         if node is not None:
-            self._handle = node.register_prehook(self._queue_gpu)
-
-    def _queue_gpu(self, grad_outputs: Any) -> None:
-        try:
-            self._handle.remove()
-            _engine().queue_callback(self._gpu_opens)
-        except Exception as exc:
-            self.probe.on_error(exc)
+            self._queued = opens
+            self._handle = node.register_prehook(self._queue_exposed)
 
     def _gpu_callbacks(self) -> Callable[[], None]:
         probe, engine = self.probe, _engine()
@@ -220,7 +216,7 @@ class CommTiming:
         # once: a graph kept for another backward gets a fresh one then.
         try:
             self._handle.remove()
-            _engine().queue_callback(self._opens)
+            _engine().queue_callback(self._queued)
         except Exception as exc:
             self.probe.on_error(exc)
 
