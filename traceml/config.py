@@ -91,6 +91,10 @@ class RunConfig:
     # --otlp-endpoint: the same metrics pushed over OTLP/HTTP from node 0 (None: off)
     otlp_endpoint: str | None = None
     otlp_interval_s: float = 10.0
+    # --capture: a profiler capture when a live finding names a rank ("auto") or never
+    capture: str = "auto"
+    capture_steps: int = 2  # --capture-steps
+    capture_max_mb: float = 50.0  # --capture-max-mb: each trace's cap (uncompressed JSON)
 
     @property
     def multi_node(self) -> bool:

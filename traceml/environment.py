@@ -43,6 +43,9 @@ Variables:
 ``TRACEML_KEY_SOCKET``
     The launcher's key service (a Unix socket, `traceml.launcher.rank_keys`): a
     worker asks it, once, for the token of its own rank.
+``TRACEML_CONTROL``
+    ZeroMQ address of the control channel of this node's collector or relay (a
+    CURVE PUB): node 0's asks for profiler captures reach the ranks there.
 ``TRACEML_RANK_TOKEN``
     The token itself, where the process that runs the agent made it
     (``traceml.init()``); a launcher never sets it.
@@ -97,6 +100,7 @@ class AgentEnv:
     rank_token: str | None = None
     stall_timeout_s: float | None = None  # None: automatic; 0: off
     count_flops: bool = True
+    control_endpoint: str | None = None  # node 0's asks (`traceml.wire.captures`)
 
     def to_env(self) -> dict[str, str]:
         env = {
@@ -116,7 +120,8 @@ class AgentEnv:
             env["TRACEML_SESSION_DIR"] = self.session_dir
         for name, value in (("TRACEML_CLIENT_KEYS", self.client_keys),
                             ("TRACEML_KEY_SOCKET", self.key_socket),
-                            ("TRACEML_RANK_TOKEN", self.rank_token)):
+                            ("TRACEML_RANK_TOKEN", self.rank_token),
+                            ("TRACEML_CONTROL", self.control_endpoint)):
             if value is not None:
                 env[name] = value
         if not self.count_flops:
@@ -144,6 +149,7 @@ class AgentEnv:
             rank_token=environ.get("TRACEML_RANK_TOKEN"),
             stall_timeout_s=parse_stall_timeout(environ.get("TRACEML_STALL_TIMEOUT", "auto")),
             count_flops=environ.get("TRACEML_NO_FLOPS") != "1",
+            control_endpoint=environ.get("TRACEML_CONTROL") or None,
         )
 
 

@@ -266,6 +266,36 @@ class Incident:
 
 
 @dataclass(frozen=True)
+class Capture:
+    """One rank's part of a profiler capture: node 0's ask, then the rank's report
+    (`traceml.wire.captures`); its operators are ``(name, input shapes, calls, host
+    self ms, device self ms or None)``, each per captured step."""
+
+    capture_id: str
+    rank: int
+    role: str  # "suspect" | "reference"
+    trigger: str  # the finding's kind that asked ("manual": ``traceml capture``)
+    label: str  # what the report calls the trigger ("COMPUTE STRAGGLER r1", "manual")
+    phase: str | None  # the finding's phase
+    asked_at: float  # unix seconds
+    start_after: int  # the rank's iterations ended before the first profiled step
+    steps_asked: int
+    reported_at: float | None = None  # None: the rank never reported
+    num_steps: int = 0
+    began_at: float | None = None
+    ended_at: float | None = None
+    host: str | None = None
+    path: str | None = None
+    trace_bytes: int = 0
+    cut: str | None = None
+    error: str | None = None
+    operators: tuple[tuple[str, str, float, float, float | None], ...] = ()
+    # The profiled steps as traceml timed them (the store's rows): (phase, "compute",
+    # "total") -> ms per step, the same steps the operators come from
+    step_ms: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RankTotals:
     """One rank's stored steps over the whole run, every attempt's rows: what a
     summary says of the run beyond its window (the store sums them in SQL)."""
@@ -303,6 +333,7 @@ class RunData:
     flop_counts: tuple[FlopCount, ...] = ()
     incidents: tuple[Incident, ...] = ()
     totals: tuple[RankTotals, ...] | None = None  # per rank, ascending
+    captures: tuple[Capture, ...] = ()  # profiler captures, in the order they were asked
 
 
 def totals_of(steps: Sequence[StepRow]) -> tuple[RankTotals, ...]:

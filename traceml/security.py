@@ -75,6 +75,16 @@ def launcher_keys(keys: CurveKeys, launcher_secret: str) -> CurveKeys:
                    client_secret=client_secret)
 
 
+def capture_keys(keys: CurveKeys, capture_secret: str) -> CurveKeys:
+    """The client key pair of ``traceml capture`` for a run's collector: from a secret
+    the launcher writes to the session folder (owner only); what arrives with it the
+    collector takes as a capture request and nothing else."""
+    client_secret = bytes(z85.encode(hashlib.sha256(
+        f"traceml/capture/{capture_secret}".encode()).digest()))
+    return replace(keys, client_public=zmq.curve_public(client_secret),
+                   client_secret=client_secret)
+
+
 def relay_keys(keys: CurveKeys, secret: str | None, session_id: str) -> CurveKeys:
     """A node's relay's client key pair for node 0's collector, from the session secret
     (what a relay forwards, node 0 accepts from this key alone)."""

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 import zmq
 
 from traceml.errors import WarnOnce
@@ -26,6 +27,8 @@ from traceml.wire.records import Hello
 
 SEND_HWM = 1000
 EXIT_LINGER_MS = 1000
+CONTROL_HWM = 16  # control messages read per tick, and queued
+CONTROL_MAX_BYTES = 64 * 1024
 
 # Called by the thread each flush: returns the messages to send.
 Producer = Callable[[], list[Message]]
@@ -39,7 +42,8 @@ class BatchSender:
                  final_producers: list[Producer] | None = None,
                  on_exit: Callable[[], None] | None = None,
                  token_of: Callable[[Sender], str | None] | None = None,
-                 prepare: Callable[[], None] | None = None) -> None:
+                 prepare: Callable[[], None] | None = None,
+                 control: tuple[str, Callable[[Any], None]] | None = None) -> None:
         self.endpoint = endpoint
         self.session_id = session_id
         self.identity = identity
@@ -52,6 +56,10 @@ class BatchSender:
         # what the thread does before its first message (an agent asks for its token).
         self.token_of = token_of or (lambda _: None)
         self.prepare = prepare
+        # Node 0's control channel (a CURVE SUB: only the collector holding the session's
+        # server key can publish on it) and what takes each message it carries.
+        self.control = control
+        self._control_socket: Any = None
         self.num_sent = 0
         self.num_dropped = 0
         self._seqs: dict[Sender, int] = {}
@@ -91,6 +99,7 @@ class BatchSender:
                 self._wake.clear()
                 if self._stop.is_set():
                     break
+                self._read_control()
                 self._flush(self.producers)
                 self.num_flushes += 1
             self._flush(self.producers + self.final_producers)
@@ -109,8 +118,35 @@ class BatchSender:
         secure_client(sock, self.keys)  # every collector socket speaks CURVE
         sock.connect(self.endpoint)
         self._socket = sock
+        if self.control is not None:
+            sub = self._context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, CONTROL_HWM)
+            sub.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
+            secure_client(sub, self.keys)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(self.control[0])
+            self._control_socket = sub
+
+    def _read_control(self) -> None:
+        """What node 0 published since the last tick (a few messages at most); a
+        message the handler refuses is dropped, said once."""
+        if self._control_socket is None or self.control is None:
+            return
+        for _ in range(CONTROL_HWM):
+            try:
+                data = self._control_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self.control[1](orjson.loads(data))
+            except Exception as exc:
+                self._warnings.to_stderr("control", f"a control message was dropped: {exc!r}")
 
     def _close(self) -> None:
+        if self._control_socket is not None:
+            self._control_socket.close(0)
+            self._control_socket = None
         if self._socket is not None:
             self._socket.setsockopt(zmq.LINGER, EXIT_LINGER_MS)
             self._socket.close()

@@ -118,8 +118,25 @@ class AgentRuntime:
             on_exit=self._sender_exited,
             token_of=lambda who: self.token if who == identity else None,
             prepare=self._take_token,
+            control=(None if env.control_endpoint is None or env.mode != "run"
+                     or identity.rank is None
+                     else (env.control_endpoint, self._on_control)),
         )
+        self.capture: Any = None  # ProfilerCapture, once node 0 asks for one
         self.token = env.rank_token  # proves this rank's identity to the collector
+
+    def _on_control(self, payload: Any) -> None:
+        """Sender thread: a message of node 0's control channel (a capture ask)."""
+        if self.capture is None:
+            if self.probe.off or self.identity.rank is None:
+                return
+            from traceml.agent.capture import ProfilerCapture
+
+            self.capture = ProfilerCapture(self.probe, self.identity.rank, self.env.session_dir,
+                                           self._wall_offset, self._part_failed,
+                                           seen=self._num_steps_seen)
+        self.capture.uses_cuda = self.device.cuda is not None
+        self.capture.on_control(payload)
 
     def _take_token(self) -> None:
         """Sender thread, before its first message: this rank's token, from the
@@ -183,11 +200,12 @@ class AgentRuntime:
                                  f"internal error: {exc!r}")
 
     def _arm_flops(self, times: list[list[float]]) -> None:
-        """Sender thread: once warm-up's optimizer steps are done, the next batch is counted."""
-        if self.flops is None:
-            return
+        """Sender thread: count the iterations taken; once warm-up's optimizer steps are
+        done, the next batch is counted."""
         self._num_steps_seen += sum(len(times[c]) for c in (
             OPTIMIZER_END, OPTIMIZER_SKIPPED, MANUAL_EXIT))
+        if self.flops is None:
+            return
         if self._num_steps_seen >= self.flops_after_steps:
             self.flops.arm()
             if self.flops.waiting():
@@ -205,6 +223,11 @@ class AgentRuntime:
                 self.flops.stop(reason="the run ended during the counted step")
             except Exception as exc:
                 self._part_failed("flops", exc)
+        if self.capture is not None:
+            try:
+                self.capture.stop()
+            except Exception as exc:
+                self._part_failed("capture", exc)
         self.probe.log(CLOSE)  # the sender's last flush closes the last step
         self.process_sampler.sample_at_next_call()  # and takes the exit sample
         self._uninstall()
@@ -288,6 +311,10 @@ class AgentRuntime:
         batches, flop_counts = probe.take_records()
         outbox.add_records(spans, batches, flop_counts)
         self._arm_flops(times)
+        reports: list[Message] = []
+        if self.capture is not None:
+            self.capture.observe(times)
+            reports += self.capture.take_reports()
         if any(times) or marks or batches or flop_counts:
             # Read after these events, so it goes with the steps they finish:
             # stamped as the first of them.
@@ -296,11 +323,13 @@ class AgentRuntime:
         now = time.monotonic()
         if not outbox.has_events() or (now < self._next_send and not self._final
                                        and not self._send_now and not incidents
+                                       and not reports
                                        and outbox.num_queued < MAX_EVENTS_PER_MESSAGE):
-            return list(incidents)
+            return [*incidents, *reports]
         self._send_now = False
         self._next_send = now + self.env.flush_interval_s
-        return [outbox.take(self._wall_offset), *incidents]
+        # A capture's report goes after the events of its steps: the collector finds them
+        return [outbox.take(self._wall_offset), *incidents, *reports]
 
     def _watch_progress(self, times: list[list[float]]) -> list[IncidentReport]:
         """Sender thread: stall reports, and the heartbeat the launcher watches."""

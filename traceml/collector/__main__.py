@@ -2,7 +2,8 @@
 
 The collector's composition root: the server, plus the live page's server when
 the configuration asks for one (``--mode=dashboard``), the metrics endpoint
-(``--metrics-port``) and the OTLP push (``--otlp-endpoint``); or, with an ``upstream``,
+(``--metrics-port``), the OTLP push (``--otlp-endpoint``) and the profiler captures'
+planner (``--capture``); or, with an ``upstream``,
 a node's relay (`traceml.collector.relay`).  Composed here so that
 ``traceml.collector.server`` does not import the live views.
 """
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 from traceml.collector.config import CollectorConfig
-from traceml.collector.server import Exporter, LiveServer, serve
+from traceml.collector.server import Captures, Exporter, LiveServer, serve
 from traceml.security import forbid_inspection
 
 
@@ -45,6 +46,16 @@ def metrics_exports(config: CollectorConfig) -> tuple[LiveServer | None, Exporte
     return server, exporter
 
 
+def profiler_captures(config: CollectorConfig) -> Captures | None:
+    """The captures' planner (``--capture auto``, and ``traceml capture``'s requests)."""
+    if config.capture == "off" and config.capture_secret is None:
+        return None
+    from traceml.live.captures import CaptureTrigger  # noqa: TID251
+
+    return CaptureTrigger(Path(config.db_path), config.capture == "auto", config.capture_steps,
+                          config.capture_max_bytes)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The configuration arrives on stdin (it may hold the session secret)."""
     forbid_inspection()  # the ranks, run by the same user, must not read the secret
@@ -56,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_relay(config)
     metrics, exporter = metrics_exports(config)
-    return serve(config, live_server(config), metrics=metrics, exporter=exporter)
+    return serve(config, live_server(config), metrics=metrics, exporter=exporter,
+                 captures=profiler_captures(config))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,12 @@ class CollectorConfig:
     # from ``launcher_secret`` (None: nobody may send control messages).
     secret: str | None = None
     launcher_secret: str | None = None
+    # ``traceml capture``'s key, from this secret (None: no one may ask for a capture);
+    # --capture: automatic captures ("auto"), their steps and each trace's byte cap.
+    capture_secret: str | None = None
+    capture: str = "auto"
+    capture_steps: int = 2
+    capture_max_bytes: int = 50 * 10**6
     # Several nodes: the join check.
     join_port: int | None = None
     expected: dict[str, str] | None = None  # nnodes, nproc_per_node as node 0 has them

@@ -25,9 +25,10 @@ from traceml.collector.config import CollectorConfig
 from traceml.collector.intake import Rejected
 from traceml.collector.rank_steps import RankSteps
 from traceml.errors import ProtocolError
-from traceml.records import FlopCount, Incident, StepRow
+from traceml.records import Capture, FlopCount, Incident, StepRow
 from traceml.security import NODE_ROLES, TokenBook
 from traceml.store import JoinError, SenderState, StoreError
+from traceml.wire.captures import CaptureReport
 from traceml.wire.envelope import Envelope
 from traceml.wire.events import EventBatch
 from traceml.wire.identity import Sender, sender_from
@@ -52,6 +53,8 @@ class Store(Protocol):
     def add_processes(self, samples: Iterable[tuple[Sender, ProcessRows]]) -> None: ...
     def add_system(self, sender: Sender, samples: SystemRows) -> None: ...
     def add_incident(self, i: Incident) -> int: ...
+    def add_capture_ask(self, c: Capture) -> None: ...
+    def add_capture_report(self, rank: int, host: str, report: CaptureReport) -> bool: ...
     def clear_stall(self, row_id: int, cleared_at: float) -> None: ...
     def save_sender(self, s: SenderState) -> None: ...
     def save_senders(self, states: Iterable[SenderState]) -> None: ...
@@ -207,6 +210,10 @@ class Collector:
                 self.store.add_system(env.sender, message)
             case IncidentReport():
                 self._incident(env.sender, message)
+            case CaptureReport():
+                if env.sender.role != "rank" or env.sender.rank is None or not (
+                        self.store.add_capture_report(env.sender.rank, env.sender.host, message)):
+                    raise Rejected("capture report without its ask")
             case Bye():
                 state.said_bye = True
                 self.rank_steps.pop(state.sender.sender_id, None)  # its last events came before

@@ -31,9 +31,10 @@ import zmq
 from traceml import step_fields
 from traceml.collector.config import CollectorConfig
 from traceml.collector.server import serve
-from traceml.records import FlopCount, Incident, StepRow
+from traceml.records import Capture, FlopCount, Incident, StepRow
 from traceml.security import TokenBook, derive_keys, relay_keys, secure_client
 from traceml.store import JoinError, SenderState
+from traceml.wire.captures import CaptureReport
 from traceml.wire.envelope import Envelope, Message, encode
 from traceml.wire.identity import Sender
 from traceml.wire.incidents import IncidentReport
@@ -133,6 +134,14 @@ class Outbox:
                 if (p := prefixes[i]) is not None]
         self._steps += kept
         return len(kept)
+
+    def add_capture_ask(self, c: Capture) -> None:
+        """Asks are node 0's: a relay stores none."""
+
+    def add_capture_report(self, rank: int, host: str, report: CaptureReport) -> bool:
+        """A rank of this node answered an ask: node 0 publishes asks to its own ranks
+        only (a relay forwards no asks), so there is none to answer here."""
+        return False
 
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None:
         self._flops += [(sender.sender_id, c.values()) for c in counts]

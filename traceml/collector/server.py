@@ -29,7 +29,9 @@ import zmq
 
 from traceml.collector.config import CollectorConfig
 from traceml.collector.dispatch import Collector, Store
+from traceml.records import Capture
 from traceml.security import (
+    capture_keys,
     derive_keys,
     launcher_keys,
     relay_keys,
@@ -37,6 +39,7 @@ from traceml.security import (
     start_authenticator,
 )
 from traceml.store import JoinError, StoreError, StoreWriter
+from traceml.wire.captures import CaptureAsk
 
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -55,6 +58,9 @@ RECEIVE_HWM = 16
 OVERSIZE_SEEN = 2  # frames up to this many times the message limit are read (and counted
 # as oversized); a larger one ZeroMQ refuses, closing that sender's connection
 MAX_JOIN_ERRORS = 64
+CONTROL_HWM = 64
+ASK_REPEATS = (0.0, 1.0, 2.0, 4.0)  # an ask is published again this long after the first
+# (a rank that connected late still reads it; the rank takes each id once)
 JOIN_MAX_BYTES = 4096
 
 
@@ -66,6 +72,23 @@ class LiveServer(Protocol):
 
     def finish(self) -> None:
         """The run is over and the store closed: serve the final report, then stop."""
+
+
+class Captures(Protocol):
+    """What the collector needs of the profiler captures (``traceml.live.captures``): the
+    asks to publish, and ``traceml capture``'s requests handed in."""
+
+    def start(self) -> None:
+        """Start watching the live findings."""
+
+    def request(self, payload: Any) -> None:
+        """A request of ``traceml capture`` (ValueError: not one)."""
+
+    def take(self) -> list[tuple[CaptureAsk, list[Capture]]]:
+        """The asks due now, each with its rows for the store."""
+
+    def finish(self) -> None:
+        """The run is over."""
 
 
 class Exporter(Protocol):
@@ -97,6 +120,11 @@ class Listener:
         if config.upstream is None:
             admitted.append(relay_keys(keys, config.secret, config.session_id).client_public)
             self.relay_id = admitted[-1].decode("ascii")
+        self.capture_id = ""
+        if config.capture_secret is not None:
+            capture_public = capture_keys(keys, config.capture_secret).client_public
+            admitted.append(capture_public)
+            self.capture_id = capture_public.decode("ascii")
         self.launcher_id = ""
         if config.launcher_secret is not None:
             launcher_public = launcher_keys(keys, config.launcher_secret).client_public
@@ -114,8 +142,16 @@ class Listener:
         self.poller.register(self.monitor, zmq.POLLIN)
         self.join: Any = None
         self.behind = False  # the last poll left messages waiting (its budget ran out)
+        self.on_capture: Callable[[bytes], None] | None = None  # ``traceml capture``'s requests
+        # The control channel to the ranks (capture asks): a CURVE PUB, so a rank knows
+        # what it reads came from the holder of the session's server key.
+        self.control = context.socket(zmq.PUB)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.SNDHWM, CONTROL_HWM)
+        secure_server(self.control, keys)
         try:
             self.port = _bind(self.sock, config.bind_host, config.port)
+            self.control_port = _bind(self.control, config.bind_host, 0)
             if config.join_port is not None:
                 self.join = context.socket(zmq.REP)
                 self.join.setsockopt(zmq.LINGER, 0)
@@ -151,9 +187,30 @@ class Listener:
                 self.behind = False
                 return n
             user = frame.get("User-Id")
+            if self.capture_id and user == self.capture_id:
+                self._capture_request(frame.bytes, collector)
+                n += 1
+                continue
             collector.handle(frame.bytes, bool(self.launcher_id) and user == self.launcher_id,
                              bool(self.relay_id) and user == self.relay_id)
             n += 1
+
+    def _capture_request(self, data: bytes, collector: Collector) -> None:
+        """A request of ``traceml capture`` (it came with the capture key alone)."""
+        try:
+            if self.on_capture is None:
+                raise ValueError("no captures here")
+            self.on_capture(data)
+        except ValueError:
+            collector.reject("malformed capture request")
+
+    def publish(self, ask: CaptureAsk) -> None:
+        """Send an ask to every rank on the control channel (dropped, not queued without
+        bound, when a rank reads slowly: asks are repeated)."""
+        try:
+            self.control.send(orjson.dumps(ask.payload()), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def _count_handshake_failures(self, collector: Collector) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -180,7 +237,7 @@ class Listener:
         self.join.send(orjson.dumps({"ok": not problem, "error": problem}))
 
     def close(self) -> None:
-        for sock in (self.join, self.monitor, self.sock):
+        for sock in (self.join, self.monitor, self.sock, self.control):
             if sock is not None:
                 sock.close(0)
         if self.auth is not None:
@@ -218,7 +275,8 @@ def open_store_writer(config: CollectorConfig) -> Store:
 
 def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
           open_store: Callable[[CollectorConfig], Store] = open_store_writer,
-          metrics: LiveServer | None = None, exporter: Exporter | None = None) -> int:
+          metrics: LiveServer | None = None, exporter: Exporter | None = None,
+          captures: Captures | None = None) -> int:
     """Run until the launcher ends the session; returns the exit status (3: the
     store could not be written, so what arrived is not all stored).
 
@@ -226,7 +284,8 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
     ``metrics`` likewise (``metrics_port``; a port it cannot listen on stops the start:
     scrape configurations name the port, so it is not moved); ``exporter`` pushes
     until the end, and how its pushes went is stored with the run;
-    ``open_store`` opens where accepted messages go (a relay: its batches to node 0)."""
+    ``open_store`` opens where accepted messages go (a relay: its batches to node 0);
+    ``captures`` plans the profiler captures, which this process publishes to the ranks."""
     # Ctrl-C and the job's SIGTERM (``timeout``, ``scancel`` of the process group) are
     # the launcher's to handle: it stops this process once the run is over.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -237,7 +296,8 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
     except zmq.ZMQError as exc:
         return _not_ready(context, f"cannot listen on {config.bind_host}:{config.port}: "
                                    f"{exc.strerror}")
-    ready: dict[str, Any] = {"port": listener.port, "pid": os.getpid()}
+    ready: dict[str, Any] = {"port": listener.port, "pid": os.getpid(),
+                             "control_port": listener.control_port}
     if metrics is not None and config.metrics_port is not None:
         try:  # before the store: a refused start leaves no store behind
             ready["metrics"] = metrics.start(config.metrics_host, config.metrics_port)
@@ -268,10 +328,17 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
                           store_error=True)
     collector = Collector(config, store)
     dashboard = _start_dashboard(dashboard, config, ready)
+    asks = None
+    if captures is not None:
+        asks = AskPublisher(listener, collector, captures)
+        listener.on_capture = captures.request
+        captures.start()
     print(orjson.dumps(ready).decode(), flush=True)
     try:
-        _loop(listener, collector, config)
+        _loop(listener, collector, config, asks)
     finally:
+        if captures is not None:
+            _finishing(captures.finish)
         collector.flush()
         if exporter is not None:
             _finishing(lambda: collector.save_exports({"otlp": exporter.finish()}))
@@ -317,7 +384,40 @@ def _start_dashboard(dashboard: LiveServer | None, config: CollectorConfig,
     return dashboard
 
 
-def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> None:
+class AskPublisher:
+    """Node 0's capture asks: each stored once, published a few times (`ASK_REPEATS`)."""
+
+    def __init__(self, listener: Listener, collector: Collector, captures: Captures) -> None:
+        self.listener = listener
+        self.collector = collector
+        self.captures = captures
+        self._due: list[tuple[float, CaptureAsk]] = []
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        try:
+            planned = self.captures.take()
+        except Exception as exc:  # never the collector's loop
+            planned = []
+            print(f"traceml collector: warning: capture not asked: {exc!r}", file=sys.stderr,
+                  flush=True)
+        for ask, rows in planned:
+            try:
+                for row in rows:
+                    self.collector.store.add_capture_ask(row)
+            except StoreError:
+                self.collector.store_failed = True
+            self._due += [(now + after, ask) for after in ASK_REPEATS]
+        if not self._due:
+            return
+        due = [d for d in self._due if d[0] <= now]
+        self._due = [d for d in self._due if d[0] > now]
+        for _, ask in due:
+            self.listener.publish(ask)
+
+
+def _loop(listener: Listener, collector: Collector, config: CollectorConfig,
+          asks: AskPublisher | None = None) -> None:
     # A relay commits a batch to node 0 every relay interval (1-4 s, by the job's nodes);
     # node 0 commits to SQLite more often.
     interval_s = COMMIT_INTERVAL_S if config.upstream is None else config.relay_interval_s
@@ -327,6 +427,8 @@ def _loop(listener: Listener, collector: Collector, config: CollectorConfig) -> 
     while True:
         if listener.poll(POLL_MS, collector, interval_s):
             last_data = time.monotonic()
+        if asks is not None:
+            asks.tick()
         now = time.monotonic()
         # Behind (the poll stopped on its budget): commit less often, as each commit
         # writes every page it touched, but never less than once a second.

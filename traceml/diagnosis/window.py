@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from traceml import step_fields
 from traceml.diagnosis import thresholds
-from traceml.records import Incident, ProcessSample, StepRow, SystemSample
+from traceml.records import Capture, Incident, ProcessSample, StepRow, SystemSample
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class Scope:
     last_step: int | None = None
     num_samples: int | None = None  # samples used (process and system sections)
     num_counted_steps: int | None = None  # steps left out because the FLOP counter ran in them
+    num_captured_steps: int | None = None  # ...because a profiler capture ran in them
     step_boundary: str | None = None  # Step Time: what ended the steps (phases.STEP_BOUNDARIES)
     input_source: str | None = None  # Step Time: what input time is (step_loop.INPUT_SOURCES)
 
@@ -57,6 +58,7 @@ class StepWindow:
     window_rows: int
     world_size: int
     num_counted_steps: int = 0  # aligned steps left out: the FLOP counter ran in them
+    num_captured_steps: int = 0  # ...a profiler capture ran in them (or its trace's writing)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -76,6 +78,7 @@ class StepWindow:
             first_step=self.steps[0] if self.steps else None,
             last_step=self.steps[-1] if self.steps else None,
             num_counted_steps=self.num_counted_steps,
+            num_captured_steps=self.num_captured_steps,
         )
 
     @functools.cached_property  # a frozen instance's __dict__ takes it all the same
@@ -159,8 +162,11 @@ class AnalysisWindow:
 ANALYSIS_WINDOW = AnalysisWindow()
 
 
-def select_window(steps: Iterable[StepRow], window_rows: int, world_size: int) -> StepWindow:
-    """The last ``window_rows`` aligned steps after warm-up (see the module docstring)."""
+def select_window(steps: Iterable[StepRow], window_rows: int, world_size: int,
+                  captured: Sequence[tuple[int, float, float]] = ()) -> StepWindow:
+    """The last ``window_rows`` aligned steps after warm-up (see the module docstring).
+    ``captured``: (rank, began, ended) of each profiler capture; a step of that rank that
+    overlaps it is left out on every rank, like a FLOP-counting step."""
     per_rank: dict[int, dict[int, StepRow]] = {}
     for rank, run in itertools.groupby(steps, key=_RANK):  # a run of one rank's rows
         rows = list(run)
@@ -174,8 +180,25 @@ def select_window(steps: Iterable[StepRow], window_rows: int, world_size: int) -
     kept = kept[-window_steps(window_rows, len(per_rank)):] if window_rows > 0 else []
     num_counted = sum(s in counted for s in kept)
     kept = [s for s in kept if s not in counted]
+    profiled = {s for rank, began, ended in captured
+                for s, row in per_rank.get(rank, {}).items() if _overlaps(row, began, ended)}
+    num_captured = sum(s in profiled for s in kept)
+    kept = [s for s in kept if s not in profiled]
     by_rank = {rank: tuple(map(rows.__getitem__, kept)) for rank, rows in per_rank.items()}
-    return StepWindow(by_rank, tuple(kept), warm, window_rows, world_size, num_counted)
+    return StepWindow(by_rank, tuple(kept), warm, window_rows, world_size, num_counted,
+                      num_captured)
+
+
+def _overlaps(row: StepRow, began: float, ended: float) -> bool:
+    """Whether a step ran while a capture did (a step without its start time: not known)."""
+    start = row.t_begin
+    return start is not None and start < ended and start + row.total_ms / 1e3 > began
+
+
+def capture_spans(captures: Iterable[Capture]) -> list[tuple[int, float, float]]:
+    """(rank, began, ended) of each capture that profiled a step."""
+    return [(c.rank, c.began_at, c.ended_at) for c in captures
+            if c.began_at is not None and c.ended_at is not None]
 
 
 def missing(ranks: Sequence[int], world_size: int) -> tuple[int, ...]:

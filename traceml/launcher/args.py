@@ -34,6 +34,7 @@ from traceml.config import (
 from traceml.environment import parse_stall_timeout
 from traceml.errors import UsageError
 from traceml.launcher import slurm
+from traceml.wire.captures import MAX_CAPTURE_BYTES, MAX_CAPTURE_STEPS
 from traceml.wire.identity import MAX_NODES, MAX_WORLD_SIZE
 
 # dest names of the options traceml adds; everything else belongs to torch.
@@ -41,7 +42,8 @@ OWN_DESTS = (
     "mode", "logs_dir", "session_id", "aggregator_host", "aggregator_port",
     "aggregator_bind_host", "summary_window_rows", "sample_interval", "dashboard_port",
     "html", "no_trace", "stall_timeout", "no_flops", "peak_tflops", "metrics_port",
-    "metrics_bind_host", "otlp_endpoint", "otlp_interval",
+    "metrics_bind_host", "otlp_endpoint", "otlp_interval", "capture", "capture_steps",
+    "capture_max_mb",
 )
 WORKER_LOG_DIR = "workers"  # in the session folder, without torch's --log-dir
 
@@ -50,6 +52,27 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not 0 < value < 1e6:  # inf and nan fail too
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _capture_steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_CAPTURE_STEPS:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_CAPTURE_STEPS}, got {text}")
+    return value
+
+
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 1.0 <= value <= MAX_CAPTURE_BYTES / 1e6:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of MB from 1 to {MAX_CAPTURE_BYTES / 1e6:.0f}, got {text}")
     return value
 
 
@@ -125,6 +148,19 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--otlp-interval", "--otlp_interval", dest="otlp_interval",
                        type=_positive_float, default=10.0, metavar="SEC",
                        help="Seconds between OTLP pushes (default 10).")
+    group.add_argument("--capture", dest="capture", choices=("auto", "off"), default="auto",
+                       help="auto (default): when a live finding names a rank (a straggler, "
+                            "COMMUNICATION-BOUND, outlier steps) for a few live windows, "
+                            "torch.profiler records the same steps on that rank and on the "
+                            "median rank, once per finding kind; off: never on its own "
+                            "(traceml capture still asks).")
+    group.add_argument("--capture-steps", "--capture_steps", dest="capture_steps",
+                       type=_capture_steps, default=2, metavar="K",
+                       help="Steps each capture profiles (default 2, at most 20).")
+    group.add_argument("--capture-max-mb", "--capture_max_mb", dest="capture_max_mb",
+                       type=_megabytes, default=50.0, metavar="MB",
+                       help="Each capture's trace stops at this many MB of JSON, and says so "
+                            "(default 50).")
     group.add_argument("--html", action="store_true",
                        help="Also write final_summary.html.")
     group.add_argument("--no-trace", "--no_trace", dest="no_trace", action="store_true",
@@ -209,6 +245,9 @@ def parse(command: str, argv: Sequence[str],
         metrics_bind_host=ns.metrics_bind_host,
         otlp_endpoint=ns.otlp_endpoint,
         otlp_interval_s=ns.otlp_interval,
+        capture=ns.capture,
+        capture_steps=ns.capture_steps,
+        capture_max_mb=ns.capture_max_mb,
         html=ns.html,
         no_trace=ns.no_trace,
         training_script=ns.training_script,

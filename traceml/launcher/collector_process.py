@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import IO, Any
 
 import orjson
@@ -23,7 +24,15 @@ import zmq
 from traceml import environment
 from traceml.collector.config import CollectorConfig
 from traceml.errors import UsageError
-from traceml.security import TokenBook, derive_keys, launcher_keys, new_secret, secure_client
+from traceml.security import (
+    TokenBook,
+    capture_keys,
+    client_keys_text,
+    derive_keys,
+    launcher_keys,
+    new_secret,
+    secure_client,
+)
 from traceml.store import StoreError, StoreWriter
 from traceml.version import __version__
 from traceml.wire.envelope import Envelope, encode
@@ -31,6 +40,7 @@ from traceml.wire.identity import Sender
 from traceml.wire.records import Control, RunEnd, RunStart, StopCollector
 
 READY_TIMEOUT_S = 20.0
+CAPTURE_KEY_FILENAME = "capture.key"  # the session folder's key for ``traceml capture``
 STOP_TIMEOUT_S = 15.0
 
 
@@ -89,6 +99,8 @@ class CollectorProcess:
             raise CollectorFailed(reason)
         self.port = int(ready["port"])
         self.ready = ready  # what the collector reported: its port, its dashboard's address
+        if config.capture_secret is not None:
+            self._write_capture_key(config.capture_secret)
         self._context = zmq.Context()
         self._control = self._context.socket(zmq.PUSH)
         self._control.setsockopt(zmq.LINGER, 2000)
@@ -100,6 +112,22 @@ class CollectorProcess:
                                 node_rank=0)
         self._token = TokenBook(config.secret, config.session_id).node if config.secret else None
         self._seq = 0
+
+    def _write_capture_key(self, capture_secret: str) -> None:
+        """What ``traceml capture`` needs to reach this collector, in the session folder,
+        readable by its owner alone: a stranger cannot ask for a capture."""
+        host = ("127.0.0.1" if self.config.bind_host in ("0.0.0.0", "")
+                else self.config.bind_host)
+        path = Path(self.config.db_path).parent / CAPTURE_KEY_FILENAME
+        text = orjson.dumps({"endpoint": f"tcp://{host}:{self.port}",
+                             "keys": client_keys_text(capture_keys(self.keys, capture_secret))})
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(text)
+        except OSError as exc:
+            print(f"traceml: warning: {path} not written ({exc.strerror}): traceml capture "
+                  "cannot reach this run", file=sys.stderr)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -108,6 +108,9 @@ def start_collector(cfg: RunConfig, topo: Topology, session_dir: Path,
             dashboard_port=cfg.dashboard_port if cfg.mode == "dashboard" else None,  # live views
             metrics_port=cfg.metrics_port, metrics_host=cfg.metrics_bind_host,
             otlp_endpoint=cfg.otlp_endpoint, otlp_interval_s=cfg.otlp_interval_s,
+            capture=cfg.capture if cfg.command == "run" else "off",
+            capture_steps=cfg.capture_steps, capture_max_bytes=int(cfg.capture_max_mb * 1e6),
+            capture_secret=new_secret() if cfg.command == "run" else None,
             secret=secret, join_port=topo.join_port if cfg.multi_node else None,
             tokens=rank_keys.available(),
             expected={"nnodes": cfg.torch.nnodes, "nproc_per_node": cfg.torch.nproc_per_node},
@@ -137,7 +140,8 @@ def announce_metrics(cfg: RunConfig, collector: CollectorProcess | None) -> None
 
 
 def agent_env_for(cfg: RunConfig, endpoint: str, session_dir: Path, topo: Topology,
-                  secret: str, key_service: RankKeyService | None = None) -> AgentEnv:
+                  secret: str, key_service: RankKeyService | None = None,
+                  control_endpoint: str | None = None) -> AgentEnv:
     """What the workers get: the session's client keys (not its secret) and the key
     service that gives each its rank's token."""
     arm_dir = None
@@ -153,7 +157,16 @@ def agent_env_for(cfg: RunConfig, endpoint: str, session_dir: Path, topo: Topolo
         key_socket=key_service.path if key_service is not None else None,
         stall_timeout_s=cfg.stall_timeout_s,
         count_flops=cfg.count_flops,
+        control_endpoint=control_endpoint,
     )
+
+
+def control_endpoint_of(collector: CollectorProcess | None, topo: Topology) -> str | None:
+    """Where this node's ranks read node 0's capture asks: its collector's control channel
+    (a relay forwards none: the ranks of other nodes are not asked)."""
+    if collector is None or "control_port" not in collector.ready:
+        return None
+    return f"tcp://{topo.connect_host}:{collector.ready['control_port']}"
 
 
 def inject(agent_env: AgentEnv) -> None:
@@ -218,7 +231,8 @@ def run(cfg: RunConfig) -> int:
     key_service = (RankKeyService(TokenBook(secret, cfg.session_id))
                    if cfg.command == "run" and rank_keys.available() else None)
     try:
-        agent_env = agent_env_for(cfg, endpoint, session_dir, topo, secret, key_service)
+        agent_env = agent_env_for(cfg, endpoint, session_dir, topo, secret, key_service,
+                                  control_endpoint_of(collector, topo))
         if cfg.command == "run":
             inject(agent_env)  # watch injects nothing: the launcher samples from outside
         exit_code = _supervise(cfg, topo, agent_env, collector, session_dir, secret, relay)

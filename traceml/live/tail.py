@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from traceml.records import (
+    Capture,
     FlopCount,
     Incident,
     ProcessSample,
@@ -57,6 +58,7 @@ class StoreTail:
         self._system: dict[int, deque[SystemSample]] = {}
         self._incidents: tuple[Incident, ...] = ()
         self._flop_counts: tuple[FlopCount, ...] = ()
+        self._captures: tuple[Capture, ...] = ()
 
     def poll(self) -> tuple[RunData, int]:
         """The recent run (rows read so far, bounded) and the summary window it asked for."""
@@ -72,6 +74,7 @@ class StoreTail:
             system = reader.system_after(self._system_after, most * self.samples_kept)
             self._incidents = reader.incidents()  # few: stalls and crashes, read whole
             self._flop_counts = reader.flop_counts()  # a few rows per rank
+            self._captures = reader.captures()  # a few per run
         self._steps_after = steps.last_row_id
         self._process_after = process.last_row_id
         self._system_after = system.last_row_id
@@ -111,4 +114,4 @@ class StoreTail:
                                key=lambda s: s.t))
         system = tuple(sorted((s for q in self._system.values() for s in q), key=lambda s: s.t))
         return dataclasses.replace(run_data(records, steps, process, system, self._incidents),
-                                   flop_counts=self._flop_counts)
+                                   flop_counts=self._flop_counts, captures=self._captures)

@@ -31,7 +31,14 @@ from traceml.diagnosis.throughput import (
     job_throughput,
     rank_throughput,
 )
-from traceml.diagnosis.window import Scope, StepWindow, in_span, missing, select_window
+from traceml.diagnosis.window import (
+    Scope,
+    StepWindow,
+    capture_spans,
+    in_span,
+    missing,
+    select_window,
+)
 from traceml.records import RunData, rank_totals
 from traceml.report.model import SCHEMA_VERSION, Primary, Report, Section
 
@@ -42,7 +49,8 @@ PRIMARY_ORDER = ("step_time", "step_memory", "system", "process", "throughput")
 def build_report(run: RunData, summary_window_rows: int) -> Report:
     """The end-of-run report of ``run`` over its last ``summary_window_rows`` aligned steps."""
     node_of = rank_nodes(run)
-    window = select_window(run.steps, summary_window_rows, run.meta.world_size)
+    window = select_window(run.steps, summary_window_rows, run.meta.world_size,
+                           capture_spans(run.captures))
     sections = {
         "step_time": step_time_section(run, window, node_of),
         "step_memory": step_memory_section(run, window, node_of),

@@ -87,6 +87,7 @@ _SCOPE = _obj({
     "last_step": _INT_OR_NULL,
     "num_samples": _INT_OR_NULL,
     "num_counted_steps": _INT_OR_NULL,
+    "num_captured_steps": _INT_OR_NULL,
     "step_boundary": {"type": ["string", "null"], "enum": [*phases.STEP_BOUNDARIES, None]},
     "input_source": {"type": ["string", "null"],
                      "enum": ["dataloader", "before_forward", "copies", None]},

@@ -184,6 +184,8 @@ def _scope(section: Section, report: Report) -> str:
     warm = f", {scope.num_warmup_steps} warm-up steps left out" if scope.num_warmup_steps else ""
     if scope.num_counted_steps:
         warm += f", {_count(scope.num_counted_steps, 'FLOP-counting step')} left out"
+    if scope.num_captured_steps:
+        warm += f", {_count(scope.num_captured_steps, 'profiled step')} left out"
     rule = f" | steps: {BOUNDARY_TEXT[scope.step_boundary]}" if scope.step_boundary else ""
     return (f"last {scope.num_steps} aligned steps across {_count(len(scope.ranks), 'rank')}"
             f"{warm}{missing}{rule}")

@@ -16,9 +16,10 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
-from traceml import step_fields
+from traceml import phases, step_fields
 from traceml.errors import ProtocolError
 from traceml.records import (
+    Capture,
     FlopCount,
     Incident,
     ProcessSample,
@@ -31,6 +32,7 @@ from traceml.records import (
 from traceml.store.queries import SPANS_PER_QUERY, StepSpan, merged_spans
 from traceml.store.records import JoinError, NewRows, RunRecords, SenderState
 from traceml.store.rows import (
+    capture_from_row,
     checked_integer,
     checked_record,
     checked_step,
@@ -212,7 +214,7 @@ class StoreReader:
             run_data(dataclasses.replace(records, rejected=rejected),
                      steps, process, system,
                      self.incidents() if incidents is None else incidents, totals),
-            flop_counts=self.flop_counts())
+            flop_counts=self.flop_counts(), captures=self.captures())
 
     def _step_totals(self) -> tuple[tuple[RankTotals, ...], list[StepSpan]]:
         """Per rank, its stored steps summed in SQL from the blocks' sums (one pass
@@ -399,6 +401,33 @@ class StoreReader:
         return tuple(self._read(self._rows("SELECT * FROM incidents ORDER BY rowid"),
                                 incident_from_row, "incident"))
 
+    def captures(self) -> tuple[Capture, ...]:
+        """Every profiler capture's asks and reports, in the order asked (none in a store
+        written before captures were kept)."""
+        if not self._has_table("captures"):
+            return ()
+        rows = tuple(self._read(self._rows("SELECT * FROM captures ORDER BY asked_at, rowid"),
+                                capture_from_row, "capture"))
+        return tuple(self._with_step_ms(c) for c in rows)
+
+    def _with_step_ms(self, c: Capture) -> Capture:
+        """A capture with the phase times of the steps it profiled, as traceml timed them:
+        the rank's first ``num_steps`` steps that ran while the capture did."""
+        if c.began_at is None or c.ended_at is None or not c.num_steps:
+            return c
+        low, high = c.start_after - CAPTURE_STEP_SLACK, c.start_after + c.steps_asked + CAPTURE_STEP_SLACK
+        rows = self._steps_in(f"rank = ? AND last_step >= ? AND first_step <= ? AND {_READABLE_RANK}",
+                              (c.rank, low, high), low - 1, high, count=False)
+        began, ended = c.began_at, c.ended_at
+        ran = sorted((r for r in rows if r.t_begin is not None and r.t_begin < ended
+                      and r.t_begin + r.total_ms / 1e3 > began), key=lambda r: r.step)
+        profiled = ran[:c.num_steps]
+        if not profiled:
+            return c
+        names = (*(p.name for p in phases.PHASES), "compute", "total")
+        return dataclasses.replace(c, step_ms=tuple(
+            (name, sum(r.ms(name) for r in profiled) / len(profiled)) for name in names))
+
     def flop_counts(self) -> tuple[FlopCount, ...]:
         """Every rank's FLOP counts, oldest first per rank (none in a store written
         before FLOPs were counted)."""
@@ -473,6 +502,7 @@ class StoreReader:
 _MEASURED = step_fields.measured()
 _MEASURED_NAMES = tuple(f.name for f in _MEASURED)
 _BLOCKS = "(SELECT rowid AS row_id, * FROM step_blocks)"
+CAPTURE_STEP_SLACK = 16  # steps around a capture's asked ones searched for what it profiled
 _BLOCK_READ = "rank, restart, node_rank, num_rows, rows"  # what `_block_steps` reads
 _CHECKED_ROWS = 4096  # step rows whose columns are checked at once
 

@@ -15,6 +15,7 @@ from traceml import stacks, step_fields
 from traceml.errors import ProtocolError
 from traceml.records import (
     TOTALED,
+    Capture,
     GpuSample,
     Incident,
     NodeInfo,
@@ -130,6 +131,32 @@ def incident_from_row(r: Mapping[str, Any]) -> Incident:
         open_phases=tuple(checked_text(p) for p in orjson.loads(checked_text(r["open_phases"]))),
         stack=stacks.from_json(orjson.loads(checked_text(r["stack"]))),
         stack_source=None if source is None else checked_text(source), detail=detail)
+
+
+def capture_from_row(r: Mapping[str, Any]) -> Capture:
+    def text(key: str) -> str | None:
+        return None if r[key] is None else checked_text(r[key])
+
+    operators = orjson.loads(checked_text(r["operators"]))
+    if type(operators) is not list:
+        raise TypeError("operators is not a list")
+    ops = []
+    for o in operators:
+        name, shapes, calls, self_ms, device_ms = o
+        ops.append((checked_text(name), checked_text(shapes), checked_number(calls, False, 0),
+                    checked_number(self_ms, False, 0), checked_number(device_ms, True, 0)))
+    return Capture(
+        capture_id=checked_text(r["capture_id"]),
+        rank=checked_integer(r["rank"], 0, MAX_WORLD_SIZE - 1), role=checked_text(r["role"]),
+        trigger=checked_text(r["trigger"]), label=checked_text(r["label"]), phase=text("phase"),
+        asked_at=checked_number(r["asked_at"], False),
+        start_after=checked_integer(r["start_after"], 0),
+        steps_asked=checked_integer(r["steps_asked"], 1),
+        reported_at=checked_number(r["reported_at"]),
+        num_steps=checked_integer(r["num_steps"], 0),
+        began_at=checked_number(r["began_at"]), ended_at=checked_number(r["ended_at"]),
+        host=text("host"), path=text("path"), trace_bytes=checked_integer(r["trace_bytes"], 0),
+        cut=text("cut"), error=text("error"), operators=tuple(ops))
 
 
 def system_sample(r: Mapping[str, Any]) -> SystemSample:

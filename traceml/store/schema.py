@@ -14,7 +14,7 @@ from traceml.records import TOTALED
 from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS
 
 STORE_FILENAME = "telemetry.sqlite"
-SCHEMA_VERSION = 6  # 2: a column per phase (communication), collective_ms
+SCHEMA_VERSION = 7  # 2: a column per phase (communication), collective_ms
 # 3: samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval per step; the
 # flop_counts and incidents tables
 # 4: indexes on process(t) and system(t), for the summary's bounded read (a store
@@ -23,6 +23,7 @@ SCHEMA_VERSION = 6  # 2: a column per phase (communication), collective_ms
 # 6: steps stored in blocks (step_blocks: a rank's consecutive steps as one row, their
 # values as JSON, their sums beside them); `steps` is a view of their rows (a store
 # with a steps table is read through the same view's shape)
+# 7: the captures table (profiler captures: the ask, then the rank's report)
 JOIN_ERROR_PREFIX = "join_error/"
 EXPORTS_KEY = "exports"  # meta: exporter -> how its pushes went (sent, failed, endpoint, error)
 LAUNCHER_LOST_KEY = "launcher_lost_at"  # meta: when the collector saw its launcher vanish
@@ -99,6 +100,12 @@ DDL = [
     "began_at REAL NOT NULL, detected_at REAL NOT NULL, cleared_at REAL, step INTEGER, "
     "phase TEXT, open_phases TEXT NOT NULL, stack TEXT NOT NULL, stack_source TEXT, "
     "detail TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS captures (capture_id TEXT NOT NULL, rank INTEGER NOT NULL, "
+    "role TEXT NOT NULL, trigger TEXT NOT NULL, label TEXT NOT NULL, phase TEXT, "
+    "asked_at REAL NOT NULL, start_after INTEGER NOT NULL, steps_asked INTEGER NOT NULL, "
+    "reported_at REAL, num_steps INTEGER NOT NULL DEFAULT 0, began_at REAL, ended_at REAL, "
+    "host TEXT, path TEXT, trace_bytes INTEGER NOT NULL DEFAULT 0, cut TEXT, error TEXT, "
+    "operators TEXT NOT NULL DEFAULT '[]', PRIMARY KEY (capture_id, rank))",
 ]
 
 _INCIDENT_COLUMNS = ("what", "rank", "node_rank", "host", "pid", "began_at", "detected_at",
@@ -120,6 +127,12 @@ SENDER_SQL = (_insert("senders", _SENDER_COLUMNS) + " ON CONFLICT(sender_id) DO 
               + ", ".join(f"{c} = excluded.{c}" for c in _SENDER_COLUMNS[1:]))
 REJECTED_SQL = _insert("rejected", ("reason", "count"), "INSERT OR REPLACE")
 INCIDENT_SQL = _insert("incidents", _INCIDENT_COLUMNS)
+CAPTURE_ASK_SQL = _insert("captures", ("capture_id", "rank", "role", "trigger", "label", "phase",
+                                       "asked_at", "start_after", "steps_asked"),
+                          "INSERT OR IGNORE")
+CAPTURE_REPORT_SQL = ("UPDATE captures SET reported_at = ?, num_steps = ?, began_at = ?, "
+                      "ended_at = ?, host = ?, path = ?, trace_bytes = ?, cut = ?, error = ?, "
+                      "operators = ? WHERE capture_id = ? AND rank = ? AND reported_at IS NULL")
 META_SQL = ("INSERT INTO meta (key, value) VALUES (?, ?) "
             "ON CONFLICT(key) DO UPDATE SET value = excluded.value")
 

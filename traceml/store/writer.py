@@ -16,11 +16,13 @@ from typing import Any
 import orjson
 
 from traceml import stacks, step_fields
-from traceml.records import FlopCount, Incident, StepRow
+from traceml.records import Capture, FlopCount, Incident, StepRow
 from traceml.store.records import JoinError, SenderState
 from traceml.store.schema import (
     BLOCK_COLUMNS_KEY,
     BLOCK_SUMMED,
+    CAPTURE_ASK_SQL,
+    CAPTURE_REPORT_SQL,
     DDL,
     EXPORTS_KEY,
     FLOP_COUNT_SQL,
@@ -39,6 +41,7 @@ from traceml.store.schema import (
     StoreError,
     sqlite_errors,
 )
+from traceml.wire.captures import CaptureReport
 from traceml.wire.identity import Sender
 from traceml.wire.records import RunEnd, RunStart, record_to_json
 from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS, ProcessRows, SystemRows
@@ -230,6 +233,21 @@ class StoreWriter:
                 orjson.dumps(stacks.to_json(i.stack)).decode(), i.stack_source,
                 orjson.dumps(dict(i.detail)).decode()))
         return int(cursor.lastrowid or 0)
+
+    def add_capture_ask(self, c: Capture) -> None:
+        """Node 0 asked a rank for a profiler capture (its report fills the row later)."""
+        self._execute(CAPTURE_ASK_SQL, (c.capture_id, c.rank, c.role, c.trigger, c.label,
+                                        c.phase, c.asked_at, c.start_after, c.steps_asked))
+
+    def add_capture_report(self, rank: int, host: str, report: CaptureReport) -> bool:
+        """A rank's report of its capture; False when no ask of that id is open for it."""
+        with sqlite_errors():
+            cursor = self.db.execute(CAPTURE_REPORT_SQL, (
+                time.time(), report.num_steps, report.began_at, report.ended_at, host,
+                report.path, report.trace_bytes, report.cut, report.error,
+                orjson.dumps([o.values() for o in report.operators]).decode(),
+                report.capture_id, rank))
+        return cursor.rowcount > 0
 
     def clear_stall(self, row_id: int, cleared_at: float) -> None:
         """The stall stored as ``row_id`` ended: the rank's steps resumed."""

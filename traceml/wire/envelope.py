@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from traceml.errors import ProtocolError
+from traceml.wire.captures import CaptureReport
 from traceml.wire.checks import is_number
 from traceml.wire.events import EventBatch
 from traceml.wire.identity import MAX_INT, Sender, bounded, sender_from
@@ -39,7 +40,7 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_TOKEN_CHARS = 64
 
 Message = (EventBatch | ProcessRows | SystemRows | Hello | Bye | RunStart | RunEnd
-           | StopCollector | IncidentReport | RelayBatch)
+           | StopCollector | IncidentReport | RelayBatch | CaptureReport)
 """Everything a message can carry."""
 
 DECODERS: dict[str, Callable[[dict[str, Any]], Message]] = {
@@ -51,6 +52,7 @@ DECODERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     CONTROL_KIND: control_from_payload,
     IncidentReport.KIND: IncidentReport.from_payload,
     RelayBatch.KIND: RelayBatch.from_payload,
+    CaptureReport.KIND: CaptureReport.from_payload,
 }
 """Each kind's decoder: the payload in, the checked message out (ProtocolError,
 TypeError, ValueError or KeyError: refused)."""

@@ -22,7 +22,7 @@ from typing import Any
 from traceml import phases
 from traceml.diagnosis.stats import stands_out
 from traceml.diagnosis.throughput import RankThroughput
-from traceml.diagnosis.window import select_window
+from traceml.diagnosis.window import capture_spans, select_window
 from traceml.records import Json, RunData, ms_column, rank_totals
 from traceml.report.build import build_report, rank_nodes
 from traceml.report.json_codec import report_to_json
@@ -142,7 +142,8 @@ def wide_view(run: RunData, report: Report, phases: tuple[RankPhases, ...]) -> W
 
 def phase_rows(run: RunData, report: Report) -> tuple[RankPhases, ...]:
     """Per rank: median and worst of each phase over the report's step window."""
-    window = select_window(run.steps, report.step_time.scope.window_rows, run.meta.world_size)
+    window = select_window(run.steps, report.step_time.scope.window_rows, run.meta.world_size,
+                           capture_spans(run.captures))
     # The newest step of each rank: a summary's read holds only its window's rows.
     last = {rank: t.last_step for rank, t in rank_totals(run).items()}
     node_of = rank_nodes(run)

@@ -1,0 +1,336 @@
+"""A bounded ``torch.profiler`` capture of a few steps, asked for by node 0 (agent side).
+
+Node 0 asks a suspect rank and a reference rank to profile the same steps
+(`traceml.wire.captures.CaptureAsk`): those after each rank has ended ``start_after``
+iterations (optimizer steps, skipped ones, ``trace_step`` exits).  The ask arrives on the
+sender thread, which chains a hook onto the iteration's end (``probe.on_optimizer_end``)
+only while an ask is open: no other step runs anything.
+
+The hook counts the iterations that end after it was installed; the sender thread,
+which counts every iteration it takes from the log, fixes how many had ended before the
+hook's first call (the boundary with that exact time), so both know the count of each
+boundary.  At boundary ``start_after`` the hook starts a profiler session (CPU
+activities, CUDA ones where this process uses CUDA, input shapes recorded, no stacks);
+at each later boundary it stops the session, adds that step's operators up and appends
+its events to the trace, then starts the next one.  One session per step lets the byte
+cap stop the capture between steps: once the trace reaches ``max_bytes`` (uncompressed
+JSON), no further step is profiled and the report says so.
+
+The work between sessions (the operator table, the trace's gzip) runs on the training
+thread, at a boundary, so no profiled step shares the interpreter with it; it lengthens
+the captured steps and the one after them, which the report marks (``began_at`` to
+``ended_at``) and the summary leaves out of its window.  Any error ends the capture with
+its reason in the report, never the training.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from traceml.agent.probe import Probe
+from traceml.wire.captures import MAX_OPERATORS, CaptureAsk, CaptureReport, OperatorRow
+from traceml.wire.events import MANUAL_EXIT, OPTIMIZER_END, OPTIMIZER_SKIPPED
+
+CAPTURES_DIR = "captures"
+GZIP_LEVEL = 1  # the trace is written on the training thread: fast beats small
+MAX_OPEN_ASKS = 4  # asks waiting for their step; later ones are answered "busy"
+_ENDS = (OPTIMIZER_END, OPTIMIZER_SKIPPED, MANUAL_EXIT)
+
+
+@dataclass
+class _Capture:
+    """One ask, from its arrival to its report."""
+
+    ask: CaptureAsk
+    calls: int = 0  # iterations ended since the hook was installed (training thread)
+    first_t: float | None = None  # the hook's first call
+    base: int | None = None  # iterations ended before that call (set by the sender thread)
+    session: Any = None  # the running profiler session
+    num_steps: int = 0
+    began: float | None = None  # probe clock
+    ended: float | None = None
+    ops: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    trace: Any = None  # _TraceFile
+    cut: str | None = None
+    error: str | None = None
+    has_device: bool = False  # CUDA activities were profiled
+    disk_bytes: int = 0  # the trace's size on disk, once written
+    done: bool = False
+
+
+class _TraceFile:
+    """One rank's Chrome trace of one capture, gzip, the events of each step appended
+    until the byte cap (uncompressed JSON)."""
+
+    def __init__(self, path: str, max_bytes: int) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.size = 0  # uncompressed bytes of events written
+        self.header: dict[str, Any] | None = None
+        self._file: Any = gzip.open(path, "wb", compresslevel=GZIP_LEVEL)
+        self._file.write(b'{"traceEvents":[')
+        self._first = True
+
+    def add(self, trace: dict[str, Any]) -> bool:
+        """Append one session's events; False when the cap stopped it (the rest dropped)."""
+        if self.header is None:
+            self.header = {k: v for k, v in trace.items() if k != "traceEvents"}
+        for event in trace.get("traceEvents", ()):
+            data = orjson.dumps(event)
+            if self.size + len(data) + 1 > self.max_bytes:
+                return False
+            self._file.write(data if self._first else b"," + data)
+            self._first = False
+            self.size += len(data) + 1
+        return True
+
+    def close(self, meta: dict[str, Any]) -> int:
+        """End the JSON object (the first session's header, traceml's own keys); the
+        file's size on disk."""
+        tail = orjson.dumps({**(self.header or {}), "traceml": meta})
+        self._file.write(b"]," + tail[1:] if tail != b"{}" else b"]}")
+        self._file.close()
+        return os.path.getsize(self.path)
+
+
+class ProfilerCapture:
+    """The asks of one rank and their captures."""
+
+    def __init__(self, probe: Probe, rank: int, session_dir: str | None,
+                 wall_offset: float, warn: Callable[[str, BaseException], None],
+                 seen: int = 0) -> None:
+        """``seen``: the iterations the sender thread has taken from the log so far."""
+        self.probe = probe
+        self.rank = rank
+        self.session_dir = session_dir
+        self.wall_offset = wall_offset
+        self.warn = warn
+        self.uses_cuda = False  # set by the runtime once a CUDA step was timed
+        self._open: list[_Capture] = []  # asks not yet reported (the first one runs)
+        self._reports: list[CaptureReport] = []
+        self._lock = threading.Lock()  # the open list: sender thread and training thread
+        self._chained: Callable[..., None] | None = None
+        self._installed = False
+        self._seen = seen  # iterations ended, as the sender thread took them from the log
+
+    # -- sender thread ---------------------------------------------------------------
+
+    def on_control(self, payload: Any) -> None:
+        """A control message from node 0: an ask for this rank is queued; others ignored."""
+        if not isinstance(payload, dict) or payload.get("op") != "capture":
+            return
+        ask = CaptureAsk.from_payload(payload)
+        if self.rank not in ask.ranks:
+            return
+        with self._lock:
+            if any(c.ask.capture_id == ask.capture_id for c in self._open):
+                return  # the same ask again (node 0 repeats it until it is answered)
+            if len(self._open) >= MAX_OPEN_ASKS:
+                self._reports.append(CaptureReport(ask.capture_id, ask.steps, 0,
+                                                   error="busy with earlier captures"))
+                return
+            self._open.append(_Capture(ask))
+        self._install()
+
+    def observe(self, times: list[list[float]]) -> None:
+        """Every tick, after the log was taken: fix the count of the hook's first
+        boundary once that boundary has been taken."""
+        ends = sorted(t for code in _ENDS for t in times[code])
+        with self._lock:
+            running = self._open[0] if self._open else None
+        if running is not None and running.base is None and running.first_t is not None:
+            if running.first_t in ends:
+                running.base = self._seen + ends.index(running.first_t)
+        self._seen += len(ends)
+
+    def take_reports(self) -> list[CaptureReport]:
+        """Finished captures, to send (the hook is removed once none is open)."""
+        with self._lock:
+            finished = [c for c in self._open if c.done]
+            self._open = [c for c in self._open if not c.done]
+            reports, self._reports = self._reports + [self._report(c) for c in finished], []
+            idle = not self._open
+        if idle and self._installed:
+            self._uninstall()
+        return reports
+
+    def _install(self) -> None:
+        if self._installed:
+            return
+        self._chained = self.probe.on_optimizer_end
+        self.probe.on_optimizer_end = self._boundary
+        self._installed = True
+
+    def _uninstall(self) -> None:
+        # Another hook chained onto this one since (a FLOP count running) keeps it: it
+        # restores this one when it ends, so it passes through until the next ask.
+        if self.probe.on_optimizer_end == self._boundary:
+            self.probe.on_optimizer_end = self._chained
+            self._installed = False
+
+    def _report(self, c: _Capture) -> CaptureReport:
+        n = max(1, c.num_steps)
+        rows = sorted(c.ops.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:MAX_OPERATORS]
+        operators = tuple(
+            OperatorRow(name, shapes, calls / n, self_us / n / 1e3,
+                        device_us / n / 1e3 if c.has_device else None)
+            for (name, shapes), (calls, self_us, device_us) in rows)
+        path = c.trace.path if c.trace is not None else None
+        wall = self.wall_offset
+        return CaptureReport(
+            c.ask.capture_id, c.ask.steps, c.num_steps,
+            None if c.began is None else c.began + wall,
+            None if c.ended is None else c.ended + wall,
+            path, c.disk_bytes, c.cut, c.error, operators)
+
+    # -- training thread ---------------------------------------------------------------
+
+    def _boundary(self, t: float) -> None:
+        """An iteration ended (training thread): the chained hook, then the capture."""
+        chained = self._chained
+        if chained is not None:
+            chained(t)
+        c = self._open[0] if self._open else None
+        if c is None or c.done:
+            return
+        c.calls += 1
+        if c.first_t is None:
+            c.first_t = t
+        if c.base is None:
+            return
+        count = c.base + c.calls
+        ask = c.ask
+        if count < ask.start_after:
+            return
+        try:
+            if c.session is not None:
+                self._end_step(c)
+            if c.num_steps == 0 and count > ask.start_after and c.session is None:
+                self._finish(c, error=f"the asked step ({ask.start_after}) had passed when "
+                                      "the ask arrived")
+                return
+            if c.num_steps >= ask.steps or c.cut is not None:
+                self._finish(c)
+                return
+            self._start_step(c)
+        except Exception as exc:
+            self._close_session(c)
+            self._finish(c, error=f"the profiler failed: {exc!r}")
+            self.warn("capture", exc)
+
+    def _start_step(self, c: _Capture) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.uses_cuda:
+            activities.append(ProfilerActivity.CUDA)
+        if c.began is None:
+            c.began = self.probe.clock()
+            c.has_device = self.uses_cuda
+            c.trace = _TraceFile(self._trace_path(c.ask.capture_id), c.ask.max_bytes)
+        session = profile(activities=activities, record_shapes=True, with_stack=False)
+        session.start()
+        c.session = session
+
+    def _end_step(self, c: _Capture) -> None:
+        session, c.session = c.session, None
+        session.stop()
+        c.num_steps += 1
+        for e in session.key_averages(group_by_input_shape=True):
+            if _on_device(e):
+                continue  # a kernel: its time is its operator's device self time
+            key = (e.key, _shapes(e.input_shapes))
+            row = c.ops.setdefault(key, [0.0, 0.0, 0.0])
+            row[0] += e.count
+            row[1] += e.self_cpu_time_total
+            row[2] += _device_self(e)
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+            name = tmp.name
+        try:
+            session.export_chrome_trace(name)
+            with open(name, "rb") as f:
+                trace = orjson.loads(f.read())
+        finally:
+            os.unlink(name)
+        if not c.trace.add(trace):
+            c.cut = (f"the trace reached its cap of {_mib(c.ask.max_bytes)} after "
+                     f"{c.num_steps} of {c.ask.steps} steps: the rest of step "
+                     f"{c.num_steps} and later steps are not in it")
+        elif c.trace.size >= c.ask.max_bytes and c.num_steps < c.ask.steps:
+            c.cut = (f"the trace reached its cap of {_mib(c.ask.max_bytes)} after "
+                     f"{c.num_steps} of {c.ask.steps} steps")
+
+    def _close_session(self, c: _Capture) -> None:
+        session, c.session = c.session, None
+        if session is not None:
+            try:
+                session.stop()
+            except Exception:
+                pass
+
+    def _finish(self, c: _Capture, error: str | None = None) -> None:
+        c.error = error
+        if c.trace is not None:
+            try:
+                c.disk_bytes = c.trace.close({
+                    "capture_id": c.ask.capture_id, "rank": self.rank,
+                    "steps": c.num_steps, "steps_asked": c.ask.steps, "cut": c.cut})
+            except OSError as exc:
+                c.error = c.error or f"the trace could not be written: {exc!r}"
+        c.ended = self.probe.clock()
+        c.done = True
+
+    def stop(self) -> None:
+        """At exit (training thread or atexit): a capture still running ends with
+        what it has."""
+        c = self._open[0] if self._open else None
+        if c is None or c.done:
+            return
+        if c.session is not None:
+            try:
+                self._end_step(c)
+            except Exception as exc:
+                self._close_session(c)
+                c.error = f"the profiler failed: {exc!r}"
+        if 0 < c.num_steps < c.ask.steps and c.error is None:
+            c.cut = c.cut or f"the run ended after {c.num_steps} of {c.ask.steps} steps"
+        self._finish(c, c.error if c.num_steps or c.error else
+                     "the run ended before the asked step")
+
+    def _trace_path(self, capture_id: str) -> str:
+        folder = os.path.join(self.session_dir or tempfile.gettempdir(), CAPTURES_DIR)
+        os.makedirs(folder, exist_ok=True)
+        safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in capture_id)
+        return os.path.join(folder, f"{safe}-r{self.rank}.pt.trace.json.gz")
+
+
+def _shapes(shapes: Any) -> str:
+    """torch's input shapes as text: tensors' shapes, scalars' [] dropped at the end."""
+    if not shapes:
+        return ""
+    items = [s for s in shapes if s != []]
+    return ", ".join(str(list(s)) for s in items)
+
+
+def _on_device(event: Any) -> bool:
+    kind = getattr(event, "device_type", None)
+    return kind is not None and "CPU" not in str(kind)
+
+
+def _device_self(event: Any) -> float:
+    value = getattr(event, "self_device_time_total", None)
+    if value is None:
+        value = getattr(event, "self_cuda_time_total", 0.0)
+    return float(value or 0.0)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
