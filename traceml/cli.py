@@ -14,6 +14,7 @@ commands:
   watch    launch like run, with system and process telemetry only (nothing injected)
   report   recompute a session's final summary from its stored telemetry
   compare  compare two runs: IMPROVEMENT, REGRESSION, NO CHANGE, MIXED or INCONCLUSIVE
+  capture  ask a live run to profile a rank (and the median rank) with torch.profiler
 
 Run 'traceml <command> --help' for a command's options."""
 
@@ -42,7 +43,14 @@ def _compare(argv: Sequence[str]) -> int:
     return cli.main(argv)
 
 
-COMMANDS = {"run": _run, "watch": _watch, "report": _report, "compare": _compare}
+def _capture(argv: Sequence[str]) -> int:
+    from traceml.launcher import capture
+
+    return capture.main(argv)
+
+
+COMMANDS = {"run": _run, "watch": _watch, "report": _report, "compare": _compare,
+            "capture": _capture}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -48,7 +48,7 @@ def as_json(report: Report) -> Any:
 def test_top_level_and_meta_keys_follow_r_out_3() -> None:
     doc = as_json(build_report(cpu_run(), 10_000))
     assert list(doc) == ["schema_version", "meta", "primary", "step_time", "step_memory",
-                         "process", "system", "throughput", "ending"]
+                         "process", "system", "throughput", "ending", "captures"]
     assert doc["schema_version"] == SCHEMA_VERSION
     meta = doc["meta"]
     assert meta["started_at"] == "2026-01-01T00:00:00.000+00:00"

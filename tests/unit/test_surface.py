@@ -86,6 +86,7 @@ TRACEML_OPTIONS = {
     "--no-trace", "--no_trace", "--no-flops", "--no_flops", "--peak-tflops", "--peak_tflops",
     "--metrics-port", "--metrics_port", "--metrics-bind-host", "--metrics_bind_host",
     "--otlp-endpoint", "--otlp_endpoint", "--otlp-interval", "--otlp_interval",
+    "--capture", "--capture-steps", "--capture_steps", "--capture-max-mb", "--capture_max_mb",
 }
 
 

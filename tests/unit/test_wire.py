@@ -10,6 +10,7 @@ from tests.raw_wire import empty_times, envelope_bytes
 from traceml import stacks
 from traceml.environment import AgentEnv, TorchRank, distributed_launch, without_traceml
 from traceml.errors import ProtocolError
+from traceml.wire.captures import CaptureReport, OperatorRow
 from traceml.wire.envelope import DECODERS, Envelope, Message, PayloadError, decode, encode
 from traceml.wire.events import EventBatch
 from traceml.wire.identity import Sender
@@ -87,7 +88,9 @@ def _samples() -> list[Message]:
             SystemRows(("t", "gpus"), [[1.7e9, [[0, 5.0, 1, 2, 40.0, 100.0]]]]),
             Hello(1.7e9), Bye(1.7e9, 3), START, RunEnd(1.7e9, 0), StopCollector(), report,
             RelayBatch([(SENDER, [1.7e9, 1.7e9, 1, 0, 0, 1, 0, False])], [], [], [], [], [],
-                       [(1, 1.7e9)], {"x": 1})]
+                       [(1, 1.7e9)], {"x": 1}),
+            CaptureReport("c1", 2, 2, 1.7e9, 1.7e9 + 1, "/l/c1-r0.pt.trace.json.gz", 10, None,
+                          None, (OperatorRow("aten::mm", "[2, 2]", 3.0, 1.5, None),))]
 
 
 def test_decode_returns_one_of_a_closed_union_every_kind_round_trips() -> None:

@@ -25,6 +25,7 @@ its reason in the report, never the training.
 
 from __future__ import annotations
 
+import gc
 import gzip
 import os
 import tempfile
@@ -36,7 +37,13 @@ from typing import Any
 import orjson
 
 from traceml.agent.probe import Probe
-from traceml.wire.captures import MAX_OPERATORS, CaptureAsk, CaptureReport, OperatorRow
+from traceml.wire.captures import (
+    MAX_OPERATORS,
+    CaptureAsk,
+    CaptureReport,
+    OperatorRow,
+    is_communication,
+)
 from traceml.wire.events import MANUAL_EXIT, OPTIMIZER_END, OPTIMIZER_SKIPPED
 
 CAPTURES_DIR = "captures"
@@ -62,6 +69,7 @@ class _Capture:
     cut: str | None = None
     error: str | None = None
     has_device: bool = False  # CUDA activities were profiled
+    due: bool = False  # an iteration ended: the next batch ends or starts a profiled step
     disk_bytes: int = 0  # the trace's size on disk, once written
     done: bool = False
 
@@ -75,7 +83,8 @@ class _TraceFile:
         self.max_bytes = max_bytes
         self.size = 0  # uncompressed bytes of events written
         self.header: dict[str, Any] | None = None
-        self._file: Any = gzip.open(path, "wb", compresslevel=GZIP_LEVEL)
+        self._part = path + ".part"  # renamed once whole: a reader never sees half a trace
+        self._file: Any = gzip.open(self._part, "wb", compresslevel=GZIP_LEVEL)
         self._file.write(b'{"traceEvents":[')
         self._first = True
 
@@ -96,8 +105,9 @@ class _TraceFile:
         """End the JSON object (the first session's header, traceml's own keys); the
         file's size on disk."""
         tail = orjson.dumps({**(self.header or {}), "traceml": meta})
-        self._file.write(b"]," + tail[1:] if tail != b"{}" else b"]}")
+        self._file.write(b"]," + tail[1:])
         self._file.close()
+        os.replace(self._part, self.path)
         return os.path.getsize(self.path)
 
 
@@ -119,6 +129,7 @@ class ProfilerCapture:
         self._lock = threading.Lock()  # the open list: sender thread and training thread
         self._chained: Callable[..., None] | None = None
         self._installed = False
+        self._wrapped: list[tuple[Any, Any]] = []  # (batch watch, its own on_shape)
         self._seen = seen  # iterations ended, as the sender thread took them from the log
 
     # -- sender thread ---------------------------------------------------------------
@@ -170,6 +181,9 @@ class ProfilerCapture:
         self._installed = True
 
     def _uninstall(self) -> None:
+        for watch, original in self._wrapped:
+            watch.on_shape = original
+        self._wrapped = []
         # Another hook chained onto this one since (a FLOP count running) keeps it: it
         # restores this one when it ends, so it passes through until the next ask.
         if self.probe.on_optimizer_end == self._boundary:
@@ -210,14 +224,46 @@ class ProfilerCapture:
         ask = c.ask
         if count < ask.start_after:
             return
+        if c.session is None and c.num_steps == 0 and count > ask.start_after and not c.due:
+            self._finish(c, error=f"the asked step ({ask.start_after}) had passed when the "
+                                  "ask arrived")
+            return
+        # Not here: this runs inside the optimizer step's own profiler range, and a
+        # session stopped or started inside an open range corrupts kineto's state (a
+        # segfault in a later stop).  At the next batch, outside every range.
+        c.due = True
+        if not self._defer():
+            self._act(c)
+
+    def _defer(self) -> bool:
+        """Have the next batch (a DataLoader fetch's end, or the training forward's
+        start) run the due work; False when no batch is watched."""
+        watches = [w for w in (self.probe.fetch_watch, self.probe.forward_watch)
+                   if w is not None]
+        for watch in watches:
+            if not any(w is watch for w, _ in self._wrapped):
+                self._wrapped.append((watch, watch.on_shape))
+                watch.on_shape = self._batch_hook(watch.on_shape)
+            watch.force()
+        return bool(watches)
+
+    def _batch_hook(self, original: Callable[[Any, float], float | None]
+                    ) -> Callable[[Any, float], float | None]:
+        def on_shape(key: Any, t: float) -> float | None:
+            c = self._open[0] if self._open else None
+            if c is not None and c.due and not c.done:
+                self._act(c)
+            return original(key, t)
+        return on_shape
+
+    def _act(self, c: _Capture) -> None:
+        """The due work (training thread, outside every profiler range): end the
+        profiled step, start the next one or finish."""
+        c.due = False
         try:
             if c.session is not None:
                 self._end_step(c)
-            if c.num_steps == 0 and count > ask.start_after and c.session is None:
-                self._finish(c, error=f"the asked step ({ask.start_after}) had passed when "
-                                      "the ask arrived")
-                return
-            if c.num_steps >= ask.steps or c.cut is not None:
+            if c.num_steps >= c.ask.steps or c.cut is not None:
                 self._finish(c)
                 return
             self._start_step(c)
@@ -250,7 +296,9 @@ class ProfilerCapture:
             key = (e.key, _shapes(e.input_shapes))
             row = c.ops.setdefault(key, [0.0, 0.0, 0.0])
             row[0] += e.count
-            row[1] += e.self_cpu_time_total
+            # A collective runs on its backend's threads (gloo:all_reduce has no self
+            # time): its whole duration is what it cost, in flight.
+            row[1] += e.cpu_time_total if is_communication(e.key) else e.self_cpu_time_total
             row[2] += _device_self(e)
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
             name = tmp.name
@@ -260,6 +308,7 @@ class ProfilerCapture:
                 trace = orjson.loads(f.read())
         finally:
             os.unlink(name)
+        _release(session)
         if not c.trace.add(trace):
             c.cut = (f"the trace reached its cap of {_mib(c.ask.max_bytes)} after "
                      f"{c.num_steps} of {c.ask.steps} steps: the rest of step "
@@ -310,6 +359,19 @@ class ProfilerCapture:
         os.makedirs(folder, exist_ok=True)
         safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in capture_id)
         return os.path.join(folder, f"{safe}-r{self.rank}.pt.trace.json.gz")
+
+
+def _release(session: Any) -> None:
+    """Free a stopped session's results now: its events reference each other, so without
+    this only the cyclic GC frees them, maybe at the interpreter's exit, after torch's
+    own state is gone (a segfault in the final collection)."""
+    profiler = getattr(session, "profiler", None)
+    session.profiler = None
+    if profiler is not None:
+        for name in ("kineto_results", "_function_events", "_old_function_events"):
+            if hasattr(profiler, name):
+                setattr(profiler, name, None)
+    gc.collect()
 
 
 def _shapes(shapes: Any) -> str:

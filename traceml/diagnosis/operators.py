@@ -20,6 +20,8 @@ from traceml.wire.captures import is_communication
 PHASE_OF = {"compute": "compute", "input": "input", "communication": "communication",
             "wait": "wait", "total": "total"}
 """A finding's phase (`traceml.live.metrics.FINDING_PHASES`) as a step's column."""
+BY_TIME = frozenset({"COMMUNICATION_BOUND"})
+"""Captures whose operators are listed by the suspect's time, not by the difference."""
 TOP_OPERATORS = 12  # operators a capture's result lists (by the size of their difference)
 
 
@@ -29,7 +31,8 @@ class OperatorLine:
 
     name: str
     communication: bool
-    suspect_ms: float  # host self time per step (device self time where the GPU ran it)
+    suspect_ms: float  # host self time per step (device self time where the GPU ran it; a
+    # collective's whole duration: it runs on its backend's threads)
     suspect_calls: float
     suspect_shapes: str  # the input shapes of its costliest signature
     reference_ms: float | None = None  # None: no reference rank
@@ -118,8 +121,11 @@ def _result(rows: Sequence[Capture]) -> CaptureResult:
         if reference is not None:
             compute = sum(line.diff_ms or 0.0 for line in lines if not line.communication)
             comm = sum(line.diff_ms or 0.0 for line in lines if line.communication)
-            lines.sort(key=lambda line: -abs(line.diff_ms or 0.0))
-        else:
+        if reference is not None and suspect.trigger not in BY_TIME:
+            # The collectives last: the faster rank waits longer in them (the mirror of
+            # the suspect's lateness, not work of its own).
+            lines.sort(key=lambda line: (line.communication, -abs(line.diff_ms or 0.0)))
+        else:  # every rank waits alike: what the time goes to, not who differs
             lines.sort(key=lambda line: -line.suspect_ms)
         operators = tuple(lines[:TOP_OPERATORS])
     num_steps = min((c.num_steps for c in rows), default=0) if usable else 0

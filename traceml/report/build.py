@@ -13,6 +13,7 @@ from typing import Protocol, TypeVar
 from traceml import step_fields
 from traceml.diagnosis.ending import diagnose_ending
 from traceml.diagnosis.finding import severity_rank
+from traceml.diagnosis.operators import capture_results
 from traceml.diagnosis.process import diagnose_process, rank_process
 from traceml.diagnosis.stats import Located, MetricStat, Worst, metric_stat
 from traceml.diagnosis.step_loop import boundary_rule, evaluation_by_rank, input_source
@@ -62,7 +63,8 @@ def build_report(run: RunData, summary_window_rows: int) -> Report:
     ending = diagnose_ending(run)
     primary = (Primary("ending", ending.headline) if ending.headline is not None
                else choose_primary(sections))
-    return Report(SCHEMA_VERSION, run.meta, primary, **sections, ending=ending)
+    return Report(SCHEMA_VERSION, run.meta, primary, **sections, ending=ending,
+                  captures=capture_results(run.captures))
 
 
 SATURATED_INPUT_NEXT = (

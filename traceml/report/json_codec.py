@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from traceml.diagnosis.ending import Ending
 from traceml.diagnosis.ending_text import waiting
 from traceml.diagnosis.finding import Finding
+from traceml.diagnosis.operators import CaptureResult
 from traceml.diagnosis.stats import MetricStat
 from traceml.diagnosis.step_time import RankStepTimes
 from traceml.records import Incident, Json, RunMeta
@@ -41,7 +42,31 @@ def report_to_json(report: Report) -> dict[str, Json]:
     for section in report.sections:
         out[section.name] = section_to_json(section)
     out["ending"] = ending_to_json(report.ending)
+    out["captures"] = [capture_to_json(c) for c in report.captures]
     return out
+
+
+def capture_to_json(c: CaptureResult) -> dict[str, Json]:
+    """One profiler capture: who asked, which steps, the operators' difference per step."""
+    def side(ms: float | None, calls: float | None, shapes: str | None) -> Json:
+        if ms is None:
+            return None
+        return {"ms": ms, "calls": calls, "shapes": shapes}
+
+    return {
+        "id": c.capture_id, "trigger": c.trigger, "label": c.label, "phase": c.phase,
+        "suspect": c.suspect, "reference": c.reference, "first_step": c.start_after,
+        "steps_asked": c.steps_asked, "num_steps": c.num_steps, "device": c.device,
+        "phase_ms": {"suspect": c.phase_ms[0], "reference": c.phase_ms[1]},
+        "compute_diff_ms": c.compute_diff_ms, "communication_diff_ms": c.communication_diff_ms,
+        "operators": [{"name": o.name, "communication": o.communication, "diff_ms": o.diff_ms,
+                       "suspect": side(o.suspect_ms, o.suspect_calls, o.suspect_shapes),
+                       "reference": side(o.reference_ms, o.reference_calls, o.reference_shapes)}
+                      for o in c.operators],
+        "traces": [{"rank": t.rank, "host": t.host, "path": t.path, "bytes": t.num_bytes}
+                   for t in c.traces],
+        "notes": list(c.notes),
+    }
 
 
 def ending_to_json(ending: Ending) -> dict[str, Json]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from traceml.diagnosis.ending import Ending
 from traceml.diagnosis.finding import Finding
+from traceml.diagnosis.operators import CaptureResult
 from traceml.diagnosis.process import RankProcess
 from traceml.diagnosis.stats import MetricStat
 from traceml.diagnosis.step_memory import RankMemory
@@ -21,7 +22,8 @@ from traceml.diagnosis.throughput import JobThroughput, RankThroughput
 from traceml.diagnosis.window import Scope
 from traceml.records import RunMeta
 
-SCHEMA_VERSION = "1.5"  # 1.5: meta.exports; 1.4: launcher_lost; 1.3: hook phase, straggler
+SCHEMA_VERSION = "1.6"  # 1.6: captures (profiler captures' operators); 1.5: meta.exports;
+# 1.4: launcher_lost; 1.3: hook phase, straggler
 # steadiness; 1.2: ending, ...
 """Version of final_summary.json; bump the major part on incompatible changes."""
 
@@ -86,6 +88,7 @@ class Report:
     system: Section
     throughput: Section
     ending: Ending
+    captures: tuple[CaptureResult, ...] = ()  # profiler captures, in the order asked
 
     @property
     def duration_s(self) -> float:

@@ -264,6 +264,29 @@ _ENDING = _obj({
     "incidents": {"type": "array", "items": _INCIDENT},
 })
 
+_OPERATOR_SIDE = _obj({"ms": _NUM, "calls": _NUM, "shapes": _STR}, nullable=True)
+_CAPTURE = _obj({
+    "id": _STR,
+    "trigger": _STR,
+    "label": _STR,
+    "phase": {"type": ["string", "null"]},
+    "suspect": _INT,
+    "reference": _INT_OR_NULL,
+    "first_step": _INT,
+    "steps_asked": _INT,
+    "num_steps": _INT,
+    "device": {"type": "boolean"},
+    "phase_ms": _obj({"suspect": _NUM_OR_NULL, "reference": _NUM_OR_NULL}),
+    "compute_diff_ms": _NUM_OR_NULL,
+    "communication_diff_ms": _NUM_OR_NULL,
+    "operators": {"type": "array", "items": _obj({
+        "name": _STR, "communication": {"type": "boolean"}, "diff_ms": _NUM_OR_NULL,
+        "suspect": _OPERATOR_SIDE, "reference": _OPERATOR_SIDE})},
+    "traces": {"type": "array", "items": _obj({
+        "rank": _INT, "host": {"type": ["string", "null"]}, "path": _STR, "bytes": _INT})},
+    "notes": {"type": "array", "items": _STR},
+})
+
 SUMMARY_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": f"traceml final_summary.json {SCHEMA_VERSION}",
@@ -276,6 +299,7 @@ SUMMARY_SCHEMA: dict[str, Any] = {
         }),
         **{name: _section(name) for name in SECTION_STATS},
         "ending": _ENDING,
+        "captures": {"type": "array", "items": _CAPTURE},
     }),
     "$defs": {
         "finding": _obj(_FINDING_PROPS),

@@ -15,6 +15,7 @@ from traceml import phases
 from traceml.diagnosis.ending import STOPPING_EXCEPTIONS
 from traceml.diagnosis.ending_text import RANKS_NAMED
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
+from traceml.diagnosis.operators import BY_TIME, CaptureResult, OperatorLine
 from traceml.diagnosis.stats import MetricStat, stands_out
 from traceml.diagnosis.step_loop import BOUNDARY_TEXT, INPUT_TEXT
 from traceml.diagnosis.step_time import RankStepTimes
@@ -49,6 +50,8 @@ def render_text(report: Report, width: int = 78) -> str:
         body += [*_ending_lines(report), ""]
     for name in CARD_ORDER:
         body += [*_section_lines(report.section(name), report), ""]
+    for capture in report.captures:
+        body += [*capture_lines(capture), ""]
     lines = [rule, *_boxed([header], text, width), rule, *_boxed(body[:-1], text, width), rule]
     return "\n".join(lines) + "\n"
 
@@ -133,6 +136,60 @@ def _ending_lines(report: Report) -> list[str]:
         lines.append(f"- {left} more rank{'s' if left > 1 else ''} stopped at other frames "
                      "(final_summary.json has every stack)")
     return lines
+
+
+CARD_OPERATORS = 5  # operators a capture shows on the card (the JSON has more)
+
+
+def capture_lines(c: CaptureResult) -> list[str]:
+    """A profiler capture: the steps, where the suspect's time went operator by operator
+    against the reference, and the trace files."""
+    steps = (f"step {c.start_after}" if c.steps_asked == 1
+             else f"steps {c.start_after}-{c.start_after + c.steps_asked - 1}")
+    ranks = f"r{c.suspect}" + (f" and r{c.reference}" if c.reference is not None else "")
+    asked = "asked with traceml capture" if c.trigger == "manual" else f"for {c.label}"
+    lines = [f"Operators (profiler capture {c.capture_id}, {asked}: {steps} on {ranks})"]
+    clock = "GPU" if c.device else "host"
+    if c.num_steps and c.reference is not None:
+        order = f"by r{c.suspect}'s time" if c.trigger in BY_TIME else "by difference"
+        lines.append(f"- r{c.suspect} against r{c.reference}, {clock} self time per step "
+                     f"(a collective: its whole duration), {order}, the same steps on "
+                     "both:" + _capture_total(c))
+    elif c.num_steps:
+        lines.append(f"- r{c.suspect}, {clock} self time per step:")
+    for o in c.operators[:CARD_OPERATORS] if c.num_steps else ():
+        lines.append("- " + _operator_text(o, c))
+    for t in c.traces:
+        lines.append(f"- Trace r{t.rank}: {t.path} ({format_bytes(t.num_bytes)}; "
+                     "ui.perfetto.dev or chrome://tracing)")
+    lines += [f"- Note: {n}" for n in c.notes]
+    return lines
+
+
+def _capture_total(c: CaptureResult) -> str:
+    parts = []
+    if c.compute_diff_ms is not None:
+        parts.append(f" the operators {c.compute_diff_ms:+.1f} ms")
+    if c.communication_diff_ms:
+        parts.append(f" collectives {c.communication_diff_ms:+.1f} ms")
+    text = ",".join(parts)
+    if c.phase_diff_ms is not None and c.phase:
+        text += f" ({c.phase} as traceml timed these steps: {c.phase_diff_ms:+.1f} ms)"
+    return text
+
+
+def _operator_text(o: OperatorLine, c: CaptureResult) -> str:
+    comm = " [collective]" if o.communication else ""
+    if o.reference_ms is None or o.diff_ms is None:
+        return (f"{o.name}{comm}: {o.suspect_ms:.2f} ms, {o.suspect_calls:g} calls"
+                + (f"; {o.suspect_shapes}" if o.suspect_shapes else ""))
+    text = (f"{o.name}{comm} {o.diff_ms:+.2f} ms ({o.suspect_ms:.2f} vs {o.reference_ms:.2f}), "
+            f"{o.suspect_calls:g} vs {o.reference_calls:g} calls")
+    if o.suspect_shapes or o.reference_shapes:
+        text += f"; r{c.suspect}: {o.suspect_shapes or '-'}"
+        if o.reference_shapes != o.suspect_shapes:
+            text += f"; r{c.reference}: {o.reference_shapes or '-'}"
+    return text
 
 
 def rejected_line(rejected: Mapping[str, int]) -> str:
