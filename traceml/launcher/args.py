@@ -70,9 +70,9 @@ def _megabytes(text: str) -> float:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not 1.0 <= value <= MAX_CAPTURE_BYTES / 1e6:
+    if not 0.1 <= value <= MAX_CAPTURE_BYTES / 1e6:
         raise argparse.ArgumentTypeError(
-            f"must be a number of MB from 1 to {MAX_CAPTURE_BYTES / 1e6:.0f}, got {text}")
+            f"must be a number of MB from 0.1 to {MAX_CAPTURE_BYTES / 1e6:.0f}, got {text}")
     return value
 
 

@@ -35,8 +35,9 @@ from traceml.store import StoreError
 from traceml.wire.captures import MAX_CAPTURE_STEPS, CaptureAsk
 
 TRIGGERS = ("COMPUTE_STRAGGLER", "INPUT_STRAGGLER", "HOST_STRAGGLER", "STRAGGLER",
-            "COMMUNICATION_BOUND", "OUTLIER_STEPS")
-"""The findings that ask for a capture, when actionable (warn or crit)."""
+            "OUTLIER_STEPS", "COMMUNICATION_BOUND")
+"""The findings that ask for a capture, when actionable (warn or crit), first first: a
+straggler's cause is its own, while the others' communication waits for it."""
 HOLD = 3  # live builds in a row that name the same rank
 EVAL_S = 2.0  # the live report is built at most this often
 BUILD_SHARE = 0.1  # ...and takes at most this share of a core
@@ -61,7 +62,8 @@ class CaptureTrigger:
         self._thread = threading.Thread(target=self._run, name="traceml-captures", daemon=True)
         self._held: dict[str, tuple[int, int]] = {}  # kind -> (rank, builds in a row)
         self._done: set[str] = set()  # the kinds that captured
-        self._open_until = 0.0  # the last ask holds the next one back until then
+        self._open_until = 0.0  # the last ask holds the next one back until then...
+        self._open_id: str | None = None  # ...or until every rank it asked has reported
         self._num_asked = 0
         self._failed = False
 
@@ -133,8 +135,13 @@ class CaptureTrigger:
     def _watch(self, run: RunData, findings: Sequence[Finding]) -> None:
         """Count how long each trigger has named its rank; ask once it held."""
         seen: set[str] = set()
-        for f in findings:
-            if f.kind not in TRIGGERS or not f.actionable or f.kind in seen:
+        asked = [c for c in run.captures if c.capture_id == self._open_id]
+        if asked and all(c.reported_at is not None for c in asked):
+            self._open_until = 0.0  # every rank asked has reported: the next may be asked
+        ranked = sorted((f for f in findings if f.kind in TRIGGERS and f.actionable),
+                        key=lambda f: TRIGGERS.index(f.kind))
+        for f in ranked:
+            if f.kind in seen:
                 continue
             seen.add(f.kind)
             rank = f.ranks[0] if f.ranks else _busiest_rank(run, f.kind)
@@ -171,6 +178,7 @@ class CaptureTrigger:
         rows = [Capture(ask.capture_id, r, "suspect" if r == rank else "reference", trigger,
                         label, phase, now, start_after, steps) for r in ranks]
         self._planned.put((ask, rows))
+        self._open_id = ask.capture_id
         self._open_until = time.monotonic() + min(ASK_TIMEOUT_S, LEAD_S + 30 * steps * step_s
                                                   + 30.0)
         return True
