@@ -10,7 +10,7 @@ untraced ratio for a short (~1 ms) and a long (~20 ms) step, then times
 ``traceml run`` against ``torchrun`` on an empty script.
 
     python scripts/bench_overhead.py [--blocks 40] [--startup-runs 5] [--dashboard] [--quick]
-                                     [--metrics]
+                                     [--metrics] [--capture]
                                      [--device cuda [--cuda-timing both] [--long-ms 20]]
 
 ``--device cuda`` runs the loop on the GPU: the short step is launch-bound
@@ -25,7 +25,9 @@ untraced blocks with its own A/A line; ``sampled`` or ``every-step`` runs one.
 ``--dashboard`` runs the collector as ``--mode=dashboard`` does, with a page
 polling the live data once a second, to show the live view costs training
 nothing; ``--metrics`` likewise with ``--metrics-port``'s endpoint scraped once
-a second.
+a second; ``--capture`` with profiler captures on (``--capture auto``: the collector's
+planner builds the live report every 2 s, the rank reads the control channel every
+tick) and none asked, against the default's captures off.
 
 ``--ddp`` times communication timing instead: 2 gloo ranks (processes) train
 a DDP model in alternating blocks with the agent's communication timing on and
@@ -382,6 +384,9 @@ def main() -> None:
                         help="collector with the live dashboard, polled once a second")
     parser.add_argument("--metrics", action="store_true",
                         help="collector serving Prometheus /metrics, scraped once a second")
+    parser.add_argument("--capture", action="store_true",
+                        help="profiler captures on (the planner and the control channel), none "
+                             "asked; without it captures are off")
     parser.add_argument("--ddp", action="store_true",
                         help="the cost of communication timing on 2-rank gloo DDP")
     args = parse(parser, quick={"blocks": 2, "startup_runs": 1}, limit_s=3600.0)
@@ -395,7 +400,8 @@ def main() -> None:
             session_id="bench", bind_host="127.0.0.1", port=0,
             db_path=os.path.join(tmp, "telemetry.sqlite"), parent_pid=os.getpid(),
             dashboard_port=free_port() if args.dashboard else None, secret=secret,
-            tokens=True, metrics_port=free_port() if args.metrics else None))
+            tokens=True, metrics_port=free_port() if args.metrics else None,
+            capture="auto" if args.capture else "off"))
         poller = None
         if args.dashboard:
             poller = DashboardPoller(collector.ready["dashboard"]["url"].rstrip("/")
@@ -407,7 +413,9 @@ def main() -> None:
         env = AgentEnv(session_id="bench", endpoint=f"tcp://127.0.0.1:{collector.port}",
                        launcher_pid=os.getppid(), count_flops=False,
                        client_keys=client_keys_text(collector.keys),
-                       rank_token=TokenBook(secret, "bench").rank(0))
+                       rank_token=TokenBook(secret, "bench").rank(0),
+                       control_endpoint=(f"tcp://127.0.0.1:{collector.ready['control_port']}"
+                                         if args.capture else None))
         runtime = AgentRuntime(env, Sender("rank", socket.gethostname(), os.getpid(), 0, rank=0))
         runtime.watch_batches()
         runtime.sender.start()
@@ -416,6 +424,7 @@ def main() -> None:
         inst = Instrumentation(runtime.probe)
         mode = ("with the live dashboard polled 1/s" if args.dashboard else
                 "with Prometheus /metrics scraped 1/s" if args.metrics else "summary mode")
+        mode += ", captures on (none asked)" if args.capture else ", captures off"
         print(f"torch {torch.__version__} on {args.device}, 1 thread, "
               f"collector live on port {collector.port}, {mode}")
         if args.device.startswith("cuda"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -204,5 +205,27 @@ def test_the_phase_table_marks_the_blamed_rank_not_the_one_that_waits(
     assert most[head.index("forward")] == "–"  # 40 ms on both ranks: neither has the most
     assert "Red: what the verdict blames" in page.inner_text("#table [data-key=table]")
     page.screenshot(path=str(artifact("html-report-straggler-marks.png")), full_page=True)
+    assert watch.errors == [] and watch.outside_requests == []
+    page.close()
+
+
+def test_html_report_shows_a_captures_operators(tmp_path: Path, browser: Any) -> None:
+    from tests.unit.test_profiler_captures import REFERENCE, SUSPECT, capture
+
+    run = from_jsonable(json.loads((SCENARIOS / "compute_straggler_8r" / "run.json").read_text()))
+    run = dataclasses.replace(run, captures=(
+        capture(1, "suspect", SUSPECT, step_ms=(("compute", 50.0),)),
+        capture(0, "reference", REFERENCE, step_ms=(("compute", 28.0),))))
+    path = write_html(tmp_path / "final_summary.html", build_report(run, 10000), run)
+    page, watch = open_page(browser, "file://")
+    page.goto(path.as_uri())
+    wait_for(lambda: chart_facts(page)["renders"], 20, "the page to render")
+    top = page.inner_text("#captures tr[data-operator]").split("\t")
+    assert top[:4] == ["aten::mm", "31.0", "16.0", "+15.0"], top
+    assert "[512, 512], [512, 512] / [256, 512], [512, 512]" in top[-1]
+    text = page.inner_text("#captures")
+    assert "the operators +21.5 (compute as traceml timed these steps: +22.0)" in text
+    assert "Trace r1: /logs/s/captures/c1-r1.pt.trace.json.gz" in text
+    page.screenshot(path=str(artifact("html-report-capture.png")), full_page=True)
     assert watch.errors == [] and watch.outside_requests == []
     page.close()

@@ -108,6 +108,14 @@ class Collector:
             self.store_failed = True
             self.reject("not stored: the store failed")
 
+    def is_local_rank(self, rank: int) -> bool:
+        """Whether ``rank`` sends here itself, not through a node's relay (any thread:
+        a read of the dicts the loop changes; False when one changed under it)."""
+        try:
+            return any(sid not in self.relayed_by for sid in list(self.rank_senders.get(rank, ())))
+        except RuntimeError:
+            return False
+
     def launcher_lost(self, at: float, role: str) -> None:
         """Record that the launcher (``role``: or the training process, under
         traceml.init()) vanished before telling the run's end."""

@@ -78,8 +78,9 @@ class Captures(Protocol):
     """What the collector needs of the profiler captures (``traceml.live.captures``): the
     asks to publish, and ``traceml capture``'s requests handed in."""
 
-    def start(self) -> None:
-        """Start watching the live findings."""
+    def start(self, is_local: Callable[[int], bool]) -> None:
+        """Start watching the live findings; ``is_local``: whether a rank reads this
+        collector's control channel (a rank of another node, behind its relay, does not)."""
 
     def request(self, payload: Any) -> None:
         """A request of ``traceml capture`` (ValueError: not one)."""
@@ -332,7 +333,7 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
     if captures is not None:
         asks = AskPublisher(listener, collector, captures)
         listener.on_capture = captures.request
-        captures.start()
+        captures.start(collector.is_local_rank)
     print(orjson.dumps(ready).decode(), flush=True)
     try:
         _loop(listener, collector, config, asks)

@@ -151,8 +151,9 @@ def _wait_for_ask(session: Path, rank: int, asked_at: float) -> str:
                 return c.capture_id
         time.sleep(POLL_S)
     raise CaptureFailed(f"traceml capture: the collector did not take the request within "
-                        f"{ASKED_WITHIN_S:.0f} s (has the run ended, or does rank {rank} have "
-                        "no step yet?)")
+                        f"{ASKED_WITHIN_S:.0f} s: the run ended, rank {rank} has no step yet, "
+                        "or it runs on another node than the collector's (captures reach the "
+                        "ranks of the collector's node only)")
 
 
 def _wait_for_reports(session: Path, capture_id: str, wait_s: float) -> CaptureResult | None:

@@ -19,7 +19,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +66,12 @@ class CaptureTrigger:
         self._open_id: str | None = None  # ...or until every rank it asked has reported
         self._num_asked = 0
         self._failed = False
+        self._is_local: Callable[[int], bool] = lambda rank: True
 
     # -- the collector's loop --------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, is_local: Callable[[int], bool] = lambda rank: True) -> None:
+        self._is_local = is_local
         self._thread.start()
 
     def request(self, payload: Any) -> None:
@@ -164,9 +166,9 @@ class CaptureTrigger:
         """Ask ``rank`` and the reference rank for ``steps`` steps; False when the rank
         has no steps yet."""
         last = _last_steps(run)
-        if rank not in last:
-            return False
-        reference = _reference_rank(run, rank)
+        if rank not in last or not self._is_local(rank):
+            return False  # no step yet; or behind a relay, which forwards no asks
+        reference = _reference_rank(run, rank, self._is_local)
         ranks = (rank,) if reference is None else (rank, reference)
         step_s = _typical_step_s(run, ranks)
         lead = max(MIN_LEAD_STEPS, math.ceil(LEAD_S / step_s) if step_s > 0 else MIN_LEAD_STEPS)
@@ -199,9 +201,12 @@ def _rank_medians(run: RunData) -> dict[int, float]:
     return {rank: statistics.median(v[-50:]) for rank, v in totals.items()}
 
 
-def _reference_rank(run: RunData, suspect: int) -> int | None:
-    """The rank whose typical step is the median of the other ranks' (None: no other)."""
-    others = sorted((ms, rank) for rank, ms in _rank_medians(run).items() if rank != suspect)
+def _reference_rank(run: RunData, suspect: int,
+                    is_local: Callable[[int], bool] = lambda rank: True) -> int | None:
+    """The rank whose typical step is the median of the other ranks' that can be asked
+    (None: no other)."""
+    others = sorted((ms, rank) for rank, ms in _rank_medians(run).items()
+                    if rank != suspect and is_local(rank))
     return others[(len(others) - 1) // 2][1] if others else None
 
 

@@ -544,6 +544,54 @@
     fill("findings", out);
   }
 
+  // The operators of each profiler capture (final_summary.json's captures): the suspect
+  // against the reference, per step, the same steps on both (traceml/report/text.py).
+  function renderCaptures(doc) {
+    const captures = doc.summary.captures || [];
+    if (!captures.length) {
+      fill("captures", el("p", { class: "empty" },
+        "None: no live finding asked for one, and no one ran traceml capture."));
+      return;
+    }
+    fill("captures", captures.map((c) => {
+      const last = c.first_step + c.steps_asked - 1;
+      const steps = c.steps_asked === 1 ? "step " + c.first_step : `steps ${c.first_step}–${last}`;
+      const ref = c.reference === null ? null : "r" + c.reference;
+      const head = el("div", {}, [el("strong", {}, c.id), " · ",
+        c.trigger === "manual" ? "asked with traceml capture" : c.label, " · ", steps,
+        " on r" + c.suspect + (ref ? " and " + ref : "")]);
+      const cols = ["operator", "r" + c.suspect + " ms"].concat(ref ? [ref + " ms", "difference"] : [])
+        .concat(["calls", "shapes"]);
+      const rows = c.operators.map((o) => el("tr", { "data-operator": o.name,
+        class: o.communication ? "collective" : "" }, [
+        el("td", {}, o.name + (o.communication ? " (collective)" : "")),
+        el("td", {}, fmtMs(o.suspect.ms))].concat(ref ? [
+          el("td", {}, o.reference ? fmtMs(o.reference.ms) : "–"),
+          el("td", {}, (o.diff_ms >= 0 ? "+" : "−") + fmtMs(Math.abs(o.diff_ms)))] : []).concat([
+        el("td", {}, String(o.suspect.calls) + (o.reference ? " / " + o.reference.calls : "")),
+        el("td", { class: "shapes" }, o.suspect.shapes + (o.reference &&
+          o.reference.shapes !== o.suspect.shapes ? " / " + o.reference.shapes : ""))])));
+      const totals = [];
+      if (c.compute_diff_ms !== null) {
+        let text = `r${c.suspect} against ${ref}, ms per step: the operators ` +
+          `${c.compute_diff_ms >= 0 ? "+" : ""}${c.compute_diff_ms.toFixed(1)}`;
+        const p = c.phase_ms;
+        if (c.phase && p.suspect !== null && p.reference !== null) {
+          const d = p.suspect - p.reference;
+          text += ` (${c.phase} as traceml timed these steps: ${d >= 0 ? "+" : ""}${d.toFixed(1)})`;
+        }
+        totals.push(el("p", { class: "why" }, text));
+      }
+      return el("div", { class: "capture", "data-capture": c.id }, [head].concat(totals, [
+        c.operators.length ? el("table", {}, [
+          el("thead", {}, el("tr", {}, cols.map((h) => el("th", {}, h)))),
+          el("tbody", {}, rows)]) : ""],
+        c.traces.map((t) => el("p", { class: "why", "data-trace": String(t.rank) },
+          `Trace r${t.rank}: ${t.path} (${fmtBytes(t.bytes)}; ui.perfetto.dev or chrome://tracing)`)),
+        c.notes.map((n) => el("p", { class: "next" }, "Note: " + n))));
+    }));
+  }
+
   function render(doc) {
     state.doc = doc;
     renderHeader(doc);
@@ -557,6 +605,7 @@
     renderThroughput(doc);
     renderGauges(doc);
     renderFindings(doc);
+    renderCaptures(doc);
     const v = doc.summary.meta.versions;
     fill("footer", `traceml ${v.traceml} · torch ${v.torch} · python ${v.python} · ` +
       `schema ${doc.summary.schema_version} · ${doc.series.bucket_steps} step(s) per point` +
