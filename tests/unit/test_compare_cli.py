@@ -118,7 +118,7 @@ def test_json_is_strict_and_names_every_section(runs: dict[str, Path], tmp_path:
     doc = json.loads((tmp_path / "c.json").read_text(),
                      parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert list(doc) == ["compare_version", "verdict", "why", "threshold_pct", "a", "b", "notes",
-                         "step_time", "memory", "sections"]
+                         "step_time", "memory", "sections", "captures"]
     assert list(doc["sections"]) == ["step_time", "step_memory", "process", "system",
                                      "throughput"]
     assert all(s["status"] == "compared" for s in doc["sections"].values())
@@ -409,3 +409,38 @@ def test_a_crafted_summary_cannot_send_escape_sequences_to_the_terminal(
     assert "evil\\x1b]0;owned\\x07\\x1b[2J" in out
     written = (tmp_path / "c.txt").read_text()
     assert "\x1b" not in written and "INPUT\\x1b[31m-BOUND\\x0d\\u202e" in unboxed(written)
+
+
+def capture_doc(capture_id: str, mm_ms: float, shapes: str) -> dict[str, Any]:
+    """A summary's capture (schema 1.6) whose suspect spent ``mm_ms`` in aten::mm."""
+    def op(name: str, ms: float, shape: str, collective: bool = False) -> dict[str, Any]:
+        return {"name": name, "communication": collective, "diff_ms": None,
+                "suspect": {"ms": ms, "calls": 3.0, "shapes": shape}, "reference": None}
+    return {"id": capture_id, "trigger": "COMPUTE_STRAGGLER", "label": "COMPUTE STRAGGLER r1",
+            "phase": "compute", "suspect": 1, "reference": None, "first_step": 40,
+            "steps_asked": 2, "num_steps": 2, "device": False,
+            "phase_ms": {"suspect": None, "reference": None}, "compute_diff_ms": None,
+            "communication_diff_ms": None, "traces": [], "notes": [],
+            "operators": [op("aten::mm", mm_ms, shapes), op("aten::relu", 1.0, "[8, 8]"),
+                          op("gloo:all_reduce", 9.0, "", True)]}
+
+
+def test_a_regression_s_capture_is_set_against_the_baseline_s(tmp_path: Path) -> None:
+    base = summary(tight(100.0), session="base")
+    slow = summary(tight(120.0), session="slow")
+    base["captures"] = [capture_doc("c1-compute_straggler", 10.0, "[64, 512], [512, 512]")]
+    slow["captures"] = [capture_doc("c1-compute_straggler", 24.0, "[128, 512], [512, 512]")]
+    a, b = write(tmp_path / "base", base), write(tmp_path / "slow", slow)
+    main([str(a), str(b), "--output", str(tmp_path / "cmp")])
+    doc = json.loads((tmp_path / "cmp.json").read_text())
+    top = doc["captures"]["operators"][0]
+    assert (top["name"], top["a_ms"], top["b_ms"], top["delta_ms"]) == ("aten::mm", 10.0, 24.0,
+                                                                        14.0)
+    assert doc["captures"]["operators"][-1]["name"] == "gloo:all_reduce"  # collectives last
+    text = unboxed((tmp_path / "cmp.txt").read_text())
+    assert ("aten::mm +14.00 ms (A 10.00, B 24.00); A [64, 512], [512, 512]; "
+            "B [128, 512], [512, 512]") in text
+    base.pop("captures")
+    write(tmp_path / "base", base)  # a summary from before captures: nothing to set against
+    main([str(a), str(b), "--output", str(tmp_path / "cmp")])
+    assert json.loads((tmp_path / "cmp.json").read_text())["captures"] is None

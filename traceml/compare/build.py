@@ -14,9 +14,11 @@ from collections.abc import Mapping
 
 from traceml import phases
 from traceml.compare.model import (
+    CaptureCompare,
     Comparison,
     DiagnosisRow,
     MetricRow,
+    OperatorChange,
     RunInfo,
     SectionCompare,
 )
@@ -76,7 +78,30 @@ def compare_runs(a: RunSummary, b: RunSummary, threshold_pct: float) -> Comparis
     sections = tuple(section_compare(name, a.section(name), b.section(name))
                      for name in SECTION_NAMES)
     return Comparison(run_info(a), run_info(b), threshold_pct, verdict(time, memory), time,
-                      memory, sections, notes(a, b))
+                      memory, sections, notes(a, b), capture_compare(a, b))
+
+
+COMPARED_OPERATORS = 8
+
+
+def capture_compare(a: RunSummary, b: RunSummary) -> CaptureCompare | None:
+    """B's capture against A's: the same finding kind's when both have one, else each
+    run's first; None unless both runs have a capture that profiled a step."""
+    if not a.captures or not b.captures:
+        return None
+    kinds = {c.trigger for c in a.captures}
+    cb = next((c for c in b.captures if c.trigger in kinds), b.captures[0])
+    ca = next((c for c in a.captures if c.trigger == cb.trigger), a.captures[0])
+    rows = []
+    for name in {*ca.operators, *cb.operators}:
+        oa, ob = ca.operators.get(name), cb.operators.get(name)
+        collective = any(o[3] for o in (oa, ob) if o is not None)
+        rows.append(OperatorChange(name, collective, oa[0] if oa else None,
+                                   ob[0] if ob else None, oa[2] if oa else "",
+                                   ob[2] if ob else ""))
+    rows.sort(key=lambda r: (r.communication, -abs(r.delta_ms)))
+    return CaptureCompare(ca.capture_id, cb.capture_id, ca.label, cb.label,
+                          tuple(rows[:COMPARED_OPERATORS]))
 
 
 BROKEN_ENDINGS = ("stalled", "crashed", "failed", "launcher_lost")

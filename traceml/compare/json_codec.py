@@ -11,6 +11,7 @@ import math
 
 from traceml.compare.model import (
     COMPARE_VERSION,
+    CaptureCompare,
     Comparison,
     MemoryChange,
     MetricRow,
@@ -34,7 +35,17 @@ def comparison_to_json(comparison: Comparison) -> dict[str, Json]:
         "step_time": time_to_json(comparison.time),
         "memory": memory_to_json(comparison.memory),
         "sections": {s.name: section_to_json(s) for s in comparison.sections},
+        "captures": None if comparison.captures is None else captures_to_json(comparison.captures),
     }
+
+
+def captures_to_json(c: CaptureCompare) -> dict[str, Json]:
+    """B's profiler capture against A's: each operator's ms per step on each side."""
+    return {"a": c.a_id, "b": c.b_id, "a_label": c.a_label, "b_label": c.b_label,
+            "operators": [{"name": o.name, "communication": o.communication,
+                           "a_ms": _num(o.a_ms), "b_ms": _num(o.b_ms),
+                           "delta_ms": _num(o.delta_ms), "a_shapes": o.a_shapes,
+                           "b_shapes": o.b_shapes} for o in c.operators]}
 
 
 def run_to_json(run: RunInfo) -> dict[str, Json]:

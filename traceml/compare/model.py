@@ -131,6 +131,33 @@ class MemoryChange:
 
 
 @dataclass(frozen=True)
+class OperatorChange:
+    """One operator of B's capture against A's: the suspect rank's ms per step."""
+
+    name: str
+    communication: bool
+    a_ms: float | None  # None: not among A's listed operators
+    b_ms: float | None
+    a_shapes: str
+    b_shapes: str
+
+    @property
+    def delta_ms(self) -> float:
+        return (self.b_ms or 0.0) - (self.a_ms or 0.0)
+
+
+@dataclass(frozen=True)
+class CaptureCompare:
+    """B's profiler capture against A's (both profiled a step): which operators moved."""
+
+    a_id: str
+    b_id: str
+    a_label: str
+    b_label: str
+    operators: tuple[OperatorChange, ...]  # the largest moves first, collectives last
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The answer: a label and a one-line why."""
 
@@ -150,3 +177,4 @@ class Comparison:
     memory: MemoryChange
     sections: tuple[SectionCompare, ...]  # step_time, step_memory, process, system
     notes: tuple[str, ...]  # schema, topology, device and partial-run differences
+    captures: CaptureCompare | None = None  # when both runs have a profiler capture

@@ -51,6 +51,18 @@ class SectionData:
 
 
 @dataclass(frozen=True)
+class CaptureData:
+    """One profiler capture of a summary: its suspect rank's operators, ms per step."""
+
+    capture_id: str
+    trigger: str
+    label: str
+    suspect: int | None
+    operators: Mapping[str, tuple[float, float | None, str, bool]]  # name -> ms, calls,
+    # shapes, collective
+
+
+@dataclass(frozen=True)
 class RunSummary:
     """One side of a comparison: where it came from, its meta data and its sections."""
 
@@ -65,6 +77,7 @@ class RunSummary:
     problems: tuple[str, ...] = ()  # schema problems found (same schema version only)
     ending: str | None = None  # how it ended (``ending.state``; None before schema 1.2)
     ending_label: str | None = None  # its headline's label, e.g. "STALLED"
+    captures: tuple[CaptureData, ...] = ()  # profiler captures that profiled a step (1.6)
 
     def section(self, name: str) -> SectionData | None:
         """A section by its JSON name; None when the file lacks it."""
@@ -87,7 +100,30 @@ def decode_summary(doc: Mapping[str, object], label: str, path: str,
         problems=problems,
         ending=_as_str(_as_map(doc.get("ending")).get("state")),
         ending_label=_as_str(_as_map(_as_map(doc.get("ending")).get("headline")).get("label")),
+        captures=decode_captures(doc.get("captures")),
     )
+
+
+def decode_captures(obj: object) -> tuple[CaptureData, ...]:
+    """The captures that profiled a step; a malformed one is left out."""
+    out = []
+    for raw in obj if isinstance(obj, list) else []:
+        c = _as_map(raw)
+        cid, trigger = _as_str(c.get("id")), _as_str(c.get("trigger"))
+        ops = c.get("operators")
+        if cid is None or trigger is None or not _as_int(c.get("num_steps")) \
+                or not isinstance(ops, list):
+            continue
+        operators = {}
+        for op in ops:
+            o, mine = _as_map(op), _as_map(_as_map(op).get("suspect"))
+            name, ms = _as_str(o.get("name")), _as_num(mine.get("ms"))
+            if name is not None and ms is not None:
+                operators[name] = (ms, _as_num(mine.get("calls")),
+                                   _as_str(mine.get("shapes")) or "", o.get("communication") is True)
+        out.append(CaptureData(cid, trigger, _as_str(c.get("label")) or trigger,
+                               _as_int(c.get("suspect")), operators))
+    return tuple(out)
 
 
 def decode_section(name: str, obj: object) -> SectionData | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
-from traceml.compare.model import Comparison, MetricRow, RunInfo, SectionCompare
+from traceml.compare.model import CaptureCompare, Comparison, MetricRow, RunInfo, SectionCompare
 from traceml.diagnosis.finding import format_bytes
 
 MIN_WIDTH = 80
@@ -32,9 +32,26 @@ def render_text(comparison: Comparison) -> str:
     body = ["", *overview(comparison), ""]
     for section in comparison.sections:
         body += [*section_lines(section, tables[section.name], widths), ""]
+    if comparison.captures is not None:
+        body += [*capture_lines(comparison.captures), ""]
     rule = "+" + "-" * (width - 2) + "+"
     lines = [rule, *boxed(["TraceML Compare"], width), rule, *boxed(body[:-1], width), rule]
     return "\n".join(lines) + "\n"
+
+
+def capture_lines(c: CaptureCompare) -> list[str]:
+    """B's profiler capture against A's: the suspect rank's operators, ms per step."""
+    lines = [f"Operators (B's profiler capture {c.b_id}, {c.b_label}, against A's {c.a_id}, "
+             f"{c.a_label}: each suspect rank's self time per step)"]
+    for o in c.operators:
+        a = "-" if o.a_ms is None else f"{o.a_ms:.2f}"
+        b = "-" if o.b_ms is None else f"{o.b_ms:.2f}"
+        text = f"- {o.name}{' [collective]' if o.communication else ''} {o.delta_ms:+.2f} ms " \
+               f"(A {a}, B {b})"
+        if o.a_shapes != o.b_shapes and o.a_shapes and o.b_shapes:
+            text += f"; A {o.a_shapes}; B {o.b_shapes}"
+        lines.append(text)
+    return lines
 
 
 def boxed(items: Sequence[str], width: int) -> list[str]:
