@@ -83,9 +83,20 @@ def check(case: str, summary: Summary) -> tuple[str, float | None]:
         return f"top {compute[0]['name']} {compute[0]['diff_ms']:+.1f} ms", None
     excess = c["phase_ms"]["suspect"] - c["phase_ms"]["reference"]
     share = c["compute_diff_ms"] / excess if excess > 0 else None
+    window = finding_excess(summary, c)
+    print(f"    {case}: operators {c['compute_diff_ms']:+.1f} ms, the phase in the same steps "
+          f"{excess:+.1f} ms, the finding's excess over the window {window} ms", flush=True)
     if share is None or abs(share - 1.0) > 0.25:
         return f"operators {c['compute_diff_ms']:+.1f} ms against {excess:+.1f} ms", share
     return "", share
+
+
+def finding_excess(summary: Summary, c: dict[str, Any]) -> str:
+    for f in summary["step_time"]["findings"]:
+        if f["kind"] == c["trigger"] and f["ranks"][:1] == [c["suspect"]]:
+            value = f["evidence"].get("excess_ms")
+            return "-" if value is None else f"{value:+.1f}"
+    return "-"
 
 
 def main() -> int:

@@ -269,7 +269,8 @@ class Incident:
 class Capture:
     """One rank's part of a profiler capture: node 0's ask, then the rank's report
     (`traceml.wire.captures`); its operators are ``(name, input shapes, calls, host
-    self ms, device self ms or None)``, each per captured step."""
+    self ms, device self ms or None, part)``, each per captured step (part: where in the
+    step it ran, ``compute``, ``input`` or ``optimizer``)."""
 
     capture_id: str
     rank: int
@@ -289,7 +290,7 @@ class Capture:
     trace_bytes: int = 0
     cut: str | None = None
     error: str | None = None
-    operators: tuple[tuple[str, str, float, float, float | None], ...] = ()
+    operators: tuple[tuple[str, str, float, float, float | None, str], ...] = ()
     # The profiled steps as traceml timed them (the store's rows): (phase, "compute",
     # "total") -> ms per step, the same steps the operators come from
     step_ms: tuple[tuple[str, float], ...] = ()

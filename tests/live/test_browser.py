@@ -224,7 +224,7 @@ def test_html_report_shows_a_captures_operators(tmp_path: Path, browser: Any) ->
     assert top[:4] == ["aten::mm", "31.0", "16.0", "+15.0"], top
     assert "[512, 512], [512, 512] / [256, 512], [512, 512]" in top[-1]
     text = page.inner_text("#captures")
-    assert "the operators +21.5 (compute as traceml timed these steps: +22.0)" in text
+    assert "the compute operators +21.5 (compute as traceml timed these steps: +22.0)" in text
     assert "Trace r1: /logs/s/captures/c1-r1.pt.trace.json.gz" in text
     page.screenshot(path=str(artifact("html-report-capture.png")), full_page=True)
     assert watch.errors == [] and watch.outside_requests == []

@@ -46,7 +46,8 @@ def test_a_report_is_checked_and_its_text_escaped() -> None:
     assert back.operators[0].name == "aten::mm\\x1b[31m"  # a terminal escape stays text
     assert back.operators[0].self_ms == 1.5 and back.num_steps == 2
     for bad in ({"num_steps": 3}, {"steps_asked": 0}, {"began_at": -5.0},
-                {"operators": [["aten::mm", "", -1.0, 1.0, None]]},
+                {"operators": [["aten::mm", "", -1.0, 1.0, None, "compute"]]},
+                {"operators": [["aten::mm", "", 1.0, 1.0, None, "elsewhere"]]},
                 {"operators": [["aten::mm", "", 1.0]]}, {"trace_bytes": -1}):
         with pytest.raises(ProtocolError):
             CaptureReport.from_payload({**report.payload(), **bad})
@@ -67,7 +68,7 @@ def capture(rank: int, role: str, ops: list[tuple[str, str, float, float]], *,
         "reported_at": 1010.0 if reported else None, "num_steps": num_steps if reported else 0,
         "began_at": 1001.0, "ended_at": 1002.0, "host": "h",
         "path": f"/logs/s/captures/c1-r{rank}.pt.trace.json.gz", "trace_bytes": 1000,
-        "operators": tuple((n, s, c, ms, None) for n, s, c, ms in ops)}
+        "operators": tuple((n, s, c, ms, None, "compute") for n, s, c, ms in ops)}
     return Capture("c1", rank, role, trigger, f"{trigger} r1", "compute", 1000.0, 40, 2,
                    **(values | fields))
 
@@ -97,7 +98,7 @@ def test_two_ranks_the_suspects_operators_against_the_reference() -> None:
     assert result.complete
     text = "\n".join(capture_lines(result))
     assert "aten::mm +15.00 ms (31.00 vs 16.00)" in text and "r0: [256, 512]" in text
-    assert "the operators +21.5 ms" in text and "compute as traceml timed these steps: +22.0" in text
+    assert "the compute operators +21.5 ms" in text and "compute as traceml timed these steps: +22.0" in text
 
 
 def test_a_communication_bound_capture_lists_by_time_with_the_collective_on_top() -> None:

@@ -9,18 +9,23 @@ only while an ask is open: no other step runs anything.
 The hook counts the iterations that end after it was installed; the sender thread,
 which counts every iteration it takes from the log, fixes how many had ended before the
 hook's first call (the boundary with that exact time), so both know the count of each
-boundary.  At boundary ``start_after`` the hook starts a profiler session (CPU
-activities, CUDA ones where this process uses CUDA, input shapes recorded, no stacks);
-at each later boundary it stops the session, adds that step's operators up and appends
-its events to the trace, then starts the next one.  One session per step lets the byte
-cap stop the capture between steps: once the trace reaches ``max_bytes`` (uncompressed
-JSON), no further step is profiled and the report says so.
+boundary.  From boundary ``start_after`` on, the work of each boundary is done at the
+next batch (a DataLoader fetch's end, or the training forward's start: the batch watches
+of `traceml.agent.batch`, forced to call), not at the boundary itself: an optimizer
+step's end runs inside its own profiler range, and a session stopped or started inside
+an open range corrupts kineto's state (a segfault in a later stop, seen in 3 of 10
+communication-heavy runs before).  The first starts a profiler session (CPU activities,
+CUDA ones where this process uses CUDA, input shapes recorded, no stacks); each later
+one stops the session, adds that step's operators up and appends its events to the
+trace, then starts the next.  One session per step lets the byte cap stop the capture
+between steps: once the trace reaches ``max_bytes`` (uncompressed JSON), no further
+step is profiled and the report says so.
 
 The work between sessions (the operator table, the trace's gzip) runs on the training
-thread, at a boundary, so no profiled step shares the interpreter with it; it lengthens
-the captured steps and the one after them, which the report marks (``began_at`` to
-``ended_at``) and the summary leaves out of its window.  Any error ends the capture with
-its reason in the report, never the training.
+thread, between two profiled steps, so no profiled step shares the interpreter with it;
+it lengthens the captured steps and the one after them, which the report marks
+(``began_at`` to ``ended_at``) and the summary leaves out of its window.  Any error ends
+the capture with its reason in the report, never the training.
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ class _Capture:
     num_steps: int = 0
     began: float | None = None  # probe clock
     ended: float | None = None
-    ops: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    ops: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)  # (name,
+    # shapes, part) -> calls, host self µs, device self µs
     trace: Any = None  # _TraceFile
     cut: str | None = None
     error: str | None = None
@@ -195,8 +201,8 @@ class ProfilerCapture:
         rows = sorted(c.ops.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:MAX_OPERATORS]
         operators = tuple(
             OperatorRow(name, shapes, calls / n, self_us / n / 1e3,
-                        device_us / n / 1e3 if c.has_device else None)
-            for (name, shapes), (calls, self_us, device_us) in rows)
+                        device_us / n / 1e3 if c.has_device else None, part)
+            for (name, shapes, part), (calls, self_us, device_us) in rows)
         path = c.trace.path if c.trace is not None else None
         wall = self.wall_offset
         return CaptureReport(
@@ -290,15 +296,15 @@ class ProfilerCapture:
         session, c.session = c.session, None
         session.stop()
         c.num_steps += 1
-        for e in session.key_averages(group_by_input_shape=True):
+        for e in session.events():
             if _on_device(e):
                 continue  # a kernel: its time is its operator's device self time
-            key = (e.key, _shapes(e.input_shapes))
+            key = (e.name, _shapes(e.input_shapes), _part(e))
             row = c.ops.setdefault(key, [0.0, 0.0, 0.0])
-            row[0] += e.count
+            row[0] += 1
             # A collective runs on its backend's threads (gloo:all_reduce has no self
             # time): its whole duration is what it cost, in flight.
-            row[1] += e.cpu_time_total if is_communication(e.key) else e.self_cpu_time_total
+            row[1] += e.cpu_time_total if is_communication(e.name) else e.self_cpu_time_total
             row[2] += _device_self(e)
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
             name = tmp.name
@@ -380,6 +386,23 @@ def _shapes(shapes: Any) -> str:
         return ""
     items = [s for s in shapes if s != []]
     return ", ".join(str(list(s)) for s in items)
+
+
+PART_RANGES = (("enumerate(DataLoader)", "input"), ("Optimizer.", "optimizer"))
+"""torch's own profiler ranges around a DataLoader fetch and an optimizer's step and
+zero_grad: an operator inside one is that part's; every other one is the step's compute."""
+
+
+def _part(event: Any) -> str:
+    """The part of the step an operator ran in: its ranges' (innermost first)."""
+    e = event
+    while e is not None:
+        name = e.name
+        for prefix, part in PART_RANGES:
+            if name.startswith(prefix):
+                return part
+        e = e.cpu_parent
+    return "compute"
 
 
 def _on_device(event: Any) -> bool:

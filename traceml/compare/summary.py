@@ -118,6 +118,9 @@ def decode_captures(obj: object) -> tuple[CaptureData, ...]:
         for op in ops:
             o, mine = _as_map(op), _as_map(_as_map(op).get("suspect"))
             name, ms = _as_str(o.get("name")), _as_num(mine.get("ms"))
+            part = _as_str(o.get("part")) or "compute"
+            if name is not None and part != "compute":
+                name += f" [{part}]"
             if name is not None and ms is not None:
                 operators[name] = (ms, _as_num(mine.get("calls")),
                                    _as_str(mine.get("shapes")) or "", o.get("communication") is True)

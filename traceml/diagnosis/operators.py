@@ -38,6 +38,8 @@ class OperatorLine:
     reference_ms: float | None = None  # None: no reference rank
     reference_calls: float | None = None
     reference_shapes: str | None = None
+    part: str = "compute"  # where in the step it ran: compute, input (a DataLoader fetch's
+    # range) or optimizer (an optimizer's step or zero_grad)
 
     @property
     def diff_ms(self) -> float | None:
@@ -67,7 +69,8 @@ class CaptureResult:
     num_steps: int  # steps profiled on every rank that reported (0: nothing to compare)
     device: bool  # the times are the GPU's (CUDA activities were profiled)
     operators: tuple[OperatorLine, ...]
-    compute_diff_ms: float | None  # the operators' difference, collectives apart
+    compute_diff_ms: float | None  # the compute operators' difference (not those of the
+    # input or the optimizer), collectives apart
     communication_diff_ms: float | None  # the collectives' difference
     traces: tuple[TraceFile, ...]
     notes: tuple[str, ...]  # what stopped a rank early, or kept it from capturing
@@ -115,11 +118,12 @@ def _result(rows: Sequence[Capture]) -> CaptureResult:
     if usable:
         mine = _by_name(suspect, device)
         theirs = _by_name(reference, device) if reference is not None else {}
-        lines = [_line(name, mine.get(name), theirs.get(name) if reference else None,
+        lines = [_line(key, mine.get(key), theirs.get(key) if reference else None,
                        reference is not None)
-                 for name in {*mine, *theirs}]
+                 for key in {*mine, *theirs}]
         if reference is not None:
-            compute = sum(line.diff_ms or 0.0 for line in lines if not line.communication)
+            compute = sum(line.diff_ms or 0.0 for line in lines
+                          if not line.communication and line.part == "compute")
             comm = sum(line.diff_ms or 0.0 for line in lines if line.communication)
         if reference is not None and suspect.trigger not in BY_TIME:
             # The collectives last: the faster rank waits longer in them (the mirror of
@@ -143,23 +147,25 @@ def _step_ms(c: Capture, phase: str) -> float | None:
     return dict(c.step_ms).get(phase)
 
 
-def _by_name(c: Capture, device: bool) -> dict[str, tuple[float, float, str]]:
-    """Per operator name: (ms per step, calls per step, its costliest shapes)."""
-    out: dict[str, tuple[float, float, str, float]] = {}
-    for name, shapes, calls, self_ms, device_ms in c.operators:
+def _by_name(c: Capture, device: bool) -> dict[tuple[str, str], tuple[float, float, str]]:
+    """Per (operator name, part of the step): (ms per step, calls per step, its
+    costliest shapes)."""
+    out: dict[tuple[str, str], tuple[float, float, str, float]] = {}
+    for name, shapes, calls, self_ms, device_ms, part in c.operators:
         ms = (device_ms or 0.0) if device else self_ms
-        total, n, best, best_ms = out.get(name, (0.0, 0.0, "", -1.0))
+        total, n, best, best_ms = out.get((name, part), (0.0, 0.0, "", -1.0))
         if ms > best_ms:
             best, best_ms = shapes, ms
-        out[name] = (total + ms, n + calls, best, best_ms)
-    return {name: (v[0], v[1], v[2]) for name, v in out.items()}
+        out[(name, part)] = (total + ms, n + calls, best, best_ms)
+    return {key: (v[0], v[1], v[2]) for key, v in out.items()}
 
 
-def _line(name: str, mine: tuple[float, float, str] | None,
+def _line(key: tuple[str, str], mine: tuple[float, float, str] | None,
           theirs: tuple[float, float, str] | None, has_reference: bool) -> OperatorLine:
+    name, part = key
     ms, calls, shapes = mine or (0.0, 0.0, "")
     if not has_reference:
-        return OperatorLine(name, is_communication(name), ms, calls, shapes)
+        return OperatorLine(name, is_communication(name), ms, calls, shapes, part=part)
     ref_ms, ref_calls, ref_shapes = theirs or (0.0, 0.0, "")
     return OperatorLine(name, is_communication(name), ms, calls, shapes,
-                        ref_ms, ref_calls, ref_shapes)
+                        ref_ms, ref_calls, ref_shapes, part)

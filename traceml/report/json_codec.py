@@ -59,7 +59,8 @@ def capture_to_json(c: CaptureResult) -> dict[str, Json]:
         "steps_asked": c.steps_asked, "num_steps": c.num_steps, "device": c.device,
         "phase_ms": {"suspect": c.phase_ms[0], "reference": c.phase_ms[1]},
         "compute_diff_ms": c.compute_diff_ms, "communication_diff_ms": c.communication_diff_ms,
-        "operators": [{"name": o.name, "communication": o.communication, "diff_ms": o.diff_ms,
+        "operators": [{"name": o.name, "part": o.part, "communication": o.communication,
+                       "diff_ms": o.diff_ms,
                        "suspect": side(o.suspect_ms, o.suspect_calls, o.suspect_shapes),
                        "reference": side(o.reference_ms, o.reference_calls, o.reference_shapes)}
                       for o in c.operators],

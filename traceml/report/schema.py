@@ -280,7 +280,8 @@ _CAPTURE = _obj({
     "compute_diff_ms": _NUM_OR_NULL,
     "communication_diff_ms": _NUM_OR_NULL,
     "operators": {"type": "array", "items": _obj({
-        "name": _STR, "communication": {"type": "boolean"}, "diff_ms": _NUM_OR_NULL,
+        "name": _STR, "part": {"type": "string", "enum": ["compute", "input", "optimizer"]},
+        "communication": {"type": "boolean"}, "diff_ms": _NUM_OR_NULL,
         "suspect": _OPERATOR_SIDE, "reference": _OPERATOR_SIDE})},
     "traces": {"type": "array", "items": _obj({
         "rank": _INT, "host": {"type": ["string", "null"]}, "path": _STR, "bytes": _INT})},

@@ -169,7 +169,7 @@ def capture_lines(c: CaptureResult) -> list[str]:
 def _capture_total(c: CaptureResult) -> str:
     parts = []
     if c.compute_diff_ms is not None:
-        parts.append(f" the operators {c.compute_diff_ms:+.1f} ms")
+        parts.append(f" the compute operators {c.compute_diff_ms:+.1f} ms")
     if c.communication_diff_ms:
         parts.append(f" collectives {c.communication_diff_ms:+.1f} ms")
     text = ",".join(parts)
@@ -179,7 +179,8 @@ def _capture_total(c: CaptureResult) -> str:
 
 
 def _operator_text(o: OperatorLine, c: CaptureResult) -> str:
-    comm = " [collective]" if o.communication else ""
+    comm = " [collective]" if o.communication else (
+        "" if o.part == "compute" else f" [{o.part}]")
     if o.reference_ms is None or o.diff_ms is None:
         return (f"{o.name}{comm}: {o.suspect_ms:.2f} ms, {o.suspect_calls:g} calls"
                 + (f"; {o.suspect_shapes}" if o.suspect_shapes else ""))

@@ -142,9 +142,10 @@ def capture_from_row(r: Mapping[str, Any]) -> Capture:
         raise TypeError("operators is not a list")
     ops = []
     for o in operators:
-        name, shapes, calls, self_ms, device_ms = o
+        name, shapes, calls, self_ms, device_ms, part = o
         ops.append((checked_text(name), checked_text(shapes), checked_number(calls, False, 0),
-                    checked_number(self_ms, False, 0), checked_number(device_ms, True, 0)))
+                    checked_number(self_ms, False, 0), checked_number(device_ms, True, 0),
+                    checked_text(part)))
     return Capture(
         capture_id=checked_text(r["capture_id"]),
         rank=checked_integer(r["rank"], 0, MAX_WORLD_SIZE - 1), role=checked_text(r["role"]),

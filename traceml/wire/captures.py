@@ -78,21 +78,27 @@ class OperatorRow:
     calls: float  # calls per step
     self_ms: float  # host self time per step
     device_ms: float | None = None  # device (CUDA) self time per step; None: no GPU activity
+    part: str = "compute"  # the part of the step it ran in (`PARTS`)
 
     def values(self) -> list[Any]:
-        return [self.name, self.shapes, self.calls, self.self_ms, self.device_ms]
+        return [self.name, self.shapes, self.calls, self.self_ms, self.device_ms, self.part]
+
+
+PARTS = ("compute", "input", "optimizer")
+"""Where an operator ran: inside a DataLoader fetch's profiler range (input), an
+optimizer's (optimizer), or elsewhere in the step (compute: forward, backward)."""
 
 
 def operator_from(values: Any) -> OperatorRow:
-    if not (isinstance(values, list) and len(values) == 5):
-        raise ProtocolError("operator row is not 5 values")
-    name, shapes, calls, self_ms, device_ms = values
-    if not (isinstance(name, str) and isinstance(shapes, str)
+    if not (isinstance(values, list) and len(values) == 6):
+        raise ProtocolError("operator row is not 6 values")
+    name, shapes, calls, self_ms, device_ms, part = values
+    if not (isinstance(name, str) and isinstance(shapes, str) and part in PARTS
             and all(is_number(v) and v >= 0 for v in (calls, self_ms))
             and (device_ms is None or (is_number(device_ms) and device_ms >= 0))):
         raise ProtocolError("operator row out of range")
     return OperatorRow(escaped(name)[:200], escaped(shapes)[:400], float(calls),
-                       float(self_ms), None if device_ms is None else float(device_ms))
+                       float(self_ms), None if device_ms is None else float(device_ms), part)
 
 
 @dataclass(frozen=True)

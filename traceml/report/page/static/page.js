@@ -564,7 +564,8 @@
         .concat(["calls", "shapes"]);
       const rows = c.operators.map((o) => el("tr", { "data-operator": o.name,
         class: o.communication ? "collective" : "" }, [
-        el("td", {}, o.name + (o.communication ? " (collective)" : "")),
+        el("td", {}, o.name + (o.communication ? " (collective)"
+          : o.part !== "compute" ? ` (${o.part})` : "")),
         el("td", {}, fmtMs(o.suspect.ms))].concat(ref ? [
           el("td", {}, o.reference ? fmtMs(o.reference.ms) : "–"),
           el("td", {}, (o.diff_ms >= 0 ? "+" : "−") + fmtMs(Math.abs(o.diff_ms)))] : []).concat([
@@ -573,7 +574,7 @@
           o.reference.shapes !== o.suspect.shapes ? " / " + o.reference.shapes : ""))])));
       const totals = [];
       if (c.compute_diff_ms !== null) {
-        let text = `r${c.suspect} against ${ref}, ms per step: the operators ` +
+        let text = `r${c.suspect} against ${ref}, ms per step: the compute operators ` +
           `${c.compute_diff_ms >= 0 ? "+" : ""}${c.compute_diff_ms.toFixed(1)}`;
         const p = c.phase_ms;
         if (c.phase && p.suspect !== null && p.reference !== null) {
