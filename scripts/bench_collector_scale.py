@@ -24,12 +24,15 @@ long after the last send the store held every row, and the wall time of
 ``traceml report`` on the store at the end.  ``--scrape on`` serves Prometheus's
 ``/metrics`` (``traceml run --metrics-port``) from the collector and scrapes it
 once a second, as a Prometheus would (``both``: each size without, then with).
+``--capture`` likewise for the profiler captures' planner (``traceml run``'s default
+``--capture auto``: it builds the live report every 2 s, at most 10 % of its time):
+``auto`` (the default), ``off``, or ``both``.  The simulated ranks ask for no capture.
 
 A simulating process that fails ends the benchmark with exit 1 and its error;
 so does the whole run lasting past ``--time-limit``.
 
     python scripts/bench_collector_scale.py [--ranks 1024 4096 8192] [--mode relay]
-        [--scrape off|on|both] [--quick] [--time-limit S]
+        [--scrape off|on|both] [--capture auto|off|both] [--quick] [--time-limit S]
 """
 
 from __future__ import annotations
@@ -436,7 +439,7 @@ class Scraper(threading.Thread):
                 f"slowest {max(self.seconds) * 1e3:.0f} ms, {self.size / 1024:.0f} KiB")
 
 
-def bench(n: int, args: argparse.Namespace, scrape: bool = False) -> str:
+def bench(n: int, args: argparse.Namespace, scrape: bool = False, capture: str = "auto") -> str:
     with tempfile.TemporaryDirectory() as tmp:
         session_dir = Path(tmp) / SESSION
         session_dir.mkdir()
@@ -444,7 +447,8 @@ def bench(n: int, args: argparse.Namespace, scrape: bool = False) -> str:
         secret = new_secret()
         collector = CollectorProcess(CollectorConfig(
             session_id=SESSION, bind_host="127.0.0.1", port=0, db_path=str(db_path),
-            parent_pid=os.getpid(), secret=secret, metrics_port=free_port() if scrape else None))
+            parent_pid=os.getpid(), secret=secret, metrics_port=free_port() if scrape else None,
+            capture=capture))
         scraper = Scraper(collector.ready["metrics"]["url"]) if scrape else None
         collector.record(RunStart(
             session_id=SESSION, command=("bench",), started_at=time.time(),
@@ -505,6 +509,7 @@ def bench(n: int, args: argparse.Namespace, scrape: bool = False) -> str:
             f"{summary_s:5.1f} s{failed}\n       {plan.note}"
             + (f"; {reported} drops reported in-band" if reported else "")
             + (f"\n       {scraped}" if scrape else "")
+            + f"\n       captures {capture}"
             + (f"\n       rejected by node 0: {rejected}" if rejected else ""))
 
 
@@ -536,14 +541,19 @@ def main() -> None:
     parser.add_argument("--scrape", choices=("off", "on", "both"), default="off",
                         help="serve Prometheus /metrics and scrape it once a second (both: "
                              "each size without, then with)")
+    parser.add_argument("--capture", choices=("auto", "off", "both"), default="auto",
+                        help="the profiler captures' planner (both: each size without, then "
+                             "with)")
     args = parse(parser, quick={"ranks": [64], "duration": 3.0, "senders": 1, "real_relays": 1},
                  limit_s=3600.0)
     print(f"{args.steps_per_s:g} steps/s per rank for {args.duration:g} s, mode {args.mode}, "
           f"{os.cpu_count()} CPUs", flush=True)
     scrapes = {"off": (False,), "on": (True,), "both": (False, True)}[args.scrape]
+    captures = ("off", "auto") if args.capture == "both" else (args.capture,)
     for n in args.ranks:
         for scrape in scrapes:
-            print(bench(n, args, scrape), flush=True)
+            for capture in captures:
+                print(bench(n, args, scrape, capture), flush=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@
 #      not the host): no communication phase, in flight null; and the compute
 #      stream's wait on DDP's all-reduce is timed with CUDA events on the sampled
 #      steps (gpu_communication_ms, not yet used by the report).
+#   7. A profiler capture on CUDA: `traceml capture` of a live 1-GPU run profiles 2
+#      steps with CUDA activities: the operators carry device time, the trace holds
+#      the GPU's kernels, and the run ends 0 with every step stored.
 #   6. MFU: a bf16 (autocast) transformer step's FLOPs per step, counted by
 #      torch's FLOP counter in one step, equal the hand count (3 x the forward
 #      matmuls) within 2 %, the dtype is bf16, the peak is the table's for this
@@ -131,6 +134,27 @@ PY
 "$PY" -m traceml run --logs-dir "$OUT/logs" --session-id input --sample-interval 0.5 \
     "$OUT/cuda_train.py" 0.0005 60 > "$OUT/input.txt" 2>&1
 
+# A live run long enough to be asked for a capture by hand.
+"$PY" -m traceml run --logs-dir "$OUT/logs" --session-id capture --sample-interval 0.5 \
+    "$OUT/cuda_train.py" 0 6000 > "$OUT/capture.txt" 2>&1 &
+RUN_PID=$!
+"$PY" - "$OUT/logs/capture/telemetry.sqlite" <<'PY'
+import os, sqlite3, sys, time
+deadline = time.time() + 120
+while time.time() < deadline:
+    try:
+        if sqlite3.connect(f"file:{sys.argv[1]}?mode=ro", uri=True).execute(
+                "SELECT count(*) FROM steps").fetchone()[0] >= 50:
+            sys.exit(0)
+    except sqlite3.Error:
+        pass
+    time.sleep(0.5)
+sys.exit("no steps stored in 120 s")
+PY
+"$PY" -m traceml capture "$OUT/logs/capture" --rank 0 --steps 2 --wait 120 \
+    > "$OUT/capture_cli.txt" 2>&1 || true
+wait "$RUN_PID" || true
+
 "$PY" - "$OUT/logs" <<'PY'
 import json, sqlite3, sys
 logs = sys.argv[1]
@@ -220,5 +244,24 @@ check("MFU: equals the hand computation (5%)",
       and abs(row["mfu_pct"] / hand_mfu - 1) < 0.05,
       f"traceml {row['mfu_pct']}% vs hand {hand_mfu}% "
       f"({row['achieved_tflops']} vs {hand_tflops:.1f} TFLOP/s)")
+import gzip
+summary = json.load(open(f"{logs}/capture/final_summary.json"))
+caps = summary["captures"]
+check("capture: traceml capture asked a live CUDA run", len(caps) == 1 and
+      caps[0]["trigger"] == "manual", open(f"{logs}/../capture_cli.txt").read()[-300:])
+if caps:
+    c = caps[0]
+    check("capture: 2 steps profiled with CUDA activities", c["num_steps"] == 2 and c["device"],
+          f"{c['num_steps']} steps, device {c['device']}, notes {c['notes']}")
+    check("capture: the top operator has device time",
+          bool(c["operators"]) and (c["operators"][0]["suspect"] or {}).get("ms", 0) > 0,
+          str(c["operators"][:2]))
+    events = json.load(gzip.open(c["traces"][0]["path"]))["traceEvents"] if c["traces"] else []
+    check("capture: the trace holds the GPU's kernels",
+          any(e.get("cat") == "kernel" for e in events), f"{len(events)} events")
+run_steps = sqlite3.connect(f"{logs}/capture/telemetry.sqlite").execute(
+    "SELECT count(*) FROM steps").fetchone()[0]
+check("capture: the run ended 0 with every step stored",
+      summary["meta"]["exit_code"] == 0 and run_steps == 6000, f"{run_steps} steps")
 sys.exit(1 if failed else 0)
 PY

@@ -59,7 +59,8 @@ class CollectorSession:
             launcher_pid=os.getpid(), sample_interval_s=sample_interval_s,
             session_dir=str(self.session_dir.resolve()),
             client_keys=client_keys_text(self.collector.keys),
-            rank_token=book.rank(0) if tokens else None)
+            rank_token=book.rank(0) if tokens else None,
+            control_endpoint=f"tcp://{connect_host}:{self.collector.ready['control_port']}")
         self.sampler = SystemSampler(self.env.endpoint, session_id, 0, sample_interval_s,
                                      self.collector.keys, token_of=lambda _: book.node)
 

@@ -170,6 +170,10 @@ def test_a_finding_asks_once_it_held_and_once_per_kind(tmp_path: Path) -> None:
     for _ in range(5):
         trigger._watch(run, [straggler(1)])
     assert trigger.take() == []  # a second finding of the same kind does not capture again
+    bound = Finding("COMMUNICATION_BOUND", "COMMUNICATION-BOUND", "warn", "waits.", "", (0,))
+    for _ in range(5):
+        trigger._watch(run, [bound])
+    assert trigger.take() == []  # the straggler's shadow: its capture already shows it
 
 
 def test_a_manual_request_is_checked(tmp_path: Path) -> None:

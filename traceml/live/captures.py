@@ -38,6 +38,9 @@ TRIGGERS = ("COMPUTE_STRAGGLER", "INPUT_STRAGGLER", "HOST_STRAGGLER", "STRAGGLER
             "OUTLIER_STEPS", "COMMUNICATION_BOUND")
 """The findings that ask for a capture, when actionable (warn or crit), first first: a
 straggler's cause is its own, while the others' communication waits for it."""
+STRAGGLERS = frozenset(TRIGGERS[:4])
+"""Once one of these was captured, COMMUNICATION-BOUND asks for none: the others' wait
+in the collectives is that straggler's lateness, which its capture already shows."""
 HOLD = 3  # live builds in a row that name the same rank
 EVAL_S = 2.0  # the live report is built at most this often
 BUILD_SHARE = 0.1  # ...and takes at most this share of a core
@@ -152,7 +155,8 @@ class CaptureTrigger:
             last, n = self._held.get(f.kind, (rank, 0))
             n = n + 1 if last == rank else 1
             self._held[f.kind] = (rank, n)
-            if (n >= HOLD and f.kind not in self._done
+            shadow = f.kind == "COMMUNICATION_BOUND" and bool(self._done & STRAGGLERS)
+            if (n >= HOLD and f.kind not in self._done and not shadow
                     and time.monotonic() >= self._open_until):
                 label = f"{f.label} r{rank}" if f.ranks else f.label
                 if self._plan(run, rank, self.steps, f.kind, label,
