@@ -25,7 +25,7 @@ long after the last send the store held every row, and the wall time of
 ``/metrics`` (``traceml run --metrics-port``) from the collector and scrapes it
 once a second, as a Prometheus would (``both``: each size without, then with).
 ``--capture`` likewise for the profiler captures' planner (``traceml run``'s default
-``--capture auto``: it builds the live report every 2 s, at most 10 % of its time):
+``--capture auto``: it builds the live report every 3 s at most, 5 % of its time at most):
 ``auto`` (the default), ``off``, or ``both``.  The simulated ranks ask for no capture.
 
 A simulating process that fails ends the benchmark with exit 1 and its error;

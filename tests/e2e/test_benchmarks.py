@@ -40,7 +40,7 @@ QUICK: list[tuple[str, list[str], bool, list[str]]] = [
       r"^start-up\s+torchrun [\d.]+ s\s+traceml run [\d.]+ s"]),
     ("bench_overhead.py", ["--metrics", "--capture", "--startup-runs", "0"], False,
      [r"^torch .* collector live on port \d+, with Prometheus /metrics scraped 1/s, "
-      r"captures on \(none asked\)$",
+      r"captures on \(none run\)$",
       r"^short step paired added cpu .* µs/step", r"^/metrics scrapes answered: [1-9]\d*$"]),
     ("bench_overhead.py", ["--ddp"], False,
      [r"^ddp comm\s+cpu paired added .* µs/bucket, \d+ buckets",

@@ -79,6 +79,8 @@ class BatchWatch:
         # (shape key, time) -> FLOPs per step known for that shape (it may start a count)
         self.on_shape = on_shape
         self.on_error = on_error
+        # Called after a batch that took the slow path (forced or new), whatever it holds.
+        self.after_batch: Callable[[], None] | None = None
 
     def force(self) -> None:
         """Take the slow path at the next batch (another thread may call it)."""
@@ -117,3 +119,6 @@ class BatchWatch:
         if self.source == BATCH_FROM_FETCH:
             self.probe.forward_watch = None  # a loop with a DataLoader: its fetches say
         self.probe.batches.append((t, samples, tokens, flops, self.source))
+        after = self.after_batch
+        if after is not None:  # a profiler capture's due work, at a batch (`agent.capture`)
+            after()

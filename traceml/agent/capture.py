@@ -35,6 +35,8 @@ import gzip
 import os
 import tempfile
 import threading
+from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +56,8 @@ from traceml.wire.events import MANUAL_EXIT, OPTIMIZER_END, OPTIMIZER_SKIPPED
 CAPTURES_DIR = "captures"
 GZIP_LEVEL = 1  # the trace is written on the training thread: fast beats small
 MAX_OPEN_ASKS = 4  # asks waiting for their step; later ones are answered "busy"
-_ENDS = (OPTIMIZER_END, OPTIMIZER_SKIPPED, MANUAL_EXIT)
+MAX_MISSED = 3  # iterations without a batch while work is due: the capture gives up
+TAKEN_KEPT = 4096  # the latest iteration ends kept to find the hook's first among
 
 
 @dataclass
@@ -76,6 +79,7 @@ class _Capture:
     error: str | None = None
     has_device: bool = False  # CUDA activities were profiled
     due: bool = False  # an iteration ended: the next batch ends or starts a profiled step
+    missed: int = 0  # iterations that ended while the work was due (no batch between)
     disk_bytes: int = 0  # the trace's size on disk, once written
     done: bool = False
 
@@ -122,8 +126,9 @@ class ProfilerCapture:
 
     def __init__(self, probe: Probe, rank: int, session_dir: str | None,
                  wall_offset: float, warn: Callable[[str, BaseException], None],
-                 seen: int = 0) -> None:
-        """``seen``: the iterations the sender thread has taken from the log so far."""
+                 seen: tuple[int, int] = (0, 0)) -> None:
+        """``seen``: the optimizer steps (skipped ones too) and the ``trace_step`` exits
+        the sender thread has taken from the log so far."""
         self.probe = probe
         self.rank = rank
         self.session_dir = session_dir
@@ -135,8 +140,13 @@ class ProfilerCapture:
         self._lock = threading.Lock()  # the open list: sender thread and training thread
         self._chained: Callable[..., None] | None = None
         self._installed = False
-        self._wrapped: list[tuple[Any, Any]] = []  # (batch watch, its own on_shape)
-        self._seen = seen  # iterations ended, as the sender thread took them from the log
+        self._watched: list[Any] = []  # the batch watches whose after_batch is ours
+        # The iteration ends the sender thread took from the log: how many, and the
+        # latest ones' times (the first hook call's count is found among them)
+        self._seen = {"optimizer": seen[0], "manual": seen[1]}
+        self._taken: deque[float] = deque(maxlen=TAKEN_KEPT)
+        self._mode = "optimizer"  # what ends an iteration: "optimizer" or "manual"
+        self._done_ids: deque[str] = deque(maxlen=64)  # asks answered: a repeat is ignored
 
     # -- sender thread ---------------------------------------------------------------
 
@@ -148,8 +158,9 @@ class ProfilerCapture:
         if self.rank not in ask.ranks:
             return
         with self._lock:
-            if any(c.ask.capture_id == ask.capture_id for c in self._open):
-                return  # the same ask again (node 0 repeats it until it is answered)
+            if (ask.capture_id in self._done_ids
+                    or any(c.ask.capture_id == ask.capture_id for c in self._open)):
+                return  # the same ask again (node 0 repeats it a few times)
             if len(self._open) >= MAX_OPEN_ASKS:
                 self._reports.append(CaptureReport(ask.capture_id, ask.steps, 0,
                                                    error="busy with earlier captures"))
@@ -159,20 +170,47 @@ class ProfilerCapture:
 
     def observe(self, times: list[list[float]]) -> None:
         """Every tick, after the log was taken: fix the count of the hook's first
-        boundary once that boundary has been taken."""
-        ends = sorted(t for code in _ENDS for t in times[code])
-        with self._lock:
-            running = self._open[0] if self._open else None
+        boundary once that boundary has been taken.  The iterations are counted as the
+        collector numbers steps: ``trace_step`` exits in a loop that uses it (an
+        optimizer step inside one ends no step), else the optimizer's steps."""
+        self._seen["optimizer"] += len(times[OPTIMIZER_END]) + len(times[OPTIMIZER_SKIPPED])
+        self._seen["manual"] += len(times[MANUAL_EXIT])
+        mode = "manual" if self.probe.manual else "optimizer"
+        codes = (MANUAL_EXIT,) if mode == "manual" else (OPTIMIZER_END, OPTIMIZER_SKIPPED)
+        ends = sorted(t for code in codes for t in times[code])
+        if mode != self._mode:  # trace_step appeared: its exits are counted from here
+            self._mode = mode
+            self._taken.clear()
+        self._taken.extend(ends)
+        opened = self._open
+        running = opened[0] if opened else None
         if running is not None and running.base is None and running.first_t is not None:
-            if running.first_t in ends:
-                running.base = self._seen + ends.index(running.first_t)
-        self._seen += len(ends)
+            at = bisect_left(self._taken, running.first_t)
+            if at < len(self._taken) and self._taken[at] == running.first_t:
+                before = self._seen[mode] - len(self._taken)
+                running.base = before + at
+        if self._installed and not self._in_chain():
+            # A hook installed beside it at the same moment (a FLOP count starting on
+            # the training thread) dropped it: put it back.
+            self._installed = False
+            self._install()
+
+    def _in_chain(self) -> bool:
+        hook = self.probe.on_optimizer_end
+        for _ in range(8):
+            if hook is None:
+                return False
+            if hook == self._boundary:
+                return True
+            hook = getattr(getattr(hook, "__self__", None), "_chained", None)
+        return False
 
     def take_reports(self) -> list[CaptureReport]:
         """Finished captures, to send (the hook is removed once none is open)."""
         with self._lock:
             finished = [c for c in self._open if c.done]
             self._open = [c for c in self._open if not c.done]
+            self._done_ids.extend(c.ask.capture_id for c in finished)
             reports, self._reports = self._reports + [self._report(c) for c in finished], []
             idle = not self._open
         if idle and self._installed:
@@ -187,9 +225,9 @@ class ProfilerCapture:
         self._installed = True
 
     def _uninstall(self) -> None:
-        for watch, original in self._wrapped:
-            watch.on_shape = original
-        self._wrapped = []
+        for watch in self._watched:
+            watch.after_batch = None
+        self._watched = []
         # Another hook chained onto this one since (a FLOP count running) keeps it: it
         # restores this one when it ends, so it passes through until the next ask.
         if self.probe.on_optimizer_end == self._boundary:
@@ -215,15 +253,17 @@ class ProfilerCapture:
 
     def _boundary(self, t: float) -> None:
         """An iteration ended (training thread): the chained hook, then the capture."""
+        opened = self._open
+        c = opened[0] if opened else None
+        counted = not self.probe.manual or self.probe.at_manual_exit
+        if c is not None and not c.done and counted and c.first_t is None:
+            c.first_t = t  # before the chained hook: the sender may take t meanwhile
         chained = self._chained
         if chained is not None:
             chained(t)
-        c = self._open[0] if self._open else None
-        if c is None or c.done:
+        if c is None or c.done or not counted:
             return
         c.calls += 1
-        if c.first_t is None:
-            c.first_t = t
         if c.base is None:
             return
         count = c.base + c.calls
@@ -234,33 +274,38 @@ class ProfilerCapture:
             self._finish(c, error=f"the asked step ({ask.start_after}) had passed when the "
                                   "ask arrived")
             return
+        if c.due:  # no batch came since the last iteration ended
+            c.missed += 1
+            if c.missed >= MAX_MISSED:
+                self._close_session(c)
+                self._finish(c, error="no batch between iterations (no DataLoader fetch or "
+                                      "training forward seen): the profiler starts and stops "
+                                      "only there")
+            return
         # Not here: this runs inside the optimizer step's own profiler range, and a
         # session stopped or started inside an open range corrupts kineto's state (a
         # segfault in a later stop).  At the next batch, outside every range.
         c.due = True
-        if not self._defer():
-            self._act(c)
+        c.missed = 0
+        self._defer()
 
-    def _defer(self) -> bool:
+    def _defer(self) -> None:
         """Have the next batch (a DataLoader fetch's end, or the training forward's
-        start) run the due work; False when no batch is watched."""
-        watches = [w for w in (self.probe.fetch_watch, self.probe.forward_watch)
-                   if w is not None]
-        for watch in watches:
-            if not any(w is watch for w, _ in self._wrapped):
-                self._wrapped.append((watch, watch.on_shape))
-                watch.on_shape = self._batch_hook(watch.on_shape)
+        start) run the due work."""
+        for watch in (self.probe.fetch_watch, self.probe.forward_watch):
+            if watch is None:
+                continue
+            if watch not in self._watched:
+                self._watched.append(watch)
+                watch.after_batch = self._batch_due
             watch.force()
-        return bool(watches)
 
-    def _batch_hook(self, original: Callable[[Any, float], float | None]
-                    ) -> Callable[[Any, float], float | None]:
-        def on_shape(key: Any, t: float) -> float | None:
-            c = self._open[0] if self._open else None
-            if c is not None and c.due and not c.done:
-                self._act(c)
-            return original(key, t)
-        return on_shape
+    def _batch_due(self) -> None:
+        """A batch (training thread, outside every profiler range)."""
+        opened = self._open
+        c = opened[0] if opened else None
+        if c is not None and c.due and not c.done:
+            self._act(c)
 
     def _act(self, c: _Capture) -> None:
         """The due work (training thread, outside every profiler range): end the
@@ -303,8 +348,12 @@ class ProfilerCapture:
             row = c.ops.setdefault(key, [0.0, 0.0, 0.0])
             row[0] += 1
             # A collective runs on its backend's threads (gloo:all_reduce has no self
-            # time): its whole duration is what it cost, in flight.
-            row[1] += e.cpu_time_total if is_communication(e.name) else e.self_cpu_time_total
+            # time): its whole duration is what it cost, in flight; one inside another
+            # (record_param_comms in c10d::allreduce_) is counted in its parent's.
+            if not is_communication(e.name):
+                row[1] += e.self_cpu_time_total
+            elif not _in_collective(e):
+                row[1] += e.cpu_time_total
             row[2] += _device_self(e)
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
             name = tmp.name
@@ -346,7 +395,8 @@ class ProfilerCapture:
     def stop(self) -> None:
         """At exit (training thread or atexit): a capture still running ends with
         what it has."""
-        c = self._open[0] if self._open else None
+        opened = self._open
+        c = opened[0] if opened else None
         if c is None or c.done:
             return
         if c.session is not None:
@@ -403,6 +453,15 @@ def _part(event: Any) -> str:
                 return part
         e = e.cpu_parent
     return "compute"
+
+
+def _in_collective(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if is_communication(parent.name):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def _on_device(event: Any) -> bool:

@@ -117,6 +117,7 @@ class FlopCounting:
         self.key: Any = None
         self.num_batches = 0
         self._chained: Callable[..., None] | None = None
+        self._linked = False  # _optimizer_ended is in probe.on_optimizer_end's chain
         self.force_batches: Callable[[], None] = lambda: None  # the watches' next batch: slow path
 
     def arm(self) -> None:
@@ -158,8 +159,10 @@ class FlopCounting:
                          ran=False)
             return
         self.counter = counter
-        self._chained = self.probe.on_optimizer_end
-        self.probe.on_optimizer_end = self._optimizer_ended
+        if not self._linked:  # still in a chain from an earlier count: it passes through
+            self._chained = self.probe.on_optimizer_end
+            self.probe.on_optimizer_end = self._optimizer_ended
+            self._linked = True
         self.force_batches()
 
     def _optimizer_ended(self, t: float | None = None) -> None:
@@ -169,15 +172,20 @@ class FlopCounting:
             if chained is not None:
                 chained() if t is None else chained(t)
         finally:  # the count ends with its step, whatever the device mark did
-            self.stop(t)
+            if self.counter is not None:
+                self.stop(t)
 
     def stop(self, t: float | None = None, reason: str | None = None) -> None:
         """End the running count and log it (training thread, or at exit)."""
         counter, self.counter = self.counter, None
         if counter is None:
             return
-        self.probe.on_optimizer_end = self._chained
-        self._chained = None
+        if self.probe.on_optimizer_end == self._optimizer_ended:
+            self.probe.on_optimizer_end = self._chained
+            self._chained = None
+            self._linked = False
+        # else another hook chained onto this one since (a profiler capture's): this
+        # one stays in its chain and passes through (the count is over)
         now = self.probe.clock() if t is None else t
         try:
             counter.__exit__(None, None, None)

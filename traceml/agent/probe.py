@@ -66,6 +66,10 @@ class Probe:
         # Called on the training thread when an iteration's optimizer steps end
         # (CUDA peaks and spans); None on CPU.
         self.on_optimizer_end: Callable[[float], None] | None = None  # given the end's time
+        # trace_step: its exits end the iterations (an optimizer step inside one does
+        # not); ``at_manual_exit`` while its exit calls ``on_optimizer_end``.
+        self.manual = False
+        self.at_manual_exit = False
 
     def log(self, code: int, t: float | None = None) -> None:
         """Record one event now (or at ``t``), off the hot paths."""

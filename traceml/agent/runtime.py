@@ -91,6 +91,7 @@ class AgentRuntime:
         self._final = False  # at exit: the last flush
         self.outbox = EventOutbox()  # events taken from the log, waiting for the next send
         self._num_steps_seen = 0  # optimizer steps (or manual steps) taken from the log
+        self._num_manual_exits = 0  # ...trace_step exits among them
         self.flops: Any = None  # FlopCounting, in run mode
         self._next_send = 0.0
         self._send_now = False  # traceml.summary() wants the steps in the store now
@@ -132,10 +133,12 @@ class AgentRuntime:
                 return
             from traceml.agent.capture import ProfilerCapture
 
-            self.capture = ProfilerCapture(self.probe, self.identity.rank, self.env.session_dir,
-                                           self._wall_offset, self._part_failed,
-                                           seen=self._num_steps_seen)
-        self.capture.uses_cuda = self.device.cuda is not None
+            self.capture = ProfilerCapture(
+                self.probe, self.identity.rank, self.env.session_dir, self._wall_offset,
+                self._part_failed,
+                seen=(self._num_steps_seen - self._num_manual_exits, self._num_manual_exits))
+        cuda = self.device.cuda  # this process uses CUDA (a GPU host's CPU job does not)
+        self.capture.uses_cuda = cuda is not None and bool(cuda.is_initialized())
         self.capture.on_control(payload)
 
     def _take_token(self) -> None:
@@ -204,6 +207,7 @@ class AgentRuntime:
         done, the next batch is counted."""
         self._num_steps_seen += sum(len(times[c]) for c in (
             OPTIMIZER_END, OPTIMIZER_SKIPPED, MANUAL_EXIT))
+        self._num_manual_exits += len(times[MANUAL_EXIT])
         if self.flops is None:
             return
         if self._num_steps_seen >= self.flops_after_steps:
@@ -363,6 +367,7 @@ class AgentRuntime:
     def step_enter(self) -> None:
         """``trace_step`` entered (main thread)."""
         if not self.probe.skip():
+            self.probe.manual = True
             self.probe.log(MANUAL_ENTER)
 
     def step_exit(self) -> None:
@@ -370,5 +375,7 @@ class AgentRuntime:
         if not probe.skip():
             now = probe.clock()
             if probe.on_optimizer_end is not None:  # the device mark belongs to this step
+                probe.at_manual_exit = True
                 probe.guarded(probe.on_optimizer_end, now)
+                probe.at_manual_exit = False
             probe.log(MANUAL_EXIT, now)

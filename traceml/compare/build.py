@@ -99,7 +99,7 @@ def capture_compare(a: RunSummary, b: RunSummary) -> CaptureCompare | None:
         rows.append(OperatorChange(name, collective, oa[0] if oa else None,
                                    ob[0] if ob else None, oa[2] if oa else "",
                                    ob[2] if ob else ""))
-    rows.sort(key=lambda r: (r.communication, -abs(r.delta_ms)))
+    rows.sort(key=lambda r: (r.delta_ms is None, r.communication, -abs(r.delta_ms or 0.0)))
     return CaptureCompare(ca.capture_id, cb.capture_id, ca.label, cb.label,
                           tuple(rows[:COMPARED_OPERATORS]))
 

@@ -142,8 +142,9 @@ class OperatorChange:
     b_shapes: str
 
     @property
-    def delta_ms(self) -> float:
-        return (self.b_ms or 0.0) - (self.a_ms or 0.0)
+    def delta_ms(self) -> float | None:
+        """B - A; None when one capture does not list it (each lists its largest only)."""
+        return None if self.a_ms is None or self.b_ms is None else self.b_ms - self.a_ms
 
 
 @dataclass(frozen=True)

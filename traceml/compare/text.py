@@ -46,8 +46,8 @@ def capture_lines(c: CaptureCompare) -> list[str]:
     for o in c.operators:
         a = "-" if o.a_ms is None else f"{o.a_ms:.2f}"
         b = "-" if o.b_ms is None else f"{o.b_ms:.2f}"
-        text = f"- {o.name}{' [collective]' if o.communication else ''} {o.delta_ms:+.2f} ms " \
-               f"(A {a}, B {b})"
+        delta = "not listed on both" if o.delta_ms is None else f"{o.delta_ms:+.2f} ms"
+        text = f"- {o.name}{' [collective]' if o.communication else ''} {delta} (A {a}, B {b})"
         if o.a_shapes != o.b_shapes and o.a_shapes and o.b_shapes:
             text += f"; A {o.a_shapes}; B {o.b_shapes}"
         lines.append(text)

@@ -22,6 +22,7 @@ PHASE_OF = {"compute": "compute", "input": "input", "communication": "communicat
 """A finding's phase (`traceml.live.metrics.FINDING_PHASES`) as a step's column."""
 BY_TIME = frozenset({"COMMUNICATION_BOUND"})
 """Captures whose operators are listed by the suspect's time, not by the difference."""
+HOST_PHASES = frozenset({"input", "wait"})
 TOP_OPERATORS = 12  # operators a capture's result lists (by the size of their difference)
 
 
@@ -105,14 +106,17 @@ def _result(rows: Sequence[Capture]) -> CaptureResult:
     for c in rows:
         if c.reported_at is None:
             notes.append(f"r{c.rank} sent no report (it ended, or never reached step "
-                         f"{c.start_after + 1})")
+                         f"{c.start_after})")
         elif c.error:
             notes.append(f"r{c.rank}: {c.error}")
         elif c.cut:
             notes.append(f"r{c.rank}: {c.cut}")
     reported = [c for c in rows if c.reported_at is not None and c.num_steps > 0]
     usable = suspect in reported and (reference is None or reference in reported)
-    device = any(o[4] is not None for c in reported for o in c.operators)
+    # GPU time where the GPU ran the step; host time for the input and the host's work
+    # between steps, which run on the host whatever the device
+    device = (any(o[4] is not None for c in reported for o in c.operators)
+              and suspect.phase not in HOST_PHASES)
     operators: tuple[OperatorLine, ...] = ()
     compute = comm = None
     if usable:

@@ -122,7 +122,8 @@ class CollectorProcess:
         text = orjson.dumps({"endpoint": f"tcp://{host}:{self.port}",
                              "keys": client_keys_text(capture_keys(self.keys, capture_secret))})
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            # A new file of this run's (not one planted there, nor a link): owner only
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(text)
         except OSError as exc:

@@ -2,7 +2,8 @@
 or from ``traceml capture`` (collector process, off the message loop).
 
 A thread reads the store (`StoreTail`) and builds the live report, at most every
-`EVAL_S` and never more than `BUILD_SHARE` of its time.  A finding that names a rank with
+`EVAL_S` and never more than `BUILD_SHARE` of its time (node 0's collector shares its
+core with the message loop).  A finding that names a rank with
 confidence (a straggler of one phase, COMMUNICATION-BOUND, outlier steps; warn or crit)
 and names the same rank in `HOLD` builds in a row is the trigger: the named rank (the
 suspect) and a reference rank (the median rank of the others' typical step) are asked
@@ -42,8 +43,9 @@ STRAGGLERS = frozenset(TRIGGERS[:4])
 """Once one of these was captured, COMMUNICATION-BOUND asks for none: the others' wait
 in the collectives is that straggler's lateness, which its capture already shows."""
 HOLD = 3  # live builds in a row that name the same rank
-EVAL_S = 2.0  # the live report is built at most this often
-BUILD_SHARE = 0.1  # ...and takes at most this share of a core
+EVAL_S = 3.0  # the live report is built at most this often
+BUILD_SHARE = 0.05  # ...and takes at most this share of a core (at 1024 ranks a build
+# takes ~0.4 s: one every 8 s)
 LEAD_S = 3.0  # the first profiled step starts this far ahead of the ranks' last stored step
 MIN_LEAD_STEPS = 3
 ASK_TIMEOUT_S = 120.0  # an ask not answered by then no longer holds the next one back

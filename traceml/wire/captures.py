@@ -27,6 +27,8 @@ MAX_BOUNDARY = 2**62
 
 def is_communication(name: str) -> bool:
     """Whether a profiler event is a collective (c10d, NCCL, gloo) or traceml's DDP wait."""
+    if name.startswith("aten::"):  # aten::broadcast_tensors is no collective
+        return False
     low = name.lower()
     return any(m in low for m in ("c10d::", "nccl", "gloo", "allreduce", "all_reduce",
                                   "allgather", "all_gather", "reduce_scatter",
