@@ -145,3 +145,31 @@ def test_the_byte_cap_cuts_the_trace_and_says_so(runtime: AgentRuntime) -> None:
     assert report.path is not None
     with gzip.open(report.path) as f:
         assert len(f.read()) < 20_000 + 10_000  # the events, then the header's keys
+
+
+def test_a_capture_open_when_the_sender_stops_is_closed_by_the_training_thread(
+        runtime: AgentRuntime) -> None:
+    """The sender thread died mid-capture: the profiler (which only the training thread
+    can stop) is closed at the next iteration end, and only then does logging stop."""
+    messages: list[Message] = []
+    train(runtime, 8, messages, at={1: ask(4, steps=5)})
+    assert runtime.capture is not None
+    (c,) = runtime.capture._open
+    assert c.session is not None and not runtime.probe.off
+    runtime._sender_exited()
+    assert not runtime.probe.off  # not yet: the session is open
+    train(runtime, 2, messages)
+    assert c.session is None and c.done and runtime.probe.off
+    assert c.error == "traceml's sender stopped"
+
+
+def test_a_failing_capture_leaves_the_steps_instrumented(runtime: AgentRuntime) -> None:
+    messages: list[Message] = []
+    train(runtime, 6, messages, at={1: ask(4, steps=3)})
+    assert runtime.capture is not None
+    runtime.capture._end_step = None  # type: ignore[assignment]  # the next end fails
+    train(runtime, 4, messages)
+    assert not runtime.probe.off
+    (report,), steps = finish(runtime, messages)
+    assert report.error is not None and "failed: TypeError" in report.error
+    assert len(steps) == 10

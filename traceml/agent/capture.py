@@ -146,6 +146,8 @@ class ProfilerCapture:
         self._seen = {"optimizer": seen[0], "manual": seen[1]}
         self._taken: deque[float] = deque(maxlen=TAKEN_KEPT)
         self._mode = "optimizer"  # what ends an iteration: "optimizer" or "manual"
+        # `abort`'s reason and what to run once the training thread closed the session
+        self._aborted: tuple[str, Callable[[], None] | None] | None = None
         self._done_ids: deque[str] = deque(maxlen=64)  # asks answered: a repeat is ignored
 
     # -- sender thread ---------------------------------------------------------------
@@ -251,18 +253,70 @@ class ProfilerCapture:
 
     # -- training thread ---------------------------------------------------------------
 
-    def _boundary(self, t: float) -> None:
-        """An iteration ended (training thread): the chained hook, then the capture."""
+    def abort(self, reason: str, then: Callable[[], None] | None = None) -> bool:
+        """End every capture (any thread): a profiler session still open is closed by
+        the training thread at its next iteration end or batch, and ``then`` runs after
+        it; True when one is open (``then`` waits), False when ``then`` ran now."""
+        self._aborted = (reason, then)
         opened = self._open
-        c = opened[0] if opened else None
-        counted = not self.probe.manual or self.probe.at_manual_exit
-        if c is not None and not c.done and counted and c.first_t is None:
-            c.first_t = t  # before the chained hook: the sender may take t meanwhile
+        if any(c.session is not None for c in opened):
+            return True
+        for c in opened:
+            if not c.done:
+                self._finish(c, error=reason)
+        self._aborted = (reason, None)
+        if then is not None:
+            then()
+        return False
+
+    def _abandon(self) -> None:
+        """Training thread: close what is open after `abort`."""
+        reason, then = self._aborted or ("", None)
+        self._aborted = (reason, None)
+        for c in self._open:
+            if not c.done:
+                self._close_session(c)
+                self._finish(c, error=reason)
+        if then is not None:
+            then()
+
+    def _boundary(self, t: float) -> None:
+        """An iteration ended (training thread): the chained hook (its errors are the
+        step instrumentation's), then the capture (its errors end the capture alone)."""
+        c = None
+        try:
+            c = self._counted(t)
+        except Exception as exc:
+            self._failed(exc)
         chained = self._chained
         if chained is not None:
             chained(t)
-        if c is None or c.done or not counted:
-            return
+        if c is not None:
+            try:
+                self._ended(c)
+            except Exception as exc:
+                self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.warn("capture", exc)
+        self._aborted = (f"the capture failed: {exc!r}", None)
+        self._abandon()
+
+    def _counted(self, t: float) -> _Capture | None:
+        """The capture this iteration end counts for (None: none, or not an end the
+        collector numbers a step by); its first end's time noted."""
+        if self._aborted is not None:
+            self._abandon()
+            return None
+        opened = self._open
+        c = opened[0] if opened else None
+        if c is None or c.done or (self.probe.manual and not self.probe.at_manual_exit):
+            return None
+        if c.first_t is None:
+            c.first_t = t  # before the chained hook runs: the sender may take t meanwhile
+        return c
+
+    def _ended(self, c: _Capture) -> None:
         c.calls += 1
         if c.base is None:
             return
@@ -302,6 +356,9 @@ class ProfilerCapture:
 
     def _batch_due(self) -> None:
         """A batch (training thread, outside every profiler range)."""
+        if self._aborted is not None:
+            self._abandon()
+            return
         opened = self._open
         c = opened[0] if opened else None
         if c is not None and c.due and not c.done:

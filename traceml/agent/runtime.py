@@ -282,10 +282,18 @@ class AgentRuntime:
                 self._warnings.to_stderr("uninstall", f"could not remove instrumentation: {exc!r}")
 
     def _sender_exited(self) -> None:
-        """Nothing drains the log any more: stop logging, so it cannot grow."""
-        self.probe.off = True
+        """Nothing drains the log any more: stop logging, so it cannot grow (once a
+        profiler session still open is closed: only the training thread can, at its
+        next iteration or batch)."""
         if self._heartbeat is not None:
             self._heartbeat.remove()
+        if self.capture is not None and self.capture.abort(
+                "traceml's sender stopped", then=self._stop_logging):
+            return
+        self._stop_logging()
+
+    def _stop_logging(self) -> None:
+        self.probe.off = True
 
     def _fail(self, exc: BaseException) -> None:
         """An agent error on the training thread (a CUDA timer call): every
@@ -293,6 +301,11 @@ class AgentRuntime:
         exit: the error may be raised inside torch's loop over the optimizer
         hooks, which removing a hook there would break."""
         self.probe.off = True
+        if self.capture is not None:  # this thread runs its profiler: close it now
+            try:
+                self.capture.stop()
+            except Exception as capture_exc:
+                self._part_failed("capture", capture_exc)
         self._warnings.to_stderr(
             "instrumentation", f"step instrumentation disabled after an internal error: {exc!r}")
 
@@ -317,8 +330,13 @@ class AgentRuntime:
         self._arm_flops(times)
         reports: list[Message] = []
         if self.capture is not None:
-            self.capture.observe(times)
-            reports += self.capture.take_reports()
+            try:
+                self.capture.observe(times)
+                reports += self.capture.take_reports()
+            except Exception as exc:  # captures go; the steps keep flowing
+                self._part_failed("capture", exc)
+                self.capture.abort(f"the capture failed: {exc!r}")
+                self.capture = None
         if any(times) or marks or batches or flop_counts:
             # Read after these events, so it goes with the steps they finish:
             # stamped as the first of them.
