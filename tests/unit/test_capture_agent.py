@@ -173,3 +173,15 @@ def test_a_failing_capture_leaves_the_steps_instrumented(runtime: AgentRuntime) 
     (report,), steps = finish(runtime, messages)
     assert report.error is not None and "failed: TypeError" in report.error
     assert len(steps) == 10
+
+
+def test_a_profiled_step_that_lasts_too_long_is_dropped_unread(
+        runtime: AgentRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    from traceml.agent import capture
+
+    monkeypatch.setattr(capture, "MAX_SESSION_S", 0.0)
+    messages: list[Message] = []
+    train(runtime, 10, messages, at={1: ask(4)})
+    (report,), _ = finish(runtime, messages)
+    assert report.num_steps == 0 and report.operators == ()
+    assert report.cut is not None and "events were dropped unread" in report.cut

@@ -56,6 +56,7 @@ from traceml.wire.events import MANUAL_EXIT, OPTIMIZER_END, OPTIMIZER_SKIPPED
 CAPTURES_DIR = "captures"
 GZIP_LEVEL = 1  # the trace is written on the training thread: fast beats small
 MAX_OPEN_ASKS = 4  # asks waiting for their step; later ones are answered "busy"
+MAX_SESSION_S = 60.0  # a profiled step longer than this is dropped, not read
 MAX_MISSED = 3  # iterations without a batch while work is due: the capture gives up
 TAKEN_KEPT = 4096  # the latest iteration ends kept to find the hook's first among
 
@@ -80,6 +81,7 @@ class _Capture:
     has_device: bool = False  # CUDA activities were profiled
     due: bool = False  # an iteration ended: the next batch ends or starts a profiled step
     missed: int = 0  # iterations that ended while the work was due (no batch between)
+    session_began: float = 0.0  # probe clock
     disk_bytes: int = 0  # the trace's size on disk, once written
     done: bool = False
 
@@ -393,10 +395,18 @@ class ProfilerCapture:
         session = profile(activities=activities, record_shapes=True, with_stack=False)
         session.start()
         c.session = session
+        c.session_began = self.probe.clock()
 
     def _end_step(self, c: _Capture) -> None:
         session, c.session = c.session, None
         session.stop()
+        lasted = self.probe.clock() - c.session_began
+        if lasted > MAX_SESSION_S:  # an evaluation between steps, or a stall: its events
+            # would take minutes and gigabytes to read (the training thread's time)
+            _release(session)
+            c.cut = (f"a profiled step lasted {lasted:.0f} s (over {MAX_SESSION_S:.0f} s): "
+                     "its events were dropped unread, and the capture ended")
+            return
         c.num_steps += 1
         for e in session.events():
             if _on_device(e):
