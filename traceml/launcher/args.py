@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import secrets
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from torch.distributed import run as torchrun
@@ -55,7 +56,8 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _capture_steps(text: str) -> int:
+def capture_steps(text: str) -> int:
+    """``--capture-steps`` (and ``traceml capture --steps``): 1 to MAX_CAPTURE_STEPS."""
     try:
         value = int(text)
     except ValueError:
@@ -65,15 +67,21 @@ def _capture_steps(text: str) -> int:
     return value
 
 
-def _megabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0.1 <= value <= MAX_CAPTURE_BYTES / 1e6:
-        raise argparse.ArgumentTypeError(
-            f"must be a number of MB from 0.1 to {MAX_CAPTURE_BYTES / 1e6:.0f}, got {text}")
-    return value
+def number_in(low: float, high: float, what: str) -> Callable[[str], float]:
+    """An option's parser: a number from ``low`` to ``high`` (``what`` it counts)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not low <= value <= high:  # nan fails too
+            raise argparse.ArgumentTypeError(f"must be {what} from {low:g} to {high:g}, "
+                                             f"got {text}")
+        return value
+    return parse
+
+
+_megabytes = number_in(0.1, MAX_CAPTURE_BYTES / 1e6, "a number of MB")
 
 
 def _positive_int(text: str) -> int:
@@ -155,7 +163,7 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
                             "median rank, once per finding kind; off: never on its own "
                             "(traceml capture still asks).")
     group.add_argument("--capture-steps", "--capture_steps", dest="capture_steps",
-                       type=_capture_steps, default=2, metavar="K",
+                       type=capture_steps, default=2, metavar="K",
                        help="Steps each capture profiles (default 2, at most 20).")
     group.add_argument("--capture-max-mb", "--capture_max_mb", dest="capture_max_mb",
                        type=_megabytes, default=50.0, metavar="MB",

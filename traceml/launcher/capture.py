@@ -22,6 +22,7 @@ import zmq
 from traceml.config import UsageErrorParser
 from traceml.diagnosis.operators import CaptureResult, capture_results
 from traceml.errors import UsageError
+from traceml.launcher.args import capture_steps, number_in
 from traceml.launcher.collector_process import CAPTURE_KEY_FILENAME
 from traceml.records import Capture
 from traceml.security import client_keys_from, secure_client
@@ -39,26 +40,6 @@ ASKED_WITHIN_S = 10.0  # the collector stores the ask within this, or did not ta
 POLL_S = 0.25
 
 
-def _steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_CAPTURE_STEPS:
-        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_CAPTURE_STEPS}, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be seconds from 0 to 3600, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = UsageErrorParser(prog="traceml capture", description=(
         "Ask a running 'traceml run' to profile the same steps on RANK and on the median "
@@ -66,9 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         "shows them too)."))
     parser.add_argument("session_dir", help="The live run's session folder (logs/<session>).")
     parser.add_argument("--rank", type=int, required=True, help="The rank to profile.")
-    parser.add_argument("--steps", type=_steps, default=2,
+    parser.add_argument("--steps", type=capture_steps, default=2,
                         help=f"Steps to profile (default 2, at most {MAX_CAPTURE_STEPS}).")
-    parser.add_argument("--wait", type=_seconds, default=120.0, metavar="SEC",
+    parser.add_argument("--wait", type=number_in(1.0, 3600.0, "seconds"), default=120.0,
+                        metavar="SEC",
                         help="Seconds to wait for the ranks' reports (default 120).")
     return parser
 
