@@ -22,14 +22,14 @@
 #      not the host): no communication phase, in flight null; and the compute
 #      stream's wait on DDP's all-reduce is timed with CUDA events on the sampled
 #      steps (gpu_communication_ms, not yet used by the report).
-#   7. A profiler capture on CUDA: `traceml capture` of a live 1-GPU run profiles 2
-#      steps with CUDA activities: the operators carry device time, the trace holds
-#      the GPU's kernels, and the run ends 0 with every step stored.
 #   6. MFU: a bf16 (autocast) transformer step's FLOPs per step, counted by
 #      torch's FLOP counter in one step, equal the hand count (3 x the forward
 #      matmuls) within 2 %, the dtype is bf16, the peak is the table's for this
 #      device name, and the summary's MFU equals the hand computation (hand
 #      FLOPs over the script's own step time over the peak) within 5 %.
+#   7. A profiler capture on CUDA: `traceml capture` of a live 1-GPU run profiles 2
+#      steps with CUDA activities: the operators carry device time, the trace holds
+#      the GPU's kernels, and the run ends 0 with every step stored.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-/tmp/traceml-gpu-check}}"
@@ -138,7 +138,7 @@ PY
 "$PY" -m traceml run --logs-dir "$OUT/logs" --session-id capture --sample-interval 0.5 \
     "$OUT/cuda_train.py" 0 6000 > "$OUT/capture.txt" 2>&1 &
 RUN_PID=$!
-"$PY" - "$OUT/logs/capture/telemetry.sqlite" <<'PY'
+"$PY" - "$OUT/logs/capture/telemetry.sqlite" <<'PY' || true  # the checks below say FAIL
 import os, sqlite3, sys, time
 deadline = time.time() + 120
 while time.time() < deadline:
