@@ -185,3 +185,21 @@ def test_a_profiled_step_that_lasts_too_long_is_dropped_unread(
     (report,), _ = finish(runtime, messages)
     assert report.num_steps == 0 and report.operators == ()
     assert report.cut is not None and "events were dropped unread" in report.cut
+
+
+def test_a_tick_that_takes_a_batch_record_alone_sends_it(runtime: AgentRuntime) -> None:
+    """A batch forced to the slow path (a capture's due work) may be the only thing
+    logged since the last tick: the tick takes it without events (it stopped the sender
+    thread once: min() of no event times)."""
+    from traceml.wire.events import BATCH_FROM_FETCH
+
+    messages: list[Message] = []
+    train(runtime, 3, messages)
+    for _ in range(2):  # nothing left held: the next tick takes the batch record alone
+        messages += runtime._drain_events()
+    assert not any(runtime.probe._held) and not any(runtime.probe.streams)
+    runtime.probe.batches.append((runtime.probe.clock(), 8, None, None, BATCH_FROM_FETCH))
+    messages += runtime._drain_events()
+    train(runtime, 2, messages)
+    _, steps = finish(runtime, messages)
+    assert len(steps) == 5

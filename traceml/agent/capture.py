@@ -256,16 +256,13 @@ class ProfilerCapture:
     # -- training thread ---------------------------------------------------------------
 
     def abort(self, reason: str, then: Callable[[], None] | None = None) -> bool:
-        """End every capture (any thread): a profiler session still open is closed by
-        the training thread at its next iteration end or batch, and ``then`` runs after
-        it; True when one is open (``then`` waits), False when ``then`` ran now."""
+        """End every capture (any thread): the training thread ends those not done at
+        its next iteration end or batch (closing a profiler session still open: only
+        it can), and ``then`` runs after it; True when one is not done (``then``
+        waits), False when ``then`` ran now."""
         self._aborted = (reason, then)
-        opened = self._open
-        if any(c.session is not None for c in opened):
-            return True
-        for c in opened:
-            if not c.done:
-                self._finish(c, error=reason)
+        if any(not c.done for c in self._open):
+            return True  # the training thread ends them: it may be between two sessions
         self._aborted = (reason, None)
         if then is not None:
             then()
@@ -357,14 +354,18 @@ class ProfilerCapture:
             watch.force()
 
     def _batch_due(self) -> None:
-        """A batch (training thread, outside every profiler range)."""
-        if self._aborted is not None:
-            self._abandon()
-            return
-        opened = self._open
-        c = opened[0] if opened else None
-        if c is not None and c.due and not c.done:
-            self._act(c)
+        """A batch (training thread, outside every profiler range); a failure ends the
+        capture, never the batch watch that called."""
+        try:
+            if self._aborted is not None:
+                self._abandon()
+                return
+            opened = self._open
+            c = opened[0] if opened else None
+            if c is not None and c.due and not c.done:
+                self._act(c)
+        except Exception as exc:
+            self._failed(exc)
 
     def _act(self, c: _Capture) -> None:
         """The due work (training thread, outside every profiler range): end the
@@ -448,6 +449,8 @@ class ProfilerCapture:
                 pass
 
     def _finish(self, c: _Capture, error: str | None = None) -> None:
+        if c.done:
+            return
         c.error = error
         if c.trace is not None:
             try:

@@ -340,7 +340,9 @@ class AgentRuntime:
         if any(times) or marks or batches or flop_counts:
             # Read after these events, so it goes with the steps they finish:
             # stamped as the first of them.
-            first = min([ts[0] for ts in times if ts] + [m[0] for m in marks[:1]])
+            # (A tick may take batch records alone: a batch forced to the slow path.)
+            first = min([ts[0] for ts in times if ts] + [m[0] for m in marks[:1]]
+                        + [r[0] for r in batches[:1]] + [r[0] for r in flop_counts[:1]])
             outbox.add(times, marks, (first, self._rss.read()))
         now = time.monotonic()
         if not outbox.has_events() or (now < self._next_send and not self._final
