@@ -11,7 +11,7 @@ untraced ratio for a short (~1 ms) and a long (~20 ms) step, then times
 
     python scripts/bench_overhead.py [--blocks 40] [--startup-runs 5] [--dashboard] [--quick]
                                      [--metrics] [--capture]
-                                     [--device cuda [--cuda-timing both] [--long-ms 20]]
+                                     [--device cuda [--cuda-timing both|sampled,off|...] [--long-ms 20]]
 
 ``--device cuda`` runs the loop on the GPU: the short step is launch-bound
 (~1.4 ms on an H200 host), the long one is sized at start to take about
@@ -20,7 +20,9 @@ long).  ``--cuda-timing both`` (the default) measures each step twice in one
 run: ``every step`` (before: CUDA events on every step, two per phase, the
 allocator read every step: `traceml.agent.cuda_timing.EVERY_STEP`) and
 ``sampled`` (after: the agent's default sampling), each paired against
-untraced blocks with its own A/A line; ``sampled`` or ``every-step`` runs one.
+untraced blocks with its own A/A line; ``off`` times no step after the first two (the rest of the agent alone, so
+that ``sampled`` minus ``off`` is what the sampled CUDA path adds); a comma list
+(``sampled,off``) runs those.
 
 ``--dashboard`` runs the collector as ``--mode=dashboard`` does, with a page
 polling the live data once a second, to show the live view costs training
@@ -168,8 +170,21 @@ def median_interval(values: list[float]) -> tuple[float, float, float]:
     return values[k], statistics.median(values), values[n - 1 - k]
 
 
-CUDA_TIMINGS = {"every-step": ("every step", EVERY_STEP), "sampled": ("sampled", SamplingRule())}
-"""``--cuda-timing``: the old path (before) and the agent's default (after)."""
+CUDA_TIMINGS = {"every-step": ("every step", EVERY_STEP), "sampled": ("sampled", SamplingRule()),
+                "off": ("none timed (the rest of the agent alone)",
+                        SamplingRule(first_steps=0, budget_s=0.0, max_every=10**9))}
+"""``--cuda-timing``: the old path (before), the agent's default (after), and no step
+timed after the first two (what the CUDA path adds is the difference to ``off``)."""
+
+
+def cuda_timings(text: str) -> list[str]:
+    """``--cuda-timing``'s value: the CUDA timings to measure, in order."""
+    names = ["every-step", "sampled"] if text == "both" else text.split(",")
+    unknown = [n for n in names if n not in CUDA_TIMINGS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown timing {unknown[0]!r}: use {', '.join(CUDA_TIMINGS)}, a comma list, or both")
+    return names
 
 
 def cuda_loops(blocks: int, long_ms: float) -> list[tuple[str, Any, int]]:
@@ -376,9 +391,9 @@ def main() -> None:
     parser.add_argument("--startup-runs", type=int, default=5)
     parser.add_argument("--device", default="cpu",
                         help="cpu, or cuda to time the agent's CUDA path (events, memory peaks)")
-    parser.add_argument("--cuda-timing", choices=("both", *CUDA_TIMINGS), default="both",
-                        help="--device cuda: the old every-step path, the sampled one, or "
-                             "both (before and after) in one run")
+    parser.add_argument("--cuda-timing", default="both", type=cuda_timings,
+                        help="--device cuda: every-step (the old path), sampled, off (no step "
+                             "timed), a comma list of them, or both (every-step,sampled)")
     parser.add_argument("--long-ms", type=float, default=20.0,
                         help="--device cuda: the long step's GPU time to size it to")
     parser.add_argument("--dashboard", action="store_true",
@@ -436,8 +451,7 @@ def main() -> None:
         print(f"torch {torch.__version__} on {args.device}, 1 thread, "
               f"collector live on port {collector.port}, {mode}")
         if args.device.startswith("cuda"):
-            timings = list(CUDA_TIMINGS) if args.cuda_timing == "both" else [args.cuda_timing]
-            measure_cuda(runtime, inst, timings, args.blocks, args.long_ms)
+            measure_cuda(runtime, inst, args.cuda_timing, args.blocks, args.long_ms)
         else:
             # The same 3-layer MLP, ~1 ms and ~20 ms a step on one core: the agent's
             # cost per step is the same, its share is not.

@@ -267,7 +267,10 @@ def healthy():
           f"step {spike[0][0]}: {spike[0][4] / 2**20:.0f} MiB" if spike else "no peak after 100")
     summary = json.load(open(f"{logs}/healthy/final_summary.json"))
     scope, row = summary["step_time"]["scope"], summary["step_time"]["ranks"][0]
-    in_window = [s for s in steps if scope["first_step"] <= s <= scope["last_step"]]
+    # The window's timed steps, less the one the FLOP counter ran in (left out of the window).
+    counted = {s for (s,) in db.execute("SELECT step FROM steps WHERE flops_counted = 1")}
+    in_window = [s for s in steps if scope["first_step"] <= s <= scope["last_step"]
+                 and s not in counted]
     check("summary counts the timed steps and takes GPU time from them",
           row["num_gpu_timed_steps"] == len(in_window) == (row["gpu_ms"] or {}).get("count"),
           f"num_gpu_timed_steps {row['num_gpu_timed_steps']} of {row['num_steps']}, "
@@ -276,7 +279,9 @@ def healthy():
     check("card has the GPU time line", "GPU time: median/worst" in card)
     proc = db.execute("SELECT device_allocated_bytes, device_reserved_bytes, device_total_bytes "
                       "FROM process").fetchall()
-    check("process samples carry device memory", proc and all(p[2] for p in proc),
+    # The first sample is taken at the agent's start, before the script made CUDA.
+    check("process samples carry device memory once CUDA is up",
+          len(proc) >= 2 and all(p[2] for p in proc[1:]),
           f"{len(proc)} samples, total {proc[-1][2] if proc else None}")
     gpus = [json.loads(g) for (g,) in db.execute("SELECT gpus FROM system")]
     check("NVML system samples", gpus and all(g for g in gpus),
