@@ -57,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psutil
 import zmq
 from bench_options import parse
@@ -69,7 +70,7 @@ from traceml.launcher.collector_process import CollectorProcess
 from traceml.records import StepRow
 from traceml.security import derive_keys, new_secret, relay_keys, secure_client
 from traceml.sender import SEND_HWM
-from traceml.store import SenderState
+from traceml.store import SenderState, step_block
 from traceml.wire import events as ev
 from traceml.wire.envelope import Envelope, Message, encode
 from traceml.wire.identity import Sender
@@ -244,7 +245,7 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
     # The regular batches' templates now; a last, shorter batch's when it is sent.
     templates = {(every, w, False): template(every, w, False) for w in (True, False)}
     measured = [f.name for f in step_fields.measured()]
-    step_col, t_col = (1 + measured.index(c) for c in ("step", "t_begin"))
+    step_col, t_col = (measured.index(c) for c in ("step", "t_begin"))
     done = [0]  # ticks whose steps were sent
 
     def messages(tick: int, last: bool) -> list[tuple[bytes, int]]:
@@ -255,16 +256,21 @@ def relay_sender(node: int, world: int, steps_per_s: float) -> Paced:
         if key not in templates:
             templates[key] = template(*key)
         batch = templates[key]
-        columns = list(batch.step_columns)
         first = done[0] * per_flush
         done[0] = tick + 1
-        columns[step_col] = [first + i for _ in ranks for i in range(per_flush * n)]
-        columns[t_col] = [start + s / steps_per_s for s in columns[step_col]]
+        blocks = []  # each rank's block, renumbered, as the relay makes it (`step_block`)
+        for template_block in batch.step_blocks:
+            rows = orjson.loads(template_block[-1])
+            for i, row in enumerate(rows):
+                row[step_col], row[t_col] = first + i, start + (first + i) / steps_per_s
+            block = step_block(rows)
+            assert block is not None
+            blocks.append([template_block[0], *block[:-1], block[-1].decode()])
         first_sample = time.time() - SAMPLE_S * max(1, round(interval_s / SAMPLE_S))
         process = [(i, replace(rows, rows=[[first_sample + k * SAMPLE_S, *r[1:]]
                                            for k, r in enumerate(rows.rows)]))
                    for i, rows in batch.process]
-        message = replace(batch, step_columns=columns, process=process)
+        message = replace(batch, step_blocks=blocks, process=process)
         out = [(envelope(p, message, relay), per_flush * n * len(ranks))]
         if last:
             out.append((envelope(p, Bye(time.time()), relay), 0))
@@ -353,7 +359,7 @@ def plan_relay(n: int, port: int, secret: str, steps: float, senders: int,
         f"relay: {nodes} nodes of {RANKS_PER_NODE} ranks; node 0's ranks send to the "
         f"collector; nodes 1-{real} run real relay processes (step trackers) fed by "
         f"simulated agents; the other {nodes - 1 - real} nodes' relays are simulated "
-        f"(paced batches of step rows built by the relay's Outbox, renumbered each "
+        f"(paced batches of step blocks built by the relay's Outbox, renumbered each "
         f"tick, no step tracker), "
         f"from {senders} processes"))
     agents: list[tuple[str, Any, list[tuple[str, tuple[Any, ...]]]]] = [(node0, keys, [

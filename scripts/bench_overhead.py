@@ -20,9 +20,9 @@ long).  ``--cuda-timing both`` (the default) measures each step twice in one
 run: ``every step`` (before: CUDA events on every step, two per phase, the
 allocator read every step: `traceml.agent.cuda_timing.EVERY_STEP`) and
 ``sampled`` (after: the agent's default sampling), each paired against
-untraced blocks with its own A/A line; ``off`` times no step after the first two (the rest of the agent alone, so
-that ``sampled`` minus ``off`` is what the sampled CUDA path adds); a comma list
-(``sampled,off``) runs those.
+untraced blocks with its own A/A line; ``off`` times no step after the first two
+(the rest of the agent alone, so that ``sampled`` minus ``off`` is what the sampled
+CUDA path adds); a comma list (``sampled,off``) runs those.
 
 ``--dashboard`` runs the collector as ``--mode=dashboard`` does, with a page
 polling the live data once a second, to show the live view costs training

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import zmq
 
@@ -28,10 +29,12 @@ from traceml.collector.dispatch import Collector
 from traceml.collector.rank_steps import RankSteps
 from traceml.collector.relay import Outbox, open_outbox
 from traceml.collector.server import BEHIND_COMMIT_S, Listener
+from traceml.errors import ProtocolError
 from traceml.launcher.nodes import RELAY_SILENT_S
 from traceml.records import Incident
 from traceml.security import derive_keys, relay_keys, secure_client
 from traceml.store import SenderState, StoreWriter
+from traceml.store.schema import BLOCK_SUMMED
 from traceml.store.writer import SENDER_SAVE_S
 from traceml.wire import events as ev
 from traceml.wire.envelope import Envelope, Message, encode
@@ -39,7 +42,7 @@ from traceml.wire.events import EventBatch
 from traceml.wire.identity import Sender
 from traceml.wire.incidents import EXIT, RESUMED, STALL, IncidentReport
 from traceml.wire.records import Bye, Hello
-from traceml.wire.relay import RelayBatch
+from traceml.wire.relay import BLOCK_COLUMNS, RelayBatch
 from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS, ProcessRows, SystemRows
 
 SESSION, SECRET = "relay-test", "a secret"
@@ -237,7 +240,7 @@ def test_outbox_sends_a_heartbeat_when_nothing_came(nodes: Nodes) -> None:
     nodes.pump_until(lambda: len(nodes.collector0.senders) == 1)  # the relay's hello
     outbox._last_batch -= 10  # as if the last batch left 10 s ago
     beat = outbox.take()
-    assert beat is not None and beat.senders == [] and beat.step_columns == []
+    assert beat is not None and beat.senders == [] and beat.step_blocks == []
 
 
 ODD_VALUES: list[Any] = [None, True, -1, 2**63 - 1, 1e300, "x", [], {}, [[1]], {"a": 1}]
@@ -422,3 +425,51 @@ def test_a_relay_holding_many_steps_sends_them_before_its_interval(
         nodes.listener1.poll(10, nodes.relay)  # never flushed on its interval here
         nodes.listener0.poll(10, nodes.collector0)
     assert nodes.collector0.num_steps >= 4
+
+
+class _NotSent:
+    """An outbox's upstream of which only the identity is read (`Outbox.take`)."""
+
+    def __init__(self) -> None:
+        self.identity = Sender("relay", HOST, 3, 1)
+
+
+def test_the_relay_makes_each_ranks_block_and_counts_a_run_none_can_hold() -> None:
+    """The relay sends each rank's steps as the block node 0 stores (grouped, summed,
+    encoded on the relay's node); a rank's run that no block can hold (a step index
+    that is not one) is left out and counted as node 0 would count it."""
+    from tests.rows import step_record
+
+    outbox = Outbox(_NotSent())  # type: ignore[arg-type]
+    good, bad = rank(8), rank(9)
+    outbox.add_steps([step_record(s, rank=8, total_ms=10.0, input_ms=2.0) for s in range(3)])
+    outbox.add_steps([step_record(s, rank=9, total_ms=10.0) for s in (-1, -2)])
+    for who in (good, bad):
+        outbox.save_sender(SenderState(who, 1.7e9, 1.7e9))
+    batch = outbox.take()
+    assert batch is not None
+    decoded = RelayBatch.from_payload(orjson.loads(orjson.dumps(batch.payload())))
+    index = [s.sender_id for s, _ in decoded.senders].index(good.sender_id)
+    [block] = decoded.step_blocks
+    assert block[:4] == [index, 0, 2, 3] and type(block[-1]) is str
+    step = BLOCK_COLUMNS.index("step")
+    assert [r[step] for r in orjson.loads(block[-1])] == [0, 1, 2]
+    assert block[4 + BLOCK_SUMMED.index("input_ms")] == 6.0
+    assert decoded.rejected == {relay_module.BAD_STEPS: 2}
+
+
+def test_node_0_refuses_blocks_in_another_versions_columns() -> None:
+    """A relay of another traceml version lays its rows out in other columns: node 0
+    refuses its batch rather than store rows it would read wrong."""
+    outbox = Outbox(_NotSent())  # type: ignore[arg-type]
+    from tests.rows import step_record
+
+    outbox.add_steps([step_record(0, rank=8)])
+    outbox.save_sender(SenderState(rank(8), 1.7e9, 1.7e9))
+    batch = outbox.take()
+    assert batch is not None
+    payload = orjson.loads(orjson.dumps(batch.payload()))
+    RelayBatch.from_payload(payload)
+    payload["block_columns"] = payload["block_columns"][:-1]
+    with pytest.raises(ProtocolError, match="another version"):
+        RelayBatch.from_payload(payload)

@@ -45,7 +45,7 @@ def test_who_ran_a_step_comes_first_and_a_relay_forwards_the_rest() -> None:
     identity = [f.name for f in step_fields.STEP_FIELDS if f.identity]
     assert step_fields.names()[:len(identity)] == tuple(identity) == ("rank", "restart",
                                                                       "node_rank")
-    assert [f.name for f in relay._MEASURED] == list(step_fields.names()[len(identity):])
+    assert relay.BLOCK_COLUMNS == list(step_fields.names()[len(identity):])
 
 
 def test_every_typed_view_of_a_row_is_a_column_of_its_type() -> None:

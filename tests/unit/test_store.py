@@ -22,6 +22,7 @@ from traceml.store import (
     StoreError,
     StoreReader,
     StoreWriter,
+    step_block,
 )
 from traceml.wire.identity import Sender
 from traceml.wire.records import RunEnd, RunStart
@@ -179,32 +180,63 @@ def test_steps_are_stored_in_blocks_once_each(tmp_path: Path) -> None:
         assert reader.steps_after(newest.last_row_id, 10).rows == ()
 
 
-def test_a_step_or_sum_the_writer_cannot_store_refuses_that_ranks_run_only(
-        tmp_path: Path) -> None:
-    """A relay's batch (columns) where one rank's steps sum to a time no steps add up
-    to, and another's carry a step index that is not one: those ranks' runs are
-    refused and counted, the others' stored.  A bad value that leaves the sums
-    possible is stored, and the reader skips and counts its row."""
-    writer = StoreWriter(str(tmp_path / "telemetry.sqlite"))
+def test_a_step_or_sum_no_block_can_hold_refuses_that_ranks_run_only() -> None:
+    """A rank's run whose steps sum to a time no steps add up to, or carry a step index
+    that is not one, or a value JSON cannot hold, makes no block (a relay counts it
+    where it makes the block, node 0's writer where it does); a bad value that leaves
+    the sums possible makes one (the reader skips its row)."""
     names = [f.name for f in step_fields.measured()]
-    rows = [(i, step_record(s, total_ms=10.0)[3:]) for i in range(6) for s in range(4)]
-    columns = [[i for i, _ in rows], *map(list, zip(*(r for _, r in rows)))]
-    columns[1 + names.index("total_ms")][5] = 5e13  # rank 1's second step
-    columns[1 + names.index("step")][9] = "9"  # rank 2's second step
-    columns[1 + names.index("total_ms")][13] = -1.0  # rank 3's second step: sums to 29
-    columns[1 + names.index("step")][16] = -1  # rank 4's first step
+
+    def run(column: str | None = None, at: int = 0, value: object = None) -> list[list[object]]:
+        rows = [list(step_record(s, total_ms=10.0)[3:]) for s in range(4)]
+        if column is not None:
+            rows[at][names.index(column)] = value
+        return rows
+
     nested: list[object] = []
     for _ in range(300):  # deeper than JSON can be written back
         nested = [nested]
-    columns[1 + names.index("boundary")][21] = nested  # rank 5's second step
-    prefixes = [(r, 0, 0) for r in range(6)]
-    assert writer.add_step_columns(prefixes, columns) == 8
-    assert writer.num_bad_steps == 16
+    for bad in (("total_ms", 1, 5e13), ("step", 1, "9"), ("step", 0, -1),
+                ("boundary", 1, nested)):
+        with pytest.raises((TypeError, ValueError)):
+            step_block(run(*bad))
+    block = step_block(run("total_ms", 1, -1.0))  # sums to 29: possible
+    assert block is not None and block[:3] == (0, 3, 4)
+    assert step_block(run(), last=1)[:3] == (2, 3, 2)  # type: ignore[index]
+    assert step_block(run(), last=3) is None
+
+
+def test_node_0_stores_a_relays_blocks_as_they_came_and_refuses_a_forged_header(
+        tmp_path: Path) -> None:
+    """A relay's blocks are stored as they came; one whose header `step_block` would
+    not make (a forged or corrupted batch) is refused and counted with its rows; one
+    that reaches back to stored steps (a resent batch) keeps only the new ones."""
+    writer = StoreWriter(str(tmp_path / "telemetry.sqlite"))
+
+    def relayed(rank: int, steps: range, **edit: object) -> tuple[tuple[int, int, int], list]:
+        rows = [list(step_record(s, total_ms=10.0)[3:]) for s in steps]
+        block = step_block(rows)
+        assert block is not None
+        header = dict(zip(("first", "last", "n"), block[:3]))
+        header.update(edit)  # type: ignore[arg-type]
+        sums = list(block[3:-1])
+        if edit.get("negative_sum"):
+            sums[0] = -1.0
+        return ((rank, 0, 0), [header["first"], header["last"], header["n"], *sums,
+                               edit.get("rows", block[-1].decode())])
+
+    good = [relayed(0, range(4)), relayed(1, range(2))]
+    forged = [relayed(2, range(4), n=9), relayed(3, range(4), first=3, last=1),
+              relayed(4, range(4), first=True), relayed(5, range(4), rows=[[1]]),
+              relayed(6, range(4), negative_sum=True)]
+    assert writer.add_relayed_blocks(good + forged) == 6
+    assert writer.num_bad_steps == 9 + 4 + 4 + 4 + 4  # as many as each header says
+    assert writer.add_relayed_blocks([relayed(0, range(2, 6))]) == 2  # steps 4 and 5 new
     writer.close()
     with StoreReader(tmp_path / "telemetry.sqlite") as reader:
-        assert {(r.rank, r.step) for r in reader.run(reader.records()).steps} == {
-            *((0, s) for s in range(4)), (3, 0), (3, 2), (3, 3)}
-        assert reader.skipped == {"stored step row with bad values": 1}
+        steps = reader.run(reader.records()).steps
+    assert sorted((r.rank, r.step) for r in steps) == [
+        *((0, s) for s in range(6)), (1, 0), (1, 1)]
 
 
 def test_a_step_column_added_since_a_store_was_written_reads_as_its_default(

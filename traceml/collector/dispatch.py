@@ -46,8 +46,8 @@ class Store(Protocol):
 
     num_bad_steps: int  # steps refused so far: a step index or summed time out of bounds
     def add_steps(self, rows: Sequence[StepRow]) -> int: ...
-    def add_step_columns(self, prefixes: Sequence[tuple[int, int, int] | None],
-                         columns: list[list[Any]]) -> int: ...
+    def add_relayed_blocks(self, blocks: Iterable[tuple[tuple[int, int, int], Sequence[Any]]]
+                           ) -> int: ...
     def add_flop_counts(self, sender: Sender, counts: Iterable[FlopCount]) -> None: ...
     def add_process(self, sender: Sender, samples: ProcessRows) -> None: ...
     def add_processes(self, samples: Iterable[tuple[Sender, ProcessRows]]) -> None: ...
@@ -293,7 +293,7 @@ class Collector:
         now = time.time()
         senders = [self._relayed_sender(relay, who, values, now) for who, values in batch.senders]
         self.store.save_senders(self.senders[s.sender_id] for s in senders if s is not None)
-        self._relayed_steps(batch.step_columns, senders)
+        self._relayed_steps(batch.step_blocks, senders)
         for i, *count in batch.flop_counts:
             if senders[i] is not None:
                 self.store.add_flop_counts(senders[i], [FlopCount(*count)])
@@ -365,15 +365,16 @@ class Collector:
         self._index(who)
         return who
 
-    def _relayed_steps(self, columns: list[list[Any]], senders: list[Sender | None]) -> None:
-        if not columns:
+    def _relayed_steps(self, blocks: list[list[Any]], senders: list[Sender | None]) -> None:
+        if not blocks:
             return
         prefixes = [None if s is None or s.rank is None else (s.rank, s.restart, s.node_rank)
                     for s in senders]
-        refused = sum(prefixes[i] is None for i in columns[0]) if None in prefixes else 0
+        kept = [(prefix, b[1:]) for b in blocks if (prefix := prefixes[b[0]]) is not None]
+        refused = sum(b[3] for b in blocks if prefixes[b[0]] is None and type(b[3]) is int)
         self.reject("relayed step of a refused sender", refused)
-        self._count_stored(len(columns[0]) - refused,
-                           lambda: self.store.add_step_columns(prefixes, columns),
+        offered = sum(b[2] for _, b in kept if type(b[2]) is int)
+        self._count_stored(offered, lambda: self.store.add_relayed_blocks(kept),
                            "relayed step with a bad step index or time")
 
     def _count_stored(self, offered: int, store: Callable[[], int], bad_reason: str) -> None:

@@ -8,8 +8,9 @@ and claim checks, rejected counts, and the step tracker with its incident
 placement), but over an `Outbox` instead of the store: what node 0 would store
 is collected into one `relay.RelayBatch` and sent to node 0's collector every
 `config.relay_interval_s` with the relays' key (node 0 accepts relay batches
-from that key alone).  So node 0 stores compact step rows and replays no rank's
-events: its work grows with the number of nodes, not of ranks.
+from that key alone).  So node 0 replays no rank's events, and stores the steps as
+the blocks the relay made of them (grouped by rank, summed and encoded here): its
+work grows with the number of nodes, not of ranks.
 
 A relay that dies stops its node's messages: node 0 reports that node as lost
 (its system sampler falls silent, and so does the relay's heartbeat), as when
@@ -24,8 +25,10 @@ import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
+from itertools import groupby
 from typing import Any
 
+import orjson
 import zmq
 
 from traceml import step_fields
@@ -33,7 +36,7 @@ from traceml.collector.config import CollectorConfig
 from traceml.collector.server import serve
 from traceml.records import Capture, FlopCount, Incident, StepRow
 from traceml.security import TokenBook, derive_keys, relay_keys, secure_client
-from traceml.store import JoinError, SenderState
+from traceml.store import JoinError, SenderState, step_block
 from traceml.wire.captures import CaptureReport
 from traceml.wire.envelope import Envelope, Message, encode
 from traceml.wire.identity import Sender
@@ -115,7 +118,7 @@ class Outbox:
         self._next_id = 0
         self._last_batch = time.monotonic()
         self.num_steps = 0  # forwarded so far
-        self.num_bad_steps = 0  # node 0's writer checks the steps it stores
+        self.num_bad_steps = 0  # steps no block could be made of (counted as rejected)
 
     def add_steps(self, rows: Sequence[StepRow]) -> int:
         """The rows' measured columns go to node 0, which takes who ran them from the
@@ -123,17 +126,10 @@ class Outbox:
         self._steps += [((row.rank, row.restart), row[_NUM_IDENTITY:]) for row in rows]
         return len(rows)
 
-    def add_step_columns(self, prefixes: Sequence[tuple[int, int, int] | None],
-                         columns: list[list[Any]]) -> int:
-        """Relayed steps (a relay takes none from another relay; here for the store's
-        interface): forwarded as rows."""
-        if not columns:
-            return 0
-        index, *values = columns
-        kept = [((p[0], p[1]), row) for i, row in zip(index, zip(*values))
-                if (p := prefixes[i]) is not None]
-        self._steps += kept
-        return len(kept)
+    def add_relayed_blocks(self, blocks: Iterable[tuple[tuple[int, int, int], Sequence[Any]]]
+                           ) -> int:
+        """Another relay's blocks: a relay takes none (node 0 alone accepts relays)."""
+        return 0
 
     def add_capture_ask(self, c: Capture) -> None:
         """Asks are node 0's: a relay stores none."""
@@ -223,12 +219,24 @@ class Outbox:
         # A rank's steps came with a message of its sender, whose state is held too.
         ranks = {(s.sender.rank, s.sender.restart): index[key] for key, s in self._states.items()
                  if s.sender.rank is not None}
-        # Each sender's steps together (in their order): node 0 stores a block per run.
-        steps = sorted(((ranks[key], *values) for key, values in self._steps),
+        # Each sender's steps together (in their order), a block each, as node 0 stores it.
+        steps = sorted(((ranks[key], values) for key, values in self._steps),
                        key=operator.itemgetter(0))
+        blocks = []
+        for i, run in groupby(steps, key=operator.itemgetter(0)):
+            rows = [values for _, values in run]
+            try:
+                block = step_block(rows)
+            except (TypeError, ValueError, OverflowError, orjson.JSONEncodeError):
+                self.num_bad_steps += len(rows)
+                continue
+            if block is not None:
+                blocks.append([i, *block[:-1], block[-1].decode()])
+        if self.num_bad_steps:
+            self._rejected[BAD_STEPS] = self.num_bad_steps
         batch = RelayBatch(
             senders=[(s.sender, s.counters()) for s in self._states.values()],
-            step_columns=[list(column) for column in zip(*steps)],
+            step_blocks=blocks,
             flop_counts=[[index[key], *values] for key, values in self._flops],
             process=[(index[key], p) for key, p in self._process],
             system=[(index[key], p) for key, p in self._system],
@@ -249,6 +257,8 @@ class Outbox:
 
 
 _NUM_IDENTITY = sum(f.identity for f in step_fields.STEP_FIELDS)
+BAD_STEPS = "step with a bad step index or time"
+"""The rejection reason of the steps no block could be made of (as node 0 says it)."""
 
 
 def open_outbox(config: CollectorConfig) -> Outbox:

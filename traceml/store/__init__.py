@@ -40,7 +40,7 @@ from traceml.store.schema import (
     STORE_MODE,
     StoreError,
 )
-from traceml.store.writer import StoreWriter
+from traceml.store.writer import StoreWriter, step_block
 
 __all__ = [
     "JOIN_ERROR_PREFIX",
@@ -55,4 +55,5 @@ __all__ = [
     "StoreReader",
     "StoreWriter",
     "run_data",
+    "step_block",
 ]

@@ -158,21 +158,33 @@ class StoreWriter:
         return self.add_blocks([(prefix, [row[_NUM_IDENTITY:] for row in run])
                                 for prefix, run in groupby(rows, key=_identity)])
 
-    def add_step_columns(self, prefixes: Sequence[Prefix | None], columns: list[list[Any]]) -> int:
-        """A relay's steps as it sends them (`traceml.wire.relay.RelayBatch.step_columns`:
-        each row's sender index, then a list per measured column), a block per run of
-        one sender's rows; a sender whose prefix is None is refused (not stored)."""
-        if not columns:
-            return 0
-        index, *values = columns
-        rows = list(zip(*values))
-        runs, at = [], 0
-        for i, run in groupby(index):
-            n = sum(1 for _ in run)
-            if (prefix := prefixes[i]) is not None:
-                runs.append((prefix, rows[at:at + n]))
-            at += n
-        return self.add_blocks(runs)
+    def add_relayed_blocks(self, blocks: Iterable[tuple[Prefix, Sequence[Any]]]) -> int:
+        """A relay's finished blocks (`traceml.wire.relay.RelayBatch.step_blocks`: each a
+        `step_block` made on the relay's node), stored as they came, so node 0 neither
+        regroups nor sums nor encodes the rows; returns how many steps were new.  A
+        block that reaches back to a step already stored (a resent batch) has its rows
+        read and goes through `add_blocks`; one whose header is not what `step_block`
+        makes is refused and counted (`num_bad_steps`).  Its rows are checked where the
+        store is read, as every stored row is."""
+        params: list[tuple[Any, ...]] = []
+        again: list[tuple[Prefix, Sequence[Sequence[Any]]]] = []
+        stored: dict[tuple[int, int], int] = {}
+        for prefix, block in blocks:
+            key = prefix[:2]
+            last = stored.get(key, self._last_step.get(key, -1))
+            if not _relayed_block(block):
+                self.num_bad_steps += max(0, block[2]) if type(block[2]) is int else 0
+            elif block[0] > last:
+                stored[key] = block[1]
+                params.append((*prefix, *block[:-1], block[-1].encode()))
+            else:
+                try:
+                    again.append((prefix, orjson.loads(block[-1])))
+                except orjson.JSONDecodeError:
+                    self.num_bad_steps += block[2]
+        self._executemany(STEP_BLOCK_SQL, params)
+        self._last_step.update(stored)
+        return int(sum(p[5] for p in params)) + (self.add_blocks(again) if again else 0)
 
     def add_blocks(self, runs: Iterable[tuple[Prefix, Sequence[Sequence[Any]]]]) -> int:
         """Store each run of one rank's steps (its `traceml.step_fields.measured`
@@ -189,7 +201,7 @@ class StoreWriter:
             key = (rank, restart)
             last = stored.get(key, self._last_step.get(key, -1))
             try:
-                block = _block(rows, last)
+                block = step_block(rows, last)
             except (TypeError, ValueError, OverflowError, orjson.JSONEncodeError):
                 self.num_bad_steps += len(rows)
                 continue
@@ -298,11 +310,13 @@ class StoreWriter:
             self.db.executemany(sql, rows)
 
 
-def _block(rows: Sequence[Sequence[Any]], last: int) -> tuple[Any, ...] | None:
-    """A run's block row after its identity: `BLOCK_HEADER`'s first and last step,
-    row count and sums, then the rows after ``last`` as JSON (None: no such rows).
-    ValueError or TypeError (JSONEncodeError) for step indexes that are not integers
-    in bounds, sums that no collector's values add up to, or rows JSON cannot hold."""
+def step_block(rows: Sequence[Sequence[Any]], last: int = -1) -> tuple[Any, ...] | None:
+    """A run of one rank's steps (their `traceml.step_fields.measured` values) as a block
+    row after its identity: `BLOCK_HEADER`'s first and last step, row count and sums,
+    then the rows after ``last`` as JSON bytes (None: no such rows).  ValueError or
+    TypeError (JSONEncodeError) for step indexes that are not integers in bounds, sums
+    that no collector's values add up to, or rows JSON cannot hold.  Node 0's writer
+    makes them, and each node's relay for its own ranks (`add_relayed_blocks`)."""
     steps = [r[_STEP] for r in rows]
     if set(map(type, steps)) != {int} or min(steps) < 0 or max(steps) > _MAX_STEP:
         raise ValueError("step indexes that are not integers in bounds")
@@ -323,6 +337,26 @@ def _block(rows: Sequence[Sequence[Any]], last: int) -> tuple[Any, ...] | None:
         raise ValueError("a sum that no collector's values add up to")
     return (steps[0], steps[-1], n, *times, passes, n - peaks.count(None),
             orjson.dumps(rows))
+
+
+_NUM_SUMS = len(BLOCK_SUMMED) + 1  # and the evaluation passes' time
+_BLOCK_LENGTH = 3 + _NUM_SUMS + 3  # steps, count, sums, passes, CUDA steps, rows
+
+
+def _relayed_block(block: Sequence[Any]) -> bool:
+    """Whether a relayed block's header is one `step_block` makes (its rows are JSON
+    text): steps in bounds and ascending, as many rows as steps at most, sums that
+    its rows' values can add up to, counts of its rows."""
+    if len(block) != _BLOCK_LENGTH or type(block[-1]) is not str:
+        return False
+    first, last, n, *sums = block[:-1]
+    num_cuda, passes = sums.pop(), sums.pop()
+    return (type(first) is int and type(last) is int and type(n) is int
+            and 0 <= first <= last <= _MAX_STEP and 1 <= n <= last - first + 1
+            and all(type(t) is float and 0.0 <= t <= n * step_fields.MAX_STEP_MS
+                    for t in sums)
+            and type(passes) is int and 0 <= passes <= step_fields.MAX_COUNT
+            and type(num_cuda) is int and 0 <= num_cuda <= n)
 
 
 def _ascending_after(rows: Sequence[Sequence[Any]], last: int) -> list[Sequence[Any]]:

@@ -2,14 +2,14 @@
 it, node 0 takes it from the relays' key alone).
 
 One message per relay flush: the states of the node's senders (an identity and
-`RELAY_STATE_FIELDS` each), their steps (columnar: the sender's index in ``senders``,
-then one list per measured column of `traceml.step_fields`), FLOP counts
+`RELAY_STATE_FIELDS` each), their steps (a block per sender's run of steps, as node 0
+stores it: the relay's node regroups, sums and encodes them, not node 0), FLOP counts
 ``[index, time, *FLOP_COUNT_FIELDS]``, process and system samples by sender index,
 incidents the relay placed at the rank's step (`RelayedIncident`), stalls that
 cleared (``(id, at)``) and the relay's rejections by reason.  Decoding checks every
-value as the kind's own decode would, except the step rows' values: their shape
-only (the relay checked the events they came from; the store's reader checks each
-value it loads, column by column).
+value as the kind's own decode would, except the step blocks: their shape here,
+their headers where node 0 stores them, their rows' values where the store is read
+(the relay checked the events they came from).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from traceml import step_fields
+from traceml import phases, step_fields
 from traceml.errors import ProtocolError
 from traceml.wire.checks import TIME, escaped, lists, records
 from traceml.wire.events import FLOP_COUNT_CHECKS
@@ -28,11 +28,15 @@ from traceml.wire.rows import ProcessRows, SystemRows
 RELAY_STATE_FIELDS = ("first_seen", "last_seen", "num_messages", "num_gaps", "last_seq",
                       "num_sent", "num_dropped", "said_bye")
 MAX_RELAYED_SENDERS = 4096
-MAX_RELAYED_STEPS = 1 << 20  # step rows in one batch (a node's ranks over one flush)
+MAX_RELAYED_BLOCKS = 1 << 16  # step blocks in one batch (a node's ranks over one flush)
 MAX_REJECT_REASONS = 64
 MAX_REASON_CHARS = 200
 
-_MEASURED = step_fields.measured()
+BLOCK_COLUMNS = [f.name for f in step_fields.measured()]
+"""The columns of a relayed block's rows, in order."""
+_BLOCK_LENGTH = 1 + 3 + (len(phases.PHASES) + 2) + 1 + 2 + 1
+"""Sender index, first and last step, count, the sums (`traceml.store.schema.BLOCK_SUMMED`:
+each phase, total and wait; and the evaluation passes' time), passes, CUDA steps, rows."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,10 @@ class RelayBatch:
     KIND: ClassVar[str] = "relay"
 
     senders: list[tuple[Sender, list[Any]]]  # identity, RELAY_STATE_FIELDS values
-    step_columns: list[list[Any]]  # [sender index, *one list per measured column], or []
+    # Each sender's steps as the blocks node 0 stores (`traceml.store.step_block`, made
+    # here on the relay's node): [sender index, first, last, count, *sums, passes, CUDA
+    # steps, rows as JSON text]; the rows' columns are `block_columns`.
+    step_blocks: list[list[Any]]
     flop_counts: list[list[Any]]  # [sender index, time, *FLOP_COUNT_FIELDS]
     process: list[tuple[int, ProcessRows]]
     system: list[tuple[int, SystemRows]]
@@ -69,7 +76,8 @@ class RelayBatch:
 
     def payload(self) -> dict[str, Any]:
         return {"senders": [[*s.values(), *state] for s, state in self.senders],
-                "steps": self.step_columns, "flops": self.flop_counts,
+                "blocks": self.step_blocks, "block_columns": list(BLOCK_COLUMNS),
+                "flops": self.flop_counts,
                 "process": [[i, rows.payload()] for i, rows in self.process],
                 "system": [[i, rows.payload()] for i, rows in self.system],
                 "incidents": [i.values() for i in self.incidents],
@@ -80,18 +88,18 @@ class RelayBatch:
         """A relay payload, checked whole; ProtocolError for anything else."""
         senders = _senders(payload.get("senders"))
         n = len(senders)
-        parts: list[Any] = [payload.get(k) for k in ("steps", "flops", "process", "system",
+        parts: list[Any] = [payload.get(k) for k in ("blocks", "flops", "process", "system",
                                                      "incidents", "clears")]
         if not all(lists(p) for p in parts):
             raise ProtocolError("relayed records are not lists")
-        steps, flops, process, system, incidents, clears = parts
-        _step_columns(steps, n)
+        blocks, flops, process, system, incidents, clears = parts
+        _step_blocks(blocks, payload.get("block_columns"), n)
         if (not all(len(r) == 2 and isinstance(r[1], dict) for r in [*process, *system])
                 or not all(flops) or not records([r[1:] for r in flops], FLOP_COUNT_CHECKS)):
             raise ProtocolError("relayed records are not lists of their shape")
         if not all(type(r[0]) is int and 0 <= r[0] < n for r in [*flops, *process, *system]):
             raise ProtocolError("relayed record of no relayed sender")
-        return cls(senders, steps, flops,
+        return cls(senders, blocks, flops,
                    [(i, ProcessRows.from_payload(p)) for i, p in process],
                    [(i, SystemRows.from_payload(p)) for i, p in system],
                    [_incident(r) for r in incidents], [_clear(r) for r in clears],
@@ -113,23 +121,22 @@ def _senders(value: Any) -> list[tuple[Sender, list[Any]]]:
     return senders
 
 
-def _step_columns(columns: list[list[Any]], num_senders: int) -> None:
-    """Relayed step rows: the measured columns (`traceml.step_fields`), of one length,
-    each row of a relayed sender.  Their values are not checked here, one by one or
-    column by column: the relay built them from events it checked, the writer
-    refuses a rank's run whose steps or sums it cannot compute with, and the store's
-    reader checks every value it loads (a stored file can be edited anyway)."""
-    if not columns:
+def _step_blocks(blocks: list[list[Any]], columns: Any, num_senders: int) -> None:
+    """Relayed step blocks: each of a relayed sender, with its rows as text, in the
+    columns this version's rows have (a relay of another version would store its rows
+    under another layout).  Their headers are checked where they are stored (the
+    writer refuses one that `traceml.store.step_block` would not make), their rows'
+    values where the store is read, as every stored row's."""
+    if not blocks:
         return
-    if len(columns) != 1 + len(_MEASURED) or len({len(c) for c in columns}) != 1:
-        raise ProtocolError("relayed steps are not the measured columns, of one length")
-    if not all(type(c) is list for c in columns):
-        raise ProtocolError("relayed step columns are not lists")
-    if len(columns[0]) > MAX_RELAYED_STEPS:
-        raise ProtocolError("more relayed steps than a batch holds")
-    index = columns[0]
-    if set(map(type, index)) != {int} or min(index) < 0 or max(index) >= num_senders:
-        raise ProtocolError("relayed step of no relayed sender")
+    if columns != BLOCK_COLUMNS:
+        raise ProtocolError("relayed steps in other columns than this traceml's (a relay "
+                            "of another version)")
+    if len(blocks) > MAX_RELAYED_BLOCKS or not all(len(b) == _BLOCK_LENGTH for b in blocks):
+        raise ProtocolError("relayed step blocks are not blocks")
+    if not all(type(b[0]) is int and 0 <= b[0] < num_senders and type(b[-1]) is str
+               for b in blocks):
+        raise ProtocolError("relayed step block of no relayed sender, or without rows")
 
 
 def _incident(record: list[Any]) -> RelayedIncident:
