@@ -10,7 +10,7 @@ untraced ratio for a short (~1 ms) and a long (~20 ms) step, then times
 ``traceml run`` against ``torchrun`` on an empty script.
 
     python scripts/bench_overhead.py [--blocks 40] [--startup-runs 5] [--dashboard] [--quick]
-                                     [--metrics] [--capture]
+                                     [--metrics] [--capture] [--split] [--ddp]
                                      [--device cuda [--cuda-timing both|sampled,off|...] [--long-ms 20]]
 
 ``--device cuda`` runs the loop on the GPU: the short step is launch-bound
@@ -31,6 +31,11 @@ a second; ``--capture`` with profiler captures on (``--capture auto``: the colle
 planner builds the live report every 3 s or less often, the rank reads the control channel every
 tick) and none run (the rank reads the planner's asks and acts on none: the
 alternating blocks look like outlier steps), against the default's captures off.
+
+``--split`` says where the per-step cost goes: each wrapped operation of the short
+step (fetch, forward and loss, backward, optimizer step) timed alone, its patch group
+on against off, on the training thread with a bare event log (no collector, no
+sender thread), the fastest of alternating blocks; then the whole step.
 
 ``--ddp`` times communication timing instead: 2 gloo ranks (processes) train
 a DDP model in alternating blocks with the agent's communication timing on and
@@ -384,6 +389,86 @@ def in_flight_hooks(blocks: int, steps: int = 200) -> None:
           f"{statistics.median(block(False) for _ in range(9)) * 1e6:.1f} µs")
 
 
+def split(blocks: int, calls: int = 1000) -> None:
+    """Where the agent's time per step goes: each wrapped operation of the short step
+    (a DataLoader fetch, the model and loss forward, backward, the optimizer step) timed
+    alone in a tight loop on one thread, with only its own patch group installed and
+    without, in alternating blocks; the fastest block of each (as timeit reports).  The
+    agent's event log is a bare probe (emptied between blocks): no collector, no sender
+    thread.  The whole step with every patch comes last, to set the sum against."""
+    from traceml.agent.probe import Probe
+
+    torch.set_num_threads(1)
+    probe = Probe(time.perf_counter, lambda exc: None)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.MSELoss()
+    loader = DataLoader(TensorDataset(torch.randn(calls * 128, 64), torch.randn(calls * 128, 1)),
+                        batch_size=128)
+    x, y = torch.randn(128, 64), torch.randn(128, 1)
+
+    def fetch() -> None:
+        for _ in loader:
+            pass
+
+    def forward() -> None:
+        for _ in range(calls):
+            loss_fn(model(x), y)
+
+    def backward() -> None:
+        for _ in range(calls):
+            loss_fn(model(x), y).backward()
+
+    def step() -> None:
+        for _ in range(calls):
+            opt.step()
+
+    def whole() -> None:
+        for bx, by in loader:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(bx), by).backward()
+            opt.step()
+
+    model(x).sum().backward()  # the optimizer has gradients to step with
+    print(f"torch {torch.__version__}, 1 thread, {calls} calls a block, {blocks} block pairs "
+          "each; only the agent's event log (no collector, no sender thread); added CPU "
+          "time of the training thread, fastest blocks")
+    total = 0.0
+    for name, group, op, per_step in (
+            ("fetch", "__next__", fetch, 1), ("forward+loss", "__call__", forward, 1),
+            ("backward", "backward", backward, 1), ("optimizer step", "hooks", step, 1),
+            ("whole step", "all", whole, 1)):
+        inst = Instrumentation(probe)
+        if group != "all":
+            inst.patches = [patch for patch in inst.patches if patch.name == group]
+            if group != "hooks":
+                inst.hooks.install = lambda: None  # type: ignore[method-assign]
+            inst.comm.install = lambda: None  # type: ignore[method-assign]
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(blocks):
+            for patched in ((False, True) if i % 2 == 0 else (True, False)):
+                if patched:
+                    inst.install()
+                try:
+                    op()  # warm-up: a change of torch's classes drops specialised bytecode
+                    began = time.thread_time()
+                    op()
+                    times[patched].append((time.thread_time() - began) / calls)
+                finally:
+                    if patched:
+                        inst.uninstall()
+                for stream in probe.streams:
+                    stream.clear()
+        added = (min(times[True]) - min(times[False])) * 1e6
+        aa = abs(min(times[False][0::2]) - min(times[False][1::2])) * 1e6
+        if group != "all":
+            total += added * per_step
+        print(f"split {name:<15} ({group:<8}) added {added:6.2f} µs a call, "
+              f"{min(times[False]) * 1e6:7.1f} µs untraced; A/A {aa:.2f} µs"
+              + (f"; the parts above add up to {total:.2f} µs" if group == "all" else ""))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=40,
@@ -405,9 +490,15 @@ def main() -> None:
                              "asked; without it captures are off")
     parser.add_argument("--ddp", action="store_true",
                         help="the cost of communication timing on 2-rank gloo DDP")
+    parser.add_argument("--split", action="store_true",
+                        help="where the per-step cost goes: each patch group alone, on the "
+                             "training thread only (no collector, no sender thread)")
     args = parse(parser, quick={"blocks": 2, "startup_runs": 1}, limit_s=3600.0)
     if args.ddp:
         ddp(args.blocks)
+        return
+    if args.split:
+        split(args.blocks)
         return
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,6 +42,9 @@ QUICK: list[tuple[str, list[str], bool, list[str]]] = [
      [r"^torch .* collector live on port \d+, with Prometheus /metrics scraped 1/s, "
       r"captures on \(none run\)$",
       r"^short step paired added cpu .* µs/step", r"^/metrics scrapes answered: [1-9]\d*$"]),
+    ("bench_overhead.py", ["--split"], False,
+     [r"^split backward .* added\s+-?[\d.]+ µs a call",
+      r"^split whole step .* the parts above add up to -?[\d.]+ µs$"]),
     ("bench_overhead.py", ["--ddp"], False,
      [r"^ddp comm\s+cpu paired added .* µs/bucket, \d+ buckets",
       r"^ddp in flight\s+cpu added .* µs/backward"]),
