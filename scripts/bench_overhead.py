@@ -49,6 +49,7 @@ this process, without gloo's noise.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import statistics
@@ -461,7 +462,8 @@ def split(blocks: int, calls: int = 1000) -> None:
                 for stream in probe.streams:
                     stream.clear()
         added = (min(times[True]) - min(times[False])) * 1e6
-        aa = abs(min(times[False][0::2]) - min(times[False][1::2])) * 1e6
+        aa = (abs(min(times[False][0::2]) - min(times[False][1::2])) * 1e6
+              if blocks >= 2 else math.nan)  # no second block: no A/A
         if group != "all":
             total += added * per_step
         print(f"split {name:<15} ({group:<8}) added {added:6.2f} µs a call, "

@@ -252,7 +252,8 @@ def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         for k, v in obj.items():
             out += _paths(v, prefix + (k,))
     elif isinstance(obj, list):
-        for i, v in enumerate(obj[:4]):
+        # every field of a step block (its header and rows); the first items elsewhere
+        for i, v in enumerate(obj if prefix[:1] == ("blocks",) else obj[:4]):
             out += _paths(v, prefix + (i,))
     return out
 
@@ -458,9 +459,10 @@ def test_the_relay_makes_each_ranks_block_and_counts_a_run_none_can_hold() -> No
     assert decoded.rejected == {relay_module.BAD_STEPS: 2}
 
 
-def test_node_0_refuses_blocks_in_another_versions_columns() -> None:
+def test_node_0_refuses_blocks_in_another_versions_columns_or_two_of_one_sender() -> None:
     """A relay of another traceml version lays its rows out in other columns: node 0
-    refuses its batch rather than store rows it would read wrong."""
+    refuses its batch rather than store rows it would read wrong; so it does a batch
+    with two blocks of one sender (a relay makes one)."""
     outbox = Outbox(_NotSent())  # type: ignore[arg-type]
     from tests.rows import step_record
 
@@ -470,6 +472,9 @@ def test_node_0_refuses_blocks_in_another_versions_columns() -> None:
     assert batch is not None
     payload = orjson.loads(orjson.dumps(batch.payload()))
     RelayBatch.from_payload(payload)
+    twice = dict(payload, blocks=payload["blocks"] * 2)  # a relay makes one block a sender
+    with pytest.raises(ProtocolError, match="two relayed step blocks of one sender"):
+        RelayBatch.from_payload(twice)
     payload["block_columns"] = payload["block_columns"][:-1]
     with pytest.raises(ProtocolError, match="another version"):
         RelayBatch.from_payload(payload)

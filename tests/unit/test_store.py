@@ -239,6 +239,41 @@ def test_node_0_stores_a_relays_blocks_as_they_came_and_refuses_a_forged_header(
         *((0, s) for s in range(6)), (1, 0), (1, 1)]
 
 
+def test_a_relayed_block_whose_rows_are_not_json_or_not_its_rows_is_refused(
+        tmp_path: Path) -> None:
+    """A resent block whose rows are not the rows its header says (not JSON, empty, too
+    short, not a list) is refused and counted; a forged count counts as one step.  A
+    new block's rows are not parsed on node 0: rows that are not JSON (or nest deeper
+    than SQLite reads) are stored, and the reader skips and counts that block, while
+    the ``steps`` view leaves it out instead of failing for every block."""
+    writer = StoreWriter(str(tmp_path / "telemetry.sqlite"))
+
+    def block(rank: int, steps: range, rows: str | None = None) -> tuple[tuple[int, int, int],
+                                                                         list[object]]:
+        made = step_block([list(step_record(s, total_ms=10.0)[3:]) for s in steps])
+        assert made is not None
+        return (rank, 0, 0), [*made[:-1], made[-1].decode() if rows is None else rows]
+
+    deep = "[" * 2500 + "]" * 2500
+    assert writer.add_relayed_blocks([block(0, range(2)), block(1, range(2), "[[1,"),
+                                      block(2, range(2), deep), block(3, range(3))]) == 9
+    for rows in ("[[]]", "[[50]]", "5", "null", "[[1,"):  # resent: rank 0's steps 0-1 again
+        assert writer.add_relayed_blocks([block(0, range(2), rows)]) == 0
+    assert writer.num_bad_steps == 5 * 2
+    forged = block(4, range(2))
+    forged[1][2] = 2**62
+    assert writer.add_relayed_blocks([forged]) == 0 and writer.num_bad_steps == 10 + 1
+    assert writer.add_relayed_blocks([block(3, range(1, 5))]) == 2  # resent, trimmed: 3, 4
+    writer.commit()
+    assert writer.db.execute("SELECT rank, COUNT(*) FROM steps GROUP BY rank").fetchall() == [
+        (0, 2), (3, 5)]
+    writer.close()
+    with StoreReader(tmp_path / "telemetry.sqlite") as reader:
+        steps = reader.run(reader.records()).steps
+        assert sorted({r.rank for r in steps}) == [0, 3]
+        assert reader.skipped == {"stored step row with bad values": 4}
+
+
 def test_a_step_column_added_since_a_store_was_written_reads_as_its_default(
         tmp_path: Path) -> None:
     """A schema-6 store written before a column existed (here: without eval_ms and

@@ -27,7 +27,7 @@ from traceml.collector.rank_steps import RankSteps
 from traceml.errors import ProtocolError
 from traceml.records import Capture, FlopCount, Incident, StepRow
 from traceml.security import NODE_ROLES, TokenBook
-from traceml.store import JoinError, SenderState, StoreError
+from traceml.store import JoinError, SenderState, StoreError, relayed_rows
 from traceml.wire.captures import CaptureReport
 from traceml.wire.envelope import Envelope
 from traceml.wire.events import EventBatch
@@ -371,9 +371,9 @@ class Collector:
         prefixes = [None if s is None or s.rank is None else (s.rank, s.restart, s.node_rank)
                     for s in senders]
         kept = [(prefix, b[1:]) for b in blocks if (prefix := prefixes[b[0]]) is not None]
-        refused = sum(b[3] for b in blocks if prefixes[b[0]] is None and type(b[3]) is int)
+        refused = sum(relayed_rows(b[1:]) for b in blocks if prefixes[b[0]] is None)
         self.reject("relayed step of a refused sender", refused)
-        offered = sum(b[2] for _, b in kept if type(b[2]) is int)
+        offered = sum(relayed_rows(b) for _, b in kept)
         self._count_stored(offered, lambda: self.store.add_relayed_blocks(kept),
                            "relayed step with a bad step index or time")
 

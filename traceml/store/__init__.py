@@ -40,7 +40,7 @@ from traceml.store.schema import (
     STORE_MODE,
     StoreError,
 )
-from traceml.store.writer import StoreWriter, step_block
+from traceml.store.writer import StoreWriter, relayed_rows, step_block
 
 __all__ = [
     "JOIN_ERROR_PREFIX",
@@ -54,6 +54,7 @@ __all__ = [
     "StoreError",
     "StoreReader",
     "StoreWriter",
+    "relayed_rows",
     "run_data",
     "step_block",
 ]

@@ -80,7 +80,10 @@ DDL = [
     "b.node_rank AS node_rank, "
     + ", ".join(f"json_extract(r.value, '$[{i}]') AS {f.name}"
                 for i, f in enumerate(step_fields.measured()))
-    + " FROM step_blocks AS b, json_each(CAST(b.rows AS TEXT)) AS r",
+    # A block whose rows are not JSON (a forged relay batch, an edited file) has no
+    # steps here rather than breaking the view for every block; the reader counts it.
+    + " FROM step_blocks AS b, json_each(CASE WHEN json_valid(CAST(b.rows AS TEXT)) "
+    "THEN CAST(b.rows AS TEXT) ELSE '[]' END) AS r",
     "CREATE TABLE IF NOT EXISTS flop_counts (rank INTEGER NOT NULL, restart INTEGER NOT NULL, "
     "node_rank INTEGER NOT NULL, t REAL NOT NULL, flops REAL, dtype TEXT, dtype_share REAL, "
     "device_name TEXT, sm_count INTEGER, reason TEXT, ran INTEGER NOT NULL)",

@@ -160,30 +160,28 @@ class StoreWriter:
 
     def add_relayed_blocks(self, blocks: Iterable[tuple[Prefix, Sequence[Any]]]) -> int:
         """A relay's finished blocks (`traceml.wire.relay.RelayBatch.step_blocks`: each a
-        `step_block` made on the relay's node), stored as they came, so node 0 neither
-        regroups nor sums nor encodes the rows; returns how many steps were new.  A
-        block that reaches back to a step already stored (a resent batch) has its rows
-        read and goes through `add_blocks`; one whose header is not what `step_block`
-        makes is refused and counted (`num_bad_steps`).  Its rows are checked where the
-        store is read, as every stored row is."""
+        `step_block` made on the relay's node, its rows as JSON text), stored as they
+        came, so node 0 neither regroups nor sums nor parses the rows; returns how many
+        steps were new.  A block whose header is not what `step_block` makes is refused
+        and counted (`num_bad_steps`, as many as it says it holds: `relayed_rows`).  One
+        that reaches back to a step already stored (a resent batch) has its rows read
+        and goes through `add_blocks`, refused unless they are as many rows of this
+        version's columns as its header says.  The rows of the others are checked where
+        the store is read, as every stored row's (rows that are not JSON: the reader
+        skips and counts the block, the ``steps`` view leaves it out)."""
         params: list[tuple[Any, ...]] = []
         again: list[tuple[Prefix, Sequence[Sequence[Any]]]] = []
-        stored: dict[tuple[int, int], int] = {}
         for prefix, block in blocks:
-            key = prefix[:2]
-            last = stored.get(key, self._last_step.get(key, -1))
             if not _relayed_block(block):
-                self.num_bad_steps += max(0, block[2]) if type(block[2]) is int else 0
-            elif block[0] > last:
-                stored[key] = block[1]
-                params.append((*prefix, *block[:-1], block[-1].encode()))
+                self.num_bad_steps += relayed_rows(block)
+            elif block[0] > self._last_step.get(prefix[:2], -1):
+                params.append((*prefix, *block))
+            elif (rows := _block_rows(block[-1], block[2])) is None:
+                self.num_bad_steps += block[2]
             else:
-                try:
-                    again.append((prefix, orjson.loads(block[-1])))
-                except orjson.JSONDecodeError:
-                    self.num_bad_steps += block[2]
+                again.append((prefix, rows))
         self._executemany(STEP_BLOCK_SQL, params)
-        self._last_step.update(stored)
+        self._last_step.update({(p[0], p[1]): p[4] for p in params})
         return int(sum(p[5] for p in params)) + (self.add_blocks(again) if again else 0)
 
     def add_blocks(self, runs: Iterable[tuple[Prefix, Sequence[Sequence[Any]]]]) -> int:
@@ -202,7 +200,7 @@ class StoreWriter:
             last = stored.get(key, self._last_step.get(key, -1))
             try:
                 block = step_block(rows, last)
-            except (TypeError, ValueError, OverflowError, orjson.JSONEncodeError):
+            except (TypeError, ValueError, LookupError, OverflowError, orjson.JSONEncodeError):
                 self.num_bad_steps += len(rows)
                 continue
             if block is not None:
@@ -341,6 +339,18 @@ def step_block(rows: Sequence[Sequence[Any]], last: int = -1) -> tuple[Any, ...]
 
 _NUM_SUMS = len(BLOCK_SUMMED) + 1  # and the evaluation passes' time
 _BLOCK_LENGTH = 3 + _NUM_SUMS + 3  # steps, count, sums, passes, CUDA steps, rows
+MAX_BLOCK_ROWS = 1 << 20
+"""The most steps a relayed block holds (a relay sends a batch at 16 384 rows)."""
+MAX_PASSES_PER_STEP = 1 << 20
+"""Evaluation passes a relayed block may say ended per step, at most: its sums stay
+far from SQLite's 64-bit integers when a rank's blocks are summed."""
+
+
+def relayed_rows(block: Sequence[Any]) -> int:
+    """How many steps a relayed block (after its sender index) says it holds, as a
+    count of refused steps: its header's count when that is one, else 1."""
+    n = block[2] if len(block) > 2 else None
+    return n if type(n) is int and 1 <= n <= MAX_BLOCK_ROWS else 1
 
 
 def _relayed_block(block: Sequence[Any]) -> bool:
@@ -352,11 +362,25 @@ def _relayed_block(block: Sequence[Any]) -> bool:
     first, last, n, *sums = block[:-1]
     num_cuda, passes = sums.pop(), sums.pop()
     return (type(first) is int and type(last) is int and type(n) is int
-            and 0 <= first <= last <= _MAX_STEP and 1 <= n <= last - first + 1
+            and 0 <= first <= last <= _MAX_STEP and 1 <= n <= min(last - first + 1,
+                                                                   MAX_BLOCK_ROWS)
             and all(type(t) is float and 0.0 <= t <= n * step_fields.MAX_STEP_MS
                     for t in sums)
-            and type(passes) is int and 0 <= passes <= step_fields.MAX_COUNT
+            and type(passes) is int and 0 <= passes <= n * MAX_PASSES_PER_STEP
             and type(num_cuda) is int and 0 <= num_cuda <= n)
+
+
+def _block_rows(text: str, n: int) -> list[Any] | None:
+    """A relayed block's rows, when they are ``n`` rows of this version's columns;
+    None otherwise (not JSON, or not the rows its header says)."""
+    try:
+        rows = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    if (type(rows) is not list or len(rows) != n
+            or not all(type(r) is list and len(r) == len(_MEASURED) for r in rows)):
+        return None
+    return rows
 
 
 def _ascending_after(rows: Sequence[Sequence[Any]], last: int) -> list[Sequence[Any]]:

@@ -137,6 +137,8 @@ def _step_blocks(blocks: list[list[Any]], columns: Any, num_senders: int) -> Non
     if not all(type(b[0]) is int and 0 <= b[0] < num_senders and type(b[-1]) is str
                for b in blocks):
         raise ProtocolError("relayed step block of no relayed sender, or without rows")
+    if len({b[0] for b in blocks}) != len(blocks):  # a relay makes one a sender
+        raise ProtocolError("two relayed step blocks of one sender")
 
 
 def _incident(record: list[Any]) -> RelayedIncident:
