@@ -436,10 +436,10 @@ def split(blocks: int, calls: int = 1000) -> None:
           "each; only the agent's event log (no collector, no sender thread); added CPU "
           "time of the training thread, fastest blocks")
     total = 0.0
-    for name, group, op, per_step in (
-            ("fetch", "__next__", fetch, 1), ("forward+loss", "__call__", forward, 1),
-            ("backward", "backward", backward, 1), ("optimizer step", "hooks", step, 1),
-            ("whole step", "all", whole, 1)):
+    for name, group, op in (
+            ("fetch", "__next__", fetch), ("forward+loss", "__call__", forward),
+            ("backward", "backward", backward), ("optimizer step", "hooks", step),
+            ("whole step", "all", whole)):
         inst = Instrumentation(probe)
         if group != "all":
             inst.patches = [patch for patch in inst.patches if patch.name == group]
@@ -465,7 +465,7 @@ def split(blocks: int, calls: int = 1000) -> None:
         aa = (abs(min(times[False][0::2]) - min(times[False][1::2])) * 1e6
               if blocks >= 2 else math.nan)  # no second block: no A/A
         if group != "all":
-            total += added * per_step
+            total += added  # each is called once a step
         print(f"split {name:<15} ({group:<8}) added {added:6.2f} µs a call, "
               f"{min(times[False]) * 1e6:7.1f} µs untraced; A/A {aa:.2f} µs"
               + (f"; the parts above add up to {total:.2f} µs" if group == "all" else ""))

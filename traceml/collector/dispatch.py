@@ -38,6 +38,8 @@ from traceml.wire.relay import RelayBatch, RelayedIncident
 from traceml.wire.rows import ProcessRows, SystemRows
 
 MAX_SENDERS = 1 << 16
+BAD_STEPS = "step with a bad step index or time"
+"""The rejection reason of steps no block can hold (a relay counts its own the same)."""
 
 
 class Store(Protocol):
@@ -285,7 +287,7 @@ class Collector:
         plausible = [r for r in records if _plausible(r)]
         self.reject("implausible step times", len(records) - len(plausible))
         self._count_stored(len(plausible), lambda: self.store.add_steps(plausible),
-                           "step with a bad step index or time")
+                           BAD_STEPS)
 
     def _relayed(self, relay: Sender, batch: RelayBatch) -> None:
         """A node's relay's batch: its senders' states (each claims its rank as if it

@@ -28,11 +28,11 @@ from dataclasses import replace
 from itertools import groupby
 from typing import Any
 
-import orjson
 import zmq
 
 from traceml import step_fields
 from traceml.collector.config import CollectorConfig
+from traceml.collector.dispatch import BAD_STEPS
 from traceml.collector.server import serve
 from traceml.records import Capture, FlopCount, Incident, StepRow
 from traceml.security import TokenBook, derive_keys, relay_keys, secure_client
@@ -227,7 +227,7 @@ class Outbox:
             rows = [values for _, values in run]
             try:
                 block = step_block(rows)
-            except (TypeError, ValueError, OverflowError, orjson.JSONEncodeError):
+            except ValueError:
                 self.num_bad_steps += len(rows)
                 continue
             if block is not None:
@@ -257,8 +257,6 @@ class Outbox:
 
 
 _NUM_IDENTITY = sum(f.identity for f in step_fields.STEP_FIELDS)
-BAD_STEPS = "step with a bad step index or time"
-"""The rejection reason of the steps no block could be made of (as node 0 says it)."""
 
 
 def open_outbox(config: CollectorConfig) -> Outbox:

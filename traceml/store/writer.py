@@ -44,6 +44,7 @@ from traceml.store.schema import (
 from traceml.wire.captures import CaptureReport
 from traceml.wire.identity import Sender
 from traceml.wire.records import RunEnd, RunStart, record_to_json
+from traceml.wire.relay import BLOCK_LENGTH
 from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS, ProcessRows, SystemRows
 
 
@@ -200,7 +201,7 @@ class StoreWriter:
             last = stored.get(key, self._last_step.get(key, -1))
             try:
                 block = step_block(rows, last)
-            except (TypeError, ValueError, LookupError, OverflowError, orjson.JSONEncodeError):
+            except ValueError:
                 self.num_bad_steps += len(rows)
                 continue
             if block is not None:
@@ -311,10 +312,18 @@ class StoreWriter:
 def step_block(rows: Sequence[Sequence[Any]], last: int = -1) -> tuple[Any, ...] | None:
     """A run of one rank's steps (their `traceml.step_fields.measured` values) as a block
     row after its identity: `BLOCK_HEADER`'s first and last step, row count and sums,
-    then the rows after ``last`` as JSON bytes (None: no such rows).  ValueError or
-    TypeError (JSONEncodeError) for step indexes that are not integers in bounds, sums
-    that no collector's values add up to, or rows JSON cannot hold.  Node 0's writer
-    makes them, and each node's relay for its own ranks (`add_relayed_blocks`)."""
+    then the rows after ``last`` as JSON bytes (None: no such rows).  ValueError for a
+    run no block can hold: step indexes that are not integers in bounds, sums that no
+    collector's values add up to, rows that are not this version's or that JSON cannot
+    hold.  Node 0's writer makes them, and each node's relay for its own ranks
+    (`add_relayed_blocks`)."""
+    try:
+        return _step_block(rows, last)
+    except (TypeError, LookupError, OverflowError, orjson.JSONEncodeError) as exc:
+        raise ValueError(f"a run no block can hold: {exc}") from None
+
+
+def _step_block(rows: Sequence[Sequence[Any]], last: int) -> tuple[Any, ...] | None:
     steps = [r[_STEP] for r in rows]
     if set(map(type, steps)) != {int} or min(steps) < 0 or max(steps) > _MAX_STEP:
         raise ValueError("step indexes that are not integers in bounds")
@@ -337,8 +346,6 @@ def step_block(rows: Sequence[Sequence[Any]], last: int = -1) -> tuple[Any, ...]
             orjson.dumps(rows))
 
 
-_NUM_SUMS = len(BLOCK_SUMMED) + 1  # and the evaluation passes' time
-_BLOCK_LENGTH = 3 + _NUM_SUMS + 3  # steps, count, sums, passes, CUDA steps, rows
 MAX_BLOCK_ROWS = 1 << 20
 """The most steps a relayed block holds (a relay sends a batch at 16 384 rows)."""
 MAX_PASSES_PER_STEP = 1 << 20
@@ -357,7 +364,7 @@ def _relayed_block(block: Sequence[Any]) -> bool:
     """Whether a relayed block's header is one `step_block` makes (its rows are JSON
     text): steps in bounds and ascending, as many rows as steps at most, sums that
     its rows' values can add up to, counts of its rows."""
-    if len(block) != _BLOCK_LENGTH or type(block[-1]) is not str:
+    if len(block) != BLOCK_LENGTH or type(block[-1]) is not str:
         return False
     first, last, n, *sums = block[:-1]
     num_cuda, passes = sums.pop(), sums.pop()

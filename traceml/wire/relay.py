@@ -34,9 +34,10 @@ MAX_REASON_CHARS = 200
 
 BLOCK_COLUMNS = [f.name for f in step_fields.measured()]
 """The columns of a relayed block's rows, in order."""
-_BLOCK_LENGTH = 1 + 3 + (len(phases.PHASES) + 2) + 1 + 2 + 1
-"""Sender index, first and last step, count, the sums (`traceml.store.schema.BLOCK_SUMMED`:
-each phase, total and wait; and the evaluation passes' time), passes, CUDA steps, rows."""
+BLOCK_LENGTH = 3 + (len(phases.PHASES) + 2) + 1 + 2 + 1
+"""A block's values after its sender index (`traceml.store.step_block`): first and last
+step, count, the sums (`traceml.store.schema.BLOCK_SUMMED`: each phase, total and wait;
+and the evaluation passes' time), passes, CUDA steps, rows."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def _step_blocks(blocks: list[list[Any]], columns: Any, num_senders: int) -> Non
     if columns != BLOCK_COLUMNS:
         raise ProtocolError("relayed steps in other columns than this traceml's (a relay "
                             "of another version)")
-    if len(blocks) > MAX_RELAYED_BLOCKS or not all(len(b) == _BLOCK_LENGTH for b in blocks):
+    if len(blocks) > MAX_RELAYED_BLOCKS or not all(len(b) == 1 + BLOCK_LENGTH for b in blocks):
         raise ProtocolError("relayed step blocks are not blocks")
     if not all(type(b[0]) is int and 0 <= b[0] < num_senders and type(b[-1]) is str
                for b in blocks):
