@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +140,34 @@ def ms_column(rows: Sequence[StepRow], name: str) -> list[float]:
         return [float(sum(get(r))) for r in rows] if len(_COMPUTE_INDEX) > 1 else [
             float(get(r)) for r in rows]
     return list(map(operator.itemgetter(_MS_INDEX[name]), rows))
+
+
+def ms_columns(rows: Sequence[StepRow], names: Iterable[str]) -> dict[str, Sequence[float]]:
+    """``{name: ms_column(rows, name)}`` for several names, the rows transposed once."""
+    columns: list[Sequence[Any]] = list(zip(*rows)) if rows else [()] * len(_INDEX)
+    out: dict[str, Sequence[float]] = {}
+    for name in names:
+        if name == "compute":
+            out[name] = [float(sum(v)) for v in zip(*(columns[i] for i in _COMPUTE_INDEX))]
+        else:
+            out[name] = columns[_MS_INDEX[name]]
+    return out
+
+
+def column(rows: Iterable[StepRow], name: str) -> list[Any]:
+    """``[row.value(name) for row in rows]``, without a call per row."""
+    return list(map(operator.itemgetter(_INDEX[name]), rows))
+
+
+def gpu_column(rows: Sequence[StepRow]) -> list[float]:
+    """The GPU times of the rows that carry them (``row.gpu_ms`` where not None),
+    without a call per row: none off CUDA."""
+    if not _GPU_INDEX or not rows:
+        return []
+    get = operator.itemgetter(*_GPU_INDEX)
+    if len(_GPU_INDEX) == 1:
+        return [float(t) for t in map(get, rows) if t is not None]
+    return [float(sum(ts)) for ts in map(get, rows) if None not in ts]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from tests.rows import step_row
 from tests.unit.test_compare_verdict import compare, summary, tight
 from traceml.agent.flops import _counter_class, dominant
 from traceml.diagnosis.peaks import ACCELERATORS, peak_for
-from traceml.diagnosis.throughput import LOW_MFU_NEXT, low_mfu
+from traceml.diagnosis.throughput import LOW_MFU_NEXT, last_count, last_counts, low_mfu
 from traceml.records import FlopCount, NodeInfo, RunData, RunMeta
 from traceml.report import build_report
 
@@ -157,6 +157,23 @@ def test_low_mfu_advice_names_every_step_time_cause(kind: str, cause: str) -> No
     job = throughput(run(1, flops=5e12)).job
     (found,) = low_mfu(job, [kind])
     assert found.next == LOW_MFU_NEXT[cause]
+
+
+def test_each_rank_takes_its_latest_count_that_counted() -> None:
+    """A count that counted outlives a later abstention; a rank with only abstentions
+    keeps its latest; ranks' records interleave as they arrive (8 ranks)."""
+    def count(t: float, flops: float | None, rank: int) -> FlopCount:
+        return FlopCount(t, flops, "bf16", 1.0, H100, 132, None if flops else "compiled",
+                         rank=rank)
+    counts = [count(1.0, 1e12, r) for r in range(0, 8, 2)]  # even ranks counted
+    counts += [count(2.0, None, r) for r in range(8)]  # then every rank abstained
+    counts += [count(3.0, 2e12, 4), count(4.0, None, 5)]
+    latest = last_counts(counts)
+    assert {r: (c.t, c.flops) for r, c in latest.items()} == {
+        0: (1.0, 1e12), 1: (2.0, None), 2: (1.0, 1e12), 3: (2.0, None),
+        4: (3.0, 2e12), 5: (4.0, None), 6: (1.0, 1e12), 7: (2.0, None)}
+    assert all(last_count(counts, r) == latest[r] for r in range(8))
+    assert last_count(counts, 8) is None
 
 
 def test_no_count_says_why() -> None:

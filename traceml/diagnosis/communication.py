@@ -89,20 +89,25 @@ def least_communication(times: Mapping[int, RankComm]) -> LeastCommunication | N
     """At each typical step every rank had (a step some rank left out as an outlier
     would leave its victims to pick from), the communication of the rank that
     waited least; None without such steps."""
+    ranks = sorted(times)
     per_rank: dict[int, dict[int, float]] = {}  # rank -> its communication at each step
-    for r, t in times.items():
-        columns = [t.per_step(name) for name in phases.collective_names()]
+    for r in ranks:
+        columns = [times[r].per_step(name) for name in phases.collective_names()]
         per_rank[r] = dict(zip(columns[0], map(sum, zip(*(c.values() for c in columns)))))
-    hooks = {r: t.per_step("hook") for r, t in times.items()}
-    common = set.intersection(*map(set, per_rank.values())) if per_rank else set()
+    common = sorted(set.intersection(*map(set, per_rank.values()))) if per_rank else []
+    if not common:
+        return None
+    hooks = {r: times[r].per_step("hook") for r in ranks}
     totals, hook_ms, wins = [], [], Counter[int]()
-    for step in sorted(common):
-        ms, rank = min((at[step], r) for r, at in per_rank.items())
+    # One step's communication on every rank at a time (ranks ascending): the least,
+    # and the first rank that had it.
+    by_step = zip(*(list(map(per_rank[r].__getitem__, common)) for r in ranks))
+    for step, at_step in zip(common, by_step):
+        ms = min(at_step)
+        rank = ranks[at_step.index(ms)]
         totals.append(ms)
         hook_ms.append(hooks[rank][step])
         wins[rank] += 1
-    if not totals:
-        return None
     rank, num = wins.most_common(1)[0]
     return LeastCommunication(statistics.fmean(totals), statistics.fmean(hook_ms), rank,
                               100.0 * num / len(totals))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from traceml.diagnosis import thresholds
 from traceml.diagnosis.finding import Finding, format_ranks, grade
 from traceml.diagnosis.stats import pct
-from traceml.records import StepRow
+from traceml.records import StepRow, ms_column
 
 MAX_LISTED_STEPS = 8
 """One-off outliers are listed by step up to this many."""
@@ -48,14 +48,14 @@ class RankOutliers:
 
 def find_outliers(rank: int, rows: Sequence[StepRow]) -> RankOutliers:
     """A rank's outlier steps (none in a window too short to tell)."""
-    totals = [r.total_ms for r in rows]
+    totals = ms_column(rows, "total")
     median = statistics.median(totals) if totals else 0.0
     slow: list[StepRow] = []
     if len(rows) >= thresholds.OUTLIER_MIN_STEPS and median > 0:
         spread = statistics.median(abs(t - median) for t in totals)
         limit = median + max((thresholds.OUTLIER_STEP_RATIO - 1.0) * median,
                              thresholds.OUTLIER_MAD_FACTOR * spread)
-        slow = [r for r in rows if r.total_ms >= limit]
+        slow = [r for r, t in zip(rows, totals) if t >= limit]
         if len(slow) > thresholds.OUTLIER_MAX_FRACTION * len(rows):
             slow = []
     return RankOutliers(rank, median, tuple(r.step for r in slow),

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from traceml import phases
-from traceml.records import RankTotals, StepRow
+from traceml.records import RankTotals, StepRow, column
 
 BOUNDARY_TEXT: Mapping[str, str] = {
     "optimizer": "optimizer",
@@ -36,7 +36,7 @@ INPUT_TEXT: Mapping[str, str] = {
 def boundary_rule(rows: Iterable[StepRow]) -> str | None:
     """The rule that ended most of these steps (ties: the table's order); None
     without steps."""
-    counts = Counter(r.boundary for r in rows)
+    counts = Counter(column(rows, "boundary"))
     if not counts:
         return None
     return max(phases.STEP_BOUNDARIES, key=lambda b: (counts.get(b, 0),

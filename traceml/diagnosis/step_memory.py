@@ -25,6 +25,7 @@ from traceml.diagnosis.finding import (
 )
 from traceml.diagnosis.stats import Trend, pct, thirds, trend
 from traceml.diagnosis.window import StepWindow
+from traceml.records import column
 
 Thirds = tuple[float, float, float]
 
@@ -72,9 +73,9 @@ def rank_memory(
     for rank, rows in window.by_rank.items():
         if not rows:
             continue
-        allocated = [r.peak_allocated_bytes for r in rows if r.peak_allocated_bytes is not None]
-        reserved = [r.peak_reserved_bytes for r in rows if r.peak_reserved_bytes is not None]
-        rss = [r.rss_bytes for r in rows if r.rss_bytes is not None]
+        allocated, reserved, rss = (
+            [v for v in column(rows, name) if v is not None]
+            for name in ("peak_allocated_bytes", "peak_reserved_bytes", "rss_bytes"))
         out[rank] = RankMemory(
             rank=rank,
             node_rank=node_of.get(rank),

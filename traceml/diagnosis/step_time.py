@@ -37,7 +37,7 @@ from traceml.diagnosis.finding import (
 from traceml.diagnosis.outliers import RankOutliers, find_outliers, outlier_steps
 from traceml.diagnosis.stats import Distribution, distribution
 from traceml.diagnosis.window import StepWindow
-from traceml.records import StepRow, ms_column
+from traceml.records import StepRow, column, gpu_column, ms_column, ms_columns
 
 PHASES = tuple(p.name for p in phases.step_metrics())
 """What each rank row holds a distribution of: total, every phase, compute, wait."""
@@ -74,7 +74,7 @@ class RankStepTimes:
 
     def per_step(self, phase: str) -> dict[int, float]:
         """Ms of one of PHASES at each typical step, by step index."""
-        return dict(zip((r.step for r in self.rows), ms_column(self.rows, phase)))
+        return dict(zip(column(self.rows, "step"), ms_column(self.rows, phase)))
 
     @property
     def communication_ms(self) -> float:
@@ -118,11 +118,11 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
             continue
         outliers = find_outliers(rank, every)
         slow = set(outliers.steps)
-        rows = [r for r in every if r.step not in slow]
-        dists = {p: distribution(ms_column(rows, p)) for p in PHASES}
+        rows = [r for r in every if r.step not in slow] if slow else list(every)
+        dists = {p: distribution(ms) for p, ms in ms_columns(rows, PHASES).items()}
         reported = {f.name: reported_distribution(rows, f.name) for f in step_fields.reported()}
-        gpu = [r.gpu_ms for r in every if r.gpu_ms is not None]
-        on_cuda = bool(gpu) or any(r.peak_allocated_bytes is not None for r in every)
+        gpu = gpu_column(every)
+        on_cuda = bool(gpu) or column(every, "peak_allocated_bytes").count(None) < len(every)
         out[rank] = RankStepTimes(rank, node_of.get(rank), len(every), dists, reported,
                                   distribution(gpu) if gpu else None,
                                   len(gpu) if on_cuda else None, outliers, tuple(rows))
@@ -132,8 +132,8 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
 def reported_distribution(rows: Sequence[StepRow], name: str) -> Distribution | None:
     """A reported column's distribution over ``rows``: measured once any step measured
     it (collectives in flight: a step without one had none in flight); None if none did."""
-    values = [r.value(name) for r in rows]
-    if all(v is None for v in values):
+    values = column(rows, name)
+    if values.count(None) == len(values):
         return None
     return distribution([v or 0.0 for v in values])
 

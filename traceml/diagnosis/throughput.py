@@ -28,7 +28,7 @@ from traceml.diagnosis.finding import (
 )
 from traceml.diagnosis.peaks import Peak, peak_for
 from traceml.diagnosis.window import StepWindow
-from traceml.records import FlopCount, RunMeta, StepRow
+from traceml.records import FlopCount, RunMeta, StepRow, column, ms_column
 
 SAMPLES_RULE = ("the leading dimension of the first tensor in what each DataLoader fetch "
                 "returned (or, without a DataLoader, what the outermost forward received)")
@@ -70,23 +70,29 @@ class JobThroughput:
 
 
 def _rate(values: Sequence[float | None], seconds: float, scale: float = 1.0) -> float | None:
-    if not values or any(v is None for v in values) or seconds <= 0:
+    if not values or None in values or seconds <= 0:
         return None
     return sum(v for v in values if v is not None) / seconds / scale
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
-    if not values or any(v is None for v in values):
+    if not values or None in values:
         return None
     return statistics.fmean(v for v in values if v is not None)
 
 
 def last_count(counts: Sequence[FlopCount], rank: int) -> FlopCount | None:
     """The rank's latest FLOP count that counted, else its latest record."""
-    mine = [c for c in counts if c.rank == rank]
-    good = [c for c in mine if c.flops is not None]
-    chosen = good or mine
-    return chosen[-1] if chosen else None
+    return last_counts(counts).get(rank)
+
+
+def last_counts(counts: Sequence[FlopCount]) -> dict[int, FlopCount]:
+    """Every rank's `last_count`, in one pass (a wide job has a count per rank)."""
+    latest: dict[int, FlopCount] = {}
+    for c in counts:
+        if c.flops is not None or latest.get(c.rank, c).flops is None:
+            latest[c.rank] = c
+    return latest
 
 
 def rank_throughput(window: StepWindow, node_of: Mapping[int, int],
@@ -94,23 +100,24 @@ def rank_throughput(window: StepWindow, node_of: Mapping[int, int],
                     ) -> dict[int, RankThroughput]:
     """Per-rank throughput over the window; ranks without window steps are left out."""
     out = {}
+    latest = last_counts(counts)
     for rank, rows in window.by_rank.items():
         if not rows:
             continue
-        seconds = sum(r.total_ms for r in rows) / 1e3
+        totals, flops = ms_column(rows, "total"), column(rows, "flops")
+        samples, tokens = column(rows, "samples"), column(rows, "tokens")
+        seconds = sum(totals) / 1e3
         # Steps before the first count have no FLOPs yet: the rate is over those that do.
-        counted = [r for r in rows if r.flops is not None]
-        achieved = _rate([r.flops for r in counted],
-                         sum(r.total_ms for r in counted) / 1e3, 1e12)
-        count = last_count(counts, rank)
+        counted = [(f, t) for f, t in zip(flops, totals) if f is not None]
+        achieved = _rate([f for f, _ in counted], sum(t for _, t in counted) / 1e3, 1e12)
+        count = latest.get(rank)
         peak = _peak(count, override_tflops)
         mfu = (100.0 * achieved / peak.tflops if achieved is not None and peak.tflops
                else None)
         out[rank] = RankThroughput(
             rank, node_of.get(rank), len(rows),
-            _mean([r.samples for r in rows]), _mean([r.tokens for r in rows]),
-            _rate([r.samples for r in rows], seconds), _rate([r.tokens for r in rows], seconds),
-            _mean([r.flops for r in counted]), achieved, peak.tflops, mfu,
+            _mean(samples), _mean(tokens), _rate(samples, seconds), _rate(tokens, seconds),
+            _mean([f for f, _ in counted]), achieved, peak.tflops, mfu,
             count.device_name if count is not None else None,
             count.dtype if count is not None else None)
     return out
@@ -123,7 +130,7 @@ def _peak(count: FlopCount | None, override_tflops: float | None) -> Peak:
 
 
 def _total(values: Sequence[float | None]) -> float | None:
-    return None if not values or any(v is None for v in values) else sum(
+    return None if not values or None in values else sum(
         v for v in values if v is not None)
 
 

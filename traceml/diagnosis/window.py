@@ -25,7 +25,15 @@ from typing import TypeVar
 
 from traceml import step_fields
 from traceml.diagnosis import thresholds
-from traceml.records import Capture, Incident, ProcessSample, StepRow, SystemSample
+from traceml.records import (
+    Capture,
+    Incident,
+    ProcessSample,
+    StepRow,
+    SystemSample,
+    column,
+    ms_column,
+)
 
 
 @dataclass(frozen=True)
@@ -84,11 +92,11 @@ class StepWindow:
     @functools.cached_property  # a frozen instance's __dict__ takes it all the same
     def _time_span(self) -> tuple[float, float] | None:
         rows = [row for rank_rows in self.by_rank.values() for row in rank_rows]
-        begins = [row.t_begin for row in rows]
+        begins = column(rows, "t_begin")
         if not rows or None in begins:
             return None
         known = typing.cast(list[float], begins)
-        return min(known), max(b + row.total_ms / 1e3 for b, row in zip(known, rows))
+        return min(known), max(b + ms / 1e3 for b, ms in zip(known, ms_column(rows, "total")))
 
     def time_span(self) -> tuple[float, float] | None:
         """Unix seconds from the first window step's start to the last one's end,
