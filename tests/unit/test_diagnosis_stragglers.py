@@ -261,6 +261,18 @@ def test_communication_is_read_only_at_steps_every_rank_kept() -> None:
     assert (least.ms, least.rank, least.rank_pct) == (5.0, 1, 100.0)
 
 
+def test_a_tie_at_the_least_goes_to_the_lowest_rank_whatever_the_order_given() -> None:
+    # 8 ranks, given highest first: r5 and r2 tie at the least (6 ms) at every step
+    # but step 4, where r7 alone has 3 ms.
+    comm = {r: {s: 30.0 + r for s in range(10)} for r in range(7, -1, -1)}
+    comm[5] = comm[2] = {s: 6.0 for s in range(10)}
+    comm[7] = {**comm[7], 4: 3.0}
+    least = least_communication({r: _rank_times(r, c) for r, c in comm.items()})
+    assert least is not None
+    assert (least.rank, least.rank_pct) == (2, 90.0)
+    assert least.ms == pytest.approx((9 * 6.0 + 3.0) / 10)
+
+
 def test_ranks_taking_turns_at_waiting_least_are_not_said_to_be_mostly_one() -> None:
     r0 = {s: 20.0 if s % 2 else 22.0 for s in range(10)}
     r1 = {s: 22.0 if s % 2 else 20.0 for s in range(10)}

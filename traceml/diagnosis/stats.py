@@ -192,7 +192,7 @@ def trend(values: Sequence[float]) -> Trend:
     ys = [v - y_mean for v in values]
     sxx = sum(map(operator.mul, xs, xs))
     sxy = sum(map(operator.mul, xs, ys))
-    syy = sum(map(operator.mul, ys, ys))
+    syy = sum(y ** 2 for y in ys)  # as ** rounds (libm's pow), not as y * y
     slope = sxy / sxx
     r2 = sxy * sxy / (sxx * syy) if syy > 0 else 0.0
     return Trend(y_mean - slope * x_mean, slope, r2, n)
