@@ -59,6 +59,10 @@ Set by the user (read by the launcher, never passed on to the workers):
     A file holding the session secret; it must not be readable by group or
     others (``chmod 600``).  Without either: on one node the launcher makes a
     random secret for the run; several nodes refuse to start.
+``TRACEML_TEST_CLOCK_SKEW_S``
+    Test-only, never set in a real job: shifts a launcher's clock exchanges and
+    its ranks' step times by this many seconds (`traceml.clocks`), so that two
+    launchers on one host act as two nodes whose clocks disagree.
 
 Set by torch's elastic agent in every worker (read only, into `TorchRank`):
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK`` (the node rank) and
@@ -151,6 +155,21 @@ class AgentEnv:
             count_flops=environ.get("TRACEML_NO_FLOPS") != "1",
             control_endpoint=environ.get("TRACEML_CONTROL") or None,
         )
+
+
+CLOCK_SKEW_VAR = "TRACEML_TEST_CLOCK_SKEW_S"
+MAX_CLOCK_SKEW_S = 3600.0
+
+
+def clock_skew_for_tests_s(environ: Mapping[str, str] = os.environ) -> float:
+    """Seconds ``TRACEML_TEST_CLOCK_SKEW_S`` shifts this process's clocks by (test-only,
+    never set in a real job: `traceml.clocks`): a launcher's clock exchanges and its
+    ranks' step times.  0 unless it holds a number within an hour."""
+    try:
+        skew = float(environ.get(CLOCK_SKEW_VAR, "0") or 0)
+    except ValueError:
+        return 0.0
+    return skew if math.isfinite(skew) and abs(skew) <= MAX_CLOCK_SKEW_S else 0.0
 
 
 def parse_stall_timeout(text: str) -> float | None:

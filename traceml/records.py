@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from traceml import phases, step_fields
+from traceml.clocks import NodeClock
 from traceml.stacks import Frame
 
 Json = None | bool | int | float | str | list["Json"] | dict[str, "Json"]
@@ -239,6 +240,8 @@ class NodeInfo:
     node_rank: int
     host: str
     ranks: tuple[int, ...]
+    # Its clock against node 0's (`traceml.clocks`); None: node 0, one node, not measured.
+    clock: NodeClock | None = None
 
 
 @dataclass(frozen=True)

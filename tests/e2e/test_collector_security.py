@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -251,12 +252,28 @@ def test_join_port_is_curve_and_leaks_nothing(tmp_path: Path) -> None:
         match = orjson.dumps({"session_id": "node0-secret-id", "host": "n1",
                               "options": {"nnodes": "2", "nproc_per_node": "1"}})
         assert ask(match, keys) == {"ok": True, "error": ""}
+        # Clock exchanges (traceml.clocks): node 0 stamps arrival and answer; a
+        # burst's best is stored; what a launcher does not send is refused and counted.
+        before = time.time()
+        answer = ask(orjson.dumps({"clock": {"who": ["n1", 42], "best": None}}), keys)
+        assert answer is not None and answer["ok"] is True
+        assert before <= answer["t2"] <= answer["t3"] <= time.time()
+        best = [before - 0.002, before, before + 0.0001, before + 0.0002]
+        assert ask(orjson.dumps({"clock": {"who": ["n1", 42], "best": best}}), keys)["ok"]  # type: ignore[index]
+        for bad in ({"who": ["n1"], "best": None}, {"who": ["", 1], "best": None},
+                    {"who": ["n1", -1], "best": None}, {"who": ["n1", 4], "best": [1, 2, 3]},
+                    {"who": ["n1", 4], "best": ["1", 2, 3, 4]}, {"who": ["n1", 4], "best": 7},
+                    {"who": ["n1", 4], "best": [1, 2, 3, 1e300]}, [1, 2]):
+            answer = ask(orjson.dumps({"clock": bad}), keys)
+            assert answer == {"ok": False, "error": "malformed clock exchange"}, bad
     finally:
         context.destroy(0)
         collector.stop()
     stored = _rows(db, "SELECT COUNT(*) FROM meta WHERE key LIKE 'join_error/%'")[0][0]
     assert stored == 64  # bounded: the other 17 are only counted
     assert _rejected(db)["node with mismatching options"] == 81
+    assert _rejected(db)["malformed clock exchange"] == 8
+    assert _rows(db, "SELECT host, pid, t1, t2, t3, t4 FROM clock_exchanges") == [("n1", 42, *best)]
 
 
 def _free_port_pair() -> int:

@@ -56,10 +56,11 @@ class Nodes:
                     "TRACEML_SECRET": "nodes test secret", **(env or {})}
         self.procs: list[subprocess.Popen[str]] = []
 
-    def start(self, *extra: str, command: str = "run") -> subprocess.Popen[str]:
+    def start(self, *extra: str, command: str = "run",
+              env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "traceml", command, "--logs-dir",
                str(self.tmp_path / "logs"), "--session-id", self.session, *self.common, *extra]
-        proc = subprocess.Popen(cmd, env=self.env, cwd=self.tmp_path, text=True,
+        proc = subprocess.Popen(cmd, env={**self.env, **(env or {})}, cwd=self.tmp_path, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
         self.procs.append(proc)
@@ -147,6 +148,35 @@ def test_two_nodes_static(tmp_path: Path, nproc: int) -> None:
     _assert_all_ranks(nodes, 2 * nproc)
     assert "TraceML Run Summary" in results[0][1]
     assert "node 0 writes the summary" in results[1][2]
+
+
+def test_node_1s_clock_is_measured_against_node_0s(tmp_path: Path) -> None:
+    """Node 1's clock set 250 ms ahead (the test-only skew: its launcher's exchanges and
+    its rank's step times): the summary states its offset within 1 ms, and the ranks'
+    step starts, which DDP's all-reduce holds together, agree once it is taken off."""
+    master, port = free_ports()
+    common = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+              f"--master-port={master}", f"--aggregator-port={port}",
+              "--aggregator-bind-host=127.0.0.1"]
+    nodes = Nodes(tmp_path, "clk", common)
+    nodes.start("--node-rank=0", script("allreduce.py"), "40")
+    nodes.start("--node-rank=1", script("allreduce.py"), "40",
+                env={"TRACEML_TEST_CLOCK_SKEW_S": "0.25"})
+    results = nodes.finish()
+    assert [r[0] for r in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
+    summary = read_summary(nodes.session_dir)
+    assert summary is not None
+    clocks = {n["node_rank"]: n["clock"] for n in summary["meta"]["nodes"]}
+    assert clocks[0] is None
+    clock = clocks[1]
+    assert clock is not None and clock["num_bursts"] >= 1
+    assert abs(clock["offset_ms"] - 250.0) <= 1.0 and clock["uncertainty_ms"] < 1.0
+    assert "Clocks against node 0: node 1 +2" in results[0][1]
+    steps, _ = read_store(nodes.session_dir / "telemetry.sqlite")
+    begins = {(r["rank"], r["step"]): r["t_begin"] for r in steps}
+    apart = sorted(begins[1, s] - begins[0, s] for s in range(5, 40))
+    assert abs(apart[len(apart) // 2] - 0.25) < 0.02  # as stored: node 1's clock
+    assert abs(apart[len(apart) // 2] - clock["offset_ms"] / 1e3) < 0.005  # aligned
 
 
 def test_two_nodes_c10d_with_curve(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ def test_top_level_and_meta_keys_follow_r_out_3() -> None:
     assert meta["started_at"] == "2026-01-01T00:00:00.000+00:00"
     assert meta["ended_at"] == "2026-01-01T00:01:01.250+00:00"
     assert meta["duration_s"] == 61.25
-    assert meta["nodes"] == [{"node_rank": 0, "host": "box", "ranks": [0, 1]}]
+    assert meta["nodes"] == [{"node_rank": 0, "host": "box", "ranks": [0, 1], "clock": None}]
     assert meta["versions"] == {"traceml": "0.1.0", "torch": "2.5.1", "python": "3.11.7"}
     assert meta["transport"] == {"sent": 12, "dropped": 0, "gaps": 0, "rejected": 0}
     assert (meta["partial"], meta["missing_ranks"], meta["device"]) == (False, [], "cpu")

@@ -18,13 +18,14 @@ import socket
 import time
 from typing import Any
 
+from traceml import clocks
 from traceml.agent import watchdog
 from traceml.agent.device_steps import DeviceSteps
 from traceml.agent.outbox import EventOutbox
 from traceml.agent.probe import Probe
 from traceml.agent.process_sampler import ProcessSampler, RssReader
 from traceml.agent.watchdog import FaultFiles, Heartbeat, StallWatch
-from traceml.environment import AgentEnv, TorchRank
+from traceml.environment import AgentEnv, TorchRank, clock_skew_for_tests_s
 from traceml.errors import WarnOnce
 from traceml.security import client_keys_from, session_keys
 from traceml.sender import BatchSender
@@ -100,7 +101,8 @@ class AgentRuntime:
             self.probe.thread_id = thread_id
         self.flops_after_steps = FLOPS_AFTER_STEPS
         self.instrumentation: Any = None
-        self._wall_offset = time.time() - time.perf_counter()
+        # Step times in unix seconds (shifted by the test-only skew: traceml.clocks).
+        self._wall_offset = clocks.wall_offset_s(clock_skew_for_tests_s())
         self._rss = RssReader()
         self._warnings = WarnOnce()  # one warning per failing part
         self.device = DeviceSteps(self.probe, self._warnings)  # CUDA: GPU times, peaks

@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 
 from traceml import step_fields
+from traceml.clocks import Exchange
 from traceml.collector.config import CollectorConfig
 from traceml.collector.dispatch import BAD_STEPS
 from traceml.collector.server import serve
@@ -183,6 +184,9 @@ class Outbox:
 
     def add_join_error(self, error: JoinError) -> None:
         """Only node 0's collector answers join checks."""
+
+    def add_clock_exchange(self, host: str, pid: int, exchange: Exchange) -> None:
+        """Only node 0's collector answers clock exchanges."""
 
     def save_launcher_lost(self, at: float, role: str) -> None:
         """A relay's launcher is its node's: node 0 learns of it as a lost node."""

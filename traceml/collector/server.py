@@ -27,8 +27,11 @@ from typing import Any, Protocol
 import orjson
 import zmq
 
+from traceml import clocks
+from traceml.clocks import Exchange
 from traceml.collector.config import CollectorConfig
 from traceml.collector.dispatch import Collector, Store
+from traceml.environment import clock_skew_for_tests_s
 from traceml.records import Capture
 from traceml.security import (
     capture_keys,
@@ -62,6 +65,7 @@ CONTROL_HWM = 64
 ASK_REPEATS = (0.0, 1.0, 2.0, 4.0)  # an ask is published again this long after the first
 # (a rank that connected late still reads it; the rank takes each id once)
 JOIN_MAX_BYTES = 4096
+MAX_CLOCK_ROWS = 10_000  # a launcher's stored exchanges (about 150 a day: see traceml.clocks)
 
 
 class LiveServer(Protocol):
@@ -115,6 +119,9 @@ class Listener:
 
     def __init__(self, context: Any, config: CollectorConfig) -> None:
         self.config = config
+        # Node 0's clock, which every node is set against (`traceml.clocks`).
+        self.clock = clocks.wall_clock(clock_skew_for_tests_s())
+        self.clock_rows: dict[tuple[str, int], int] = {}  # exchanges stored, by launcher
         keys = derive_keys(config.secret or config.session_id, config.session_id)
         admitted = [keys.client_public]
         self.relay_id = ""  # a relay forwards to node 0 only: its own listener admits none
@@ -225,10 +232,16 @@ class Listener:
 
     def _answer_join(self, collector: Collector) -> None:
         try:
-            request = orjson.loads(self.join.recv(zmq.NOBLOCK))
-            problem = join_problem(request, self.config)
+            data = self.join.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
+        received = self.clock()
+        try:
+            request = orjson.loads(data)
+            if isinstance(request, dict) and "clock" in request:
+                self._answer_clock(request["clock"], received, collector)
+                return
+            problem = join_problem(request, self.config)
         except (orjson.JSONDecodeError, TypeError, AttributeError, ValueError):
             problem = "malformed join request"
         if problem:
@@ -236,6 +249,22 @@ class Listener:
             if collector.rejected["node with mismatching options"] <= MAX_JOIN_ERRORS:
                 collector.store.add_join_error(JoinError(time.time(), problem))
         self.join.send(orjson.dumps({"ok": not problem, "error": problem}))
+
+    def _answer_clock(self, request: Any, received: float, collector: Collector) -> None:
+        """A node's clock exchange (`traceml.clocks`): the request's arrival and the
+        answer's departure on node 0's clock; the burst's best exchange it carries,
+        stored (at most `MAX_CLOCK_ROWS` of one launcher)."""
+        try:
+            host, pid, best = _clock_request(request)
+        except (TypeError, ValueError):
+            collector.reject("malformed clock exchange")
+            self.join.send(orjson.dumps({"ok": False, "error": "malformed clock exchange"}))
+            return
+        if best is not None:
+            stored = self.clock_rows[host, pid] = self.clock_rows.get((host, pid), 0) + 1
+            if stored <= MAX_CLOCK_ROWS:
+                collector.store.add_clock_exchange(host, pid, best)
+        self.join.send(orjson.dumps({"ok": True, "t2": received, "t3": self.clock()}))
 
     def close(self) -> None:
         for sock in (self.join, self.monitor, self.sock, self.control):
@@ -249,6 +278,22 @@ def _shown(value: Any) -> str:
     """A peer's value as printable text, short: it goes on node 0's terminal."""
     text = ascii(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _clock_request(request: Any) -> tuple[str, int, Exchange | None]:
+    """A clock exchange's launcher (host, pid) and the best exchange of its last burst
+    (None: none yet); ValueError or TypeError when it is not one a launcher sends."""
+    who, best = request["who"], request.get("best")
+    host, pid = who
+    if type(host) is not str or not 0 < len(host) <= 255 or type(pid) is not int or pid < 0:
+        raise ValueError("not a launcher")
+    if best is None:
+        return host, pid, None
+    times = list(best)
+    if len(times) != 4 or not all(type(t) in (int, float) and 0.0 <= t <= 1e11
+                                  for t in times):  # NaN fails too
+        raise ValueError("not four times")
+    return host, pid, Exchange(*map(float, times))
 
 
 def join_problem(request: dict[str, Any], config: CollectorConfig) -> str:

@@ -14,7 +14,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 import sys
 import threading
 import time
@@ -26,8 +28,9 @@ import orjson
 import psutil
 import zmq
 
+from traceml import clocks
 from traceml.config import RunConfig
-from traceml.environment import SECRET_HINT
+from traceml.environment import SECRET_HINT, clock_skew_for_tests_s
 from traceml.errors import UsageError
 from traceml.security import CurveKeys, secure_client
 from traceml.store import STORE_FILENAME, JoinError, SenderState, StoreError, StoreReader
@@ -88,9 +91,50 @@ class JoinCheck(threading.Thread):
                 reply = self._ask(context)
                 if reply is not None:
                     self._act(reply)
+                    self._sync_clock(context)
                     return
         finally:
             context.destroy(0)
+
+    def _sync_clock(self, context: Any) -> None:
+        """Bursts of clock exchanges with node 0 (`traceml.clocks`) until the launcher
+        stops: one as the node joins, then at `SYNC_INTERVALS_S`.  A request after each
+        burst carries its best exchange to node 0's store."""
+        clock = clocks.wall_clock(clock_skew_for_tests_s())
+        who = [socket.gethostname(), os.getpid()]
+        sock = None
+        intervals = itertools.chain(clocks.SYNC_INTERVALS_S,
+                                    itertools.repeat(clocks.SYNC_INTERVALS_S[-1]))
+        wait = 0.0
+        try:
+            while not self.done.wait(wait):
+                burst: list[clocks.Exchange] = []
+                for n in range(clocks.EXCHANGES_PER_BURST + 1):
+                    best = clocks.best(burst) if n == clocks.EXCHANGES_PER_BURST else None
+                    if sock is None:
+                        sock = context.socket(zmq.REQ)
+                        sock.setsockopt(zmq.LINGER, 0)
+                        secure_client(sock, self.keys)
+                        sock.connect(self.address)
+                    sent = clock()
+                    sock.send(orjson.dumps({"clock": {
+                        "who": who, "best": None if best is None else
+                        [best.t1, best.t2, best.t3, best.t4]}}))
+                    if not sock.poll(JOIN_REPLY_TIMEOUT_MS):
+                        sock.close(0)  # a REQ socket waits for its answer: a new one
+                        sock = None
+                        continue
+                    reply = orjson.loads(sock.recv())
+                    received = clock()
+                    if reply.get("ok"):
+                        burst.append(clocks.Exchange(sent, float(reply["t2"]),
+                                                     float(reply["t3"]), received))
+                wait = next(intervals)
+        except (zmq.ZMQError, orjson.JSONDecodeError, TypeError, ValueError, KeyError):
+            pass  # no clock offset for this node; the run goes on
+        finally:
+            if sock is not None:
+                sock.close(0)
 
     def _ask(self, context: Any) -> dict[str, Any] | None:
         sock = context.socket(zmq.REQ)

@@ -112,7 +112,8 @@ def meta_to_json(meta: RunMeta, duration_s: float) -> dict[str, Json]:
         "missing_ranks": list(meta.missing_ranks),
         "world_size": meta.world_size,
         "nodes": [
-            {"node_rank": n.node_rank, "host": n.host, "ranks": list(n.ranks)} for n in meta.nodes
+            {"node_rank": n.node_rank, "host": n.host, "ranks": list(n.ranks),
+             "clock": _plain(n.clock)} for n in meta.nodes
         ],
         "device": meta.device,
         "mode": meta.mode,

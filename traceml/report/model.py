@@ -22,8 +22,8 @@ from traceml.diagnosis.throughput import JobThroughput, RankThroughput
 from traceml.diagnosis.window import Scope
 from traceml.records import RunMeta
 
-SCHEMA_VERSION = "1.6"  # 1.6: captures (profiler captures' operators); 1.5: meta.exports;
-# 1.4: launcher_lost; 1.3: hook phase, straggler
+SCHEMA_VERSION = "1.7"  # 1.7: meta.nodes[].clock; 1.6: captures (profiler captures'
+# operators); 1.5: meta.exports; 1.4: launcher_lost; 1.3: hook phase, straggler
 # steadiness; 1.2: ending, ...
 """Version of final_summary.json; bump the major part on incompatible changes."""
 

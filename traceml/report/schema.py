@@ -64,7 +64,10 @@ _META = _obj({
     "partial": {"type": "boolean"},
     "missing_ranks": _INTS,
     "world_size": _INT,
-    "nodes": {"type": "array", "items": _obj({"node_rank": _INT, "host": _STR, "ranks": _INTS})},
+    "nodes": {"type": "array", "items": _obj({
+        "node_rank": _INT, "host": _STR, "ranks": _INTS,
+        "clock": _obj({"offset_ms": _NUM, "uncertainty_ms": _NUM, "num_bursts": _INT,
+                       "drift_ppm": _NUM_OR_NULL}, nullable=True)})},
     "device": {"type": "string", "enum": ["cpu", "cuda"]},
     "mode": {"type": "string", "enum": ["run", "watch"]},
     "versions": _obj({k: {"type": ["string", "null"]} for k in ("traceml", "torch", "python")}),

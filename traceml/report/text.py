@@ -19,6 +19,7 @@ from traceml.diagnosis.operators import BY_TIME, CaptureResult, OperatorLine
 from traceml.diagnosis.stats import MetricStat, stands_out
 from traceml.diagnosis.step_loop import BOUNDARY_TEXT, INPUT_TEXT
 from traceml.diagnosis.step_time import RankStepTimes
+from traceml.records import NodeInfo, RunMeta
 from traceml.report.model import SECTION_TITLES, Report, Section
 
 CARD_ORDER = ("system", "process", "step_time", "throughput", "step_memory")
@@ -79,6 +80,9 @@ def _overview(report: Report) -> list[str]:
     nodes = _count(report.system.scope.num_nodes, "node")
     lines.append(f"Run: {_count(meta.world_size, 'rank')} on {nodes} | "
                  f"{meta.device} | {exit_text} | session {meta.session_id}")
+    clocks = clocks_line(meta)
+    if clocks:
+        lines.append(clocks)
     if meta.partial:
         gone = f"; missing ranks {format_ranks(meta.missing_ranks)}" if meta.missing_ranks else ""
         lines.append(f"PARTIAL: the run ended before every rank finished{gone}.")
@@ -202,6 +206,25 @@ def rejected_line(rejected: Mapping[str, int]) -> str:
 
 def _count(num: int, noun: str) -> str:
     return f"{num} {noun}" if num == 1 else f"{num} {noun}s"
+
+
+def clocks_line(meta: RunMeta, listed: int = 3) -> str:
+    """Each node's clock against node 0's (a few listed; more: the largest and how many),
+    '' when none was measured (one node)."""
+    measured = [n for n in meta.nodes if n.clock is not None]
+    if not measured:
+        return ""
+
+    def one(n: NodeInfo) -> str:
+        c = n.clock
+        assert c is not None
+        drift = f", drift {c.drift_ppm:+.2f} ppm" if c.drift_ppm is not None else ""
+        return f"node {n.node_rank} {c.offset_ms:+.2f} ms +/- {c.uncertainty_ms:.2f}{drift}"
+    if len(measured) <= listed:
+        return "Clocks against node 0: " + "; ".join(map(one, measured)) + "."
+    largest = max(measured, key=lambda n: abs(n.clock.offset_ms) if n.clock else 0.0)
+    return (f"Clocks against node 0: {len(measured)} nodes measured; the farthest "
+            f"{one(largest)}.")
 
 
 def _severity(finding: Finding) -> str:

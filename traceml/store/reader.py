@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 import orjson
 
 from traceml import phases, step_fields
+from traceml.clocks import Exchange
 from traceml.errors import ProtocolError
 from traceml.records import (
     Capture,
@@ -37,6 +38,7 @@ from traceml.store.rows import (
     checked_record,
     checked_step,
     checked_text,
+    clock_exchange,
     group_totals,
     incident_from_row,
     merged_totals,
@@ -135,8 +137,19 @@ class StoreReader:
         lost = meta.get(LAUNCHER_LOST_KEY)
         lost_at = float(lost) if isinstance(lost, (int, float)) and math.isfinite(lost) else None
         role = "process" if meta.get(LAUNCHER_LOST_ROLE_KEY) == "process" else "launcher"
+        exchanges = self.clock_exchanges()
         return RunRecords(start, end, senders, {**rejected, **self.skipped}, lost_at, role,
-                          checked_exports(meta.get(EXPORTS_KEY)))
+                          checked_exports(meta.get(EXPORTS_KEY)), exchanges)
+
+    def clock_exchanges(self) -> tuple[tuple[str, int, Exchange], ...]:
+        """Each node launcher's best exchange per burst against node 0's clock, as
+        (host, pid, exchange), oldest first (none in a store written before clocks were
+        measured, or of one node)."""
+        if not self._has_table("clock_exchanges"):
+            return ()
+        rows = self._rows("SELECT * FROM clock_exchanges ORDER BY rowid LIMIT ?",
+                          (MAX_CLOCK_EXCHANGES,))
+        return tuple(self._read(rows, clock_exchange, "clock exchange"))
 
     def senders(self, role: str | None = None) -> tuple[SenderState, ...]:
         """Every sender that spoke (of one role: ``"system"`` is each node's launcher)."""
@@ -574,3 +587,7 @@ SAMPLES_PER_SOURCE = 200_000
 """Process (or system) samples a bounded read takes, shared out over the ranks (nodes),
 of the sources with none taken while the window ran."""
 MIN_SAMPLES_PER_SOURCE = 60
+
+MAX_CLOCK_EXCHANGES = 200_000
+"""The clock exchanges a summary reads, the oldest first (a burst's best each; a node's
+bursts space out to 10 minutes: about 150 a day, so a day of 1024 nodes)."""

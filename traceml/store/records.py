@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from traceml.clocks import Exchange
 from traceml.wire.identity import Sender
 from traceml.wire.records import RunEnd, RunStart
 
@@ -55,6 +56,8 @@ class RunRecords:
     launcher_lost_role: str = "launcher"  # or "process": traceml.init()'s training process
     # How the collector's metrics exports went, by exporter (`traceml.live.otlp`).
     exports: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Each node launcher's (host, pid) best exchange per burst against node 0's clock.
+    clock_exchanges: tuple[tuple[str, int, Exchange], ...] = ()
 
 
 _T = TypeVar("_T")

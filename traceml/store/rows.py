@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import orjson
 
 from traceml import stacks, step_fields
+from traceml.clocks import Exchange, estimate
 from traceml.errors import ProtocolError
 from traceml.records import (
     TOTALED,
@@ -100,6 +101,12 @@ def checked_step(values: Sequence[Any]) -> StepRow:
 
 _PROCESS_VALUES = ("cpu_pct", "rss_bytes", "host_ram_total_bytes", "num_cpus",
                    "device_allocated_bytes", "device_reserved_bytes", "device_total_bytes")
+
+
+def clock_exchange(r: Mapping[str, Any]) -> tuple[str, int, Exchange]:
+    """A stored exchange: the launcher that made it and its four times (unix seconds)."""
+    return (checked_text(r["host"]), checked_integer(r["pid"], 0),
+            Exchange(*(checked_number(r[t], False, 0.0) for t in ("t1", "t2", "t3", "t4"))))
 
 
 def process_sample(r: Mapping[str, Any]) -> ProcessSample:
@@ -235,7 +242,8 @@ def _run_meta(records: RunRecords, totals: tuple[RankTotals, ...],
         ended_at=(records.end.ended_at if records.end is not None
                   else lost_at if lost_at is not None else start.started_at),
         exit_code=exit_code, partial=bool(missing) or exit_code != 0 or not complete,
-        world_size=world_size, missing_ranks=missing, nodes=_nodes(senders),
+        world_size=world_size, missing_ranks=missing,
+        nodes=_nodes(senders, records.clock_exchanges),
         device="cuda" if cuda else "cpu",
         versions={"traceml": start.traceml_version, "torch": start.torch_version,
                   "python": start.python_version},
@@ -262,9 +270,13 @@ def _ranks(records: RunRecords, totals: tuple[RankTotals, ...]) -> tuple[int, tu
     return world_size, tuple(r for r in range(world_size) if r not in seen)
 
 
-def _nodes(senders: Sequence[SenderState]) -> tuple[NodeInfo, ...]:
+def _nodes(senders: Sequence[SenderState],
+           exchanges: Sequence[tuple[str, int, Exchange]] = ()) -> tuple[NodeInfo, ...]:
+    """The job's nodes, each with its clock against node 0's when it measured one (its
+    launcher's exchanges, found by the host and pid of the launcher's system sampler)."""
     hosts: dict[int, str] = {}
     ranks: dict[int, set[int]] = {}
+    launchers: dict[tuple[str, int], int] = {}
     for s in senders:
         node = s.sender.node_rank
         if node < 0:
@@ -273,4 +285,12 @@ def _nodes(senders: Sequence[SenderState]) -> tuple[NodeInfo, ...]:
         ranks.setdefault(node, set())
         if s.sender.rank is not None:
             ranks[node].add(s.sender.rank)
-    return tuple(NodeInfo(n, hosts[n], tuple(sorted(ranks[n]))) for n in sorted(hosts))
+        if s.sender.role == "system":
+            launchers[s.sender.host, s.sender.pid] = node
+    by_node: dict[int, list[Exchange]] = {}
+    for host, pid, exchange in exchanges:
+        of = launchers.get((host, pid))
+        if of is not None and of > 0:  # node 0 is the reference
+            by_node.setdefault(of, []).append(exchange)
+    return tuple(NodeInfo(n, hosts[n], tuple(sorted(ranks[n])), estimate(by_node.get(n, ())))
+                 for n in sorted(hosts))

@@ -14,7 +14,7 @@ from traceml.records import TOTALED
 from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS
 
 STORE_FILENAME = "telemetry.sqlite"
-SCHEMA_VERSION = 7  # 2: a column per phase (communication), collective_ms
+SCHEMA_VERSION = 8  # 2: a column per phase (communication), collective_ms
 # 3: samples, tokens, flops, flops_counted, boundary, eval_ms, num_eval per step; the
 # flop_counts and incidents tables
 # 4: indexes on process(t) and system(t), for the summary's bounded read (a store
@@ -24,6 +24,7 @@ SCHEMA_VERSION = 7  # 2: a column per phase (communication), collective_ms
 # values as JSON, their sums beside them); `steps` is a view of their rows (a store
 # with a steps table is read through the same view's shape)
 # 7: the captures table (profiler captures: the ask, then the rank's report)
+# 8: the clock_exchanges table (each node's clock against node 0's, `traceml.clocks`)
 JOIN_ERROR_PREFIX = "join_error/"
 EXPORTS_KEY = "exports"  # meta: exporter -> how its pushes went (sent, failed, endpoint, error)
 LAUNCHER_LOST_KEY = "launcher_lost_at"  # meta: when the collector saw its launcher vanish
@@ -109,6 +110,10 @@ DDL = [
     "reported_at REAL, num_steps INTEGER NOT NULL DEFAULT 0, began_at REAL, ended_at REAL, "
     "host TEXT, path TEXT, trace_bytes INTEGER NOT NULL DEFAULT 0, cut TEXT, error TEXT, "
     "operators TEXT NOT NULL DEFAULT '[]', PRIMARY KEY (capture_id, rank))",
+    # A node's launcher (host and pid: it may not know its node rank yet) against node
+    # 0's clock: the best exchange of each burst (`traceml.clocks`).
+    "CREATE TABLE IF NOT EXISTS clock_exchanges (host TEXT NOT NULL, pid INTEGER NOT NULL, "
+    "t1 REAL NOT NULL, t2 REAL NOT NULL, t3 REAL NOT NULL, t4 REAL NOT NULL)",
 ]
 
 _INCIDENT_COLUMNS = ("what", "rank", "node_rank", "host", "pid", "began_at", "detected_at",
@@ -136,6 +141,7 @@ CAPTURE_ASK_SQL = _insert("captures", ("capture_id", "rank", "role", "trigger", 
 CAPTURE_REPORT_SQL = ("UPDATE captures SET reported_at = ?, num_steps = ?, began_at = ?, "
                       "ended_at = ?, host = ?, path = ?, trace_bytes = ?, cut = ?, error = ?, "
                       "operators = ? WHERE capture_id = ? AND rank = ? AND reported_at IS NULL")
+CLOCK_EXCHANGE_SQL = _insert("clock_exchanges", ("host", "pid", "t1", "t2", "t3", "t4"))
 META_SQL = ("INSERT INTO meta (key, value) VALUES (?, ?) "
             "ON CONFLICT(key) DO UPDATE SET value = excluded.value")
 

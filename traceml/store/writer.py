@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from traceml import stacks, step_fields
+from traceml.clocks import Exchange
 from traceml.records import Capture, FlopCount, Incident, StepRow
 from traceml.store.records import JoinError, SenderState
 from traceml.store.schema import (
@@ -23,6 +24,7 @@ from traceml.store.schema import (
     BLOCK_SUMMED,
     CAPTURE_ASK_SQL,
     CAPTURE_REPORT_SQL,
+    CLOCK_EXCHANGE_SQL,
     DDL,
     EXPORTS_KEY,
     FLOP_COUNT_SQL,
@@ -139,6 +141,11 @@ class StoreWriter:
     def save_run(self, record: RunStart | RunEnd) -> None:
         """The launcher's record of the run's start or end."""
         self._set_meta(record_to_json(record))
+
+    def add_clock_exchange(self, host: str, pid: int, exchange: Exchange) -> None:
+        """A node launcher's best exchange of one burst against node 0's clock."""
+        self._execute(CLOCK_EXCHANGE_SQL, (host, pid, exchange.t1, exchange.t2, exchange.t3,
+                                           exchange.t4))
 
     def add_join_error(self, error: JoinError) -> None:
         self._set_meta({f"{JOIN_ERROR_PREFIX}{error.at:.6f}": error.problem})
