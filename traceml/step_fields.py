@@ -80,6 +80,9 @@ STEP_FIELDS: tuple[StepField, ...] = (
     *(_time(p.gpu_column, default=None, optional=True) for p in phases.gpu_timed()),
     # any collective in flight, exposed or hidden behind compute; None: none timed
     _time("collective_ms", default=None, optional=True, reported=True),
+    # the first collective's launch after the step's begin (the rank's arrival at it, on
+    # its clock); None: no collective timed
+    _time("collective_at_ms", default=None, optional=True),
     StepField("samples", int, None, optional=True),  # in the batches the step consumed
     StepField("tokens", int, None, optional=True),  # token ids in them (2-D integer batches)
     StepField("flops", float, None, optional=True, high=1e30),  # of the step, counted once

@@ -57,7 +57,47 @@ def test_no_collective_means_in_flight_not_measured() -> None:
     for _ in range(2):
         s.train_iter()
     s.log(CLOSE)
-    assert all(t.collective_s is None for t in s.steps)
+    assert all(t.collective_s is None and t.collective_at_s is None for t in s.steps)
+
+
+def test_the_arrival_at_the_first_collective_is_its_launch_after_the_step_begins() -> None:
+    s = CommScript()
+    for _ in range(3):
+        s.ddp_iter()
+    s.log(CLOSE)
+    # fetch 1 + forward 2, then bucket 0 launched 1 s into backward
+    assert [t.collective_at_s for t in s.steps] == [pytest.approx(4.0)] * 3
+    assert s.steps[1].t_begin + s.steps[1].collective_at_s == pytest.approx(
+        s.steps[0].t_begin + s.steps[0].total_s + 4.0)
+
+
+def test_accumulated_backwards_arrive_at_the_first_ones_collective() -> None:
+    s = CommScript()  # before any optimizer step, backwards end steps, held (then merged)
+    for _ in range(2):  # two micro-batches with DDP syncing each, one optimizer step
+        s.phase(INPUT, 1)
+        s.phase(FORWARD, 2)
+        start = s.t
+        s.phase(BACKWARD, 3)
+        s.span(start + 1, start + 2)
+    s.phase(OPTIMIZER, 1)
+    s.ddp_iter()
+    s.log(CLOSE)
+    merged = s.steps[0]
+    assert merged.counts[phases.code("backward")] == 2
+    assert merged.collective_at_s == pytest.approx(4.0)  # the first micro-batch's bucket
+
+
+def test_a_pending_collective_arrives_at_its_steps_begin() -> None:
+    s = CommScript()
+    s.ddp_iter()
+    s.phase(INPUT, 1)
+    s.phase(COMM, 0.5)  # launched after the fetch: pending until the forward
+    s.span(s.t - 0.5, s.t)
+    s.phase(FORWARD, 2)
+    s.phase(BACKWARD, 3)
+    s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    assert s.steps[1].collective_at_s == pytest.approx(1.0)  # its fetch, then the gather
 
 
 def test_a_collective_between_steps_stays_in_the_step_and_begins_none() -> None:

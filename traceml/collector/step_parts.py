@@ -37,6 +37,9 @@ class StepTiming(NamedTuple):
     boundary: str = OPTIMIZER_RULE  # what ended it: one of `traceml.phases.STEP_BOUNDARIES`
     eval_s: float = 0.0  # evaluation wall time that ended where this step began
     num_eval: int = 0  # ...and how many evaluation passes
+    # The first collective's launch after the step's begin (the rank's arrival at it);
+    # None: no collective timed
+    collective_at_s: float | None = None
 
     @property
     def wait_s(self) -> float:
@@ -72,6 +75,8 @@ class OpenStep:
                 self.counts[i] += n
             self.num_skipped += step.num_skipped
             self.in_flight.add_total(step.collective_s)
+            if step.collective_at_s is not None:
+                self.in_flight.launched(step.t_begin + step.collective_at_s)
         self.marks = [m for step in held for m in step.marks] + self.marks
         tally = BatchTally()  # their batches are this step's too
         for step in held:
@@ -201,8 +206,15 @@ class InFlight:
         self._blocks: list[list[float]] = []  # disjoint [start, end], by end
         self._folded_s = 0.0  # blocks folded away (too many to keep)
         self._any = False
+        self.first: float | None = None  # the earliest launch
+
+    def launched(self, launch: float) -> None:
+        """A collective launched at ``launch`` (the earliest is kept)."""
+        if self.first is None or launch < self.first:
+            self.first = launch
 
     def add(self, launch: float, done: float) -> None:
+        self.launched(launch)
         blocks = self._blocks
         start, end = launch, done
         while blocks and blocks[-1][1] >= launch:  # a late span may end before them

@@ -424,7 +424,9 @@ class StepTracker:
         timing = StepTiming(-1, step.begin, max(0.0, end - step.begin), tuple(step.acc),
                             tuple(step.counts), step.num_skipped, tuple(step.marks), self._rss,
                             step.in_flight.total_s(), *step.tally.result(), self._flops,
-                            step.counted, boundary, *self._evals.of_step)
+                            step.counted, boundary, *self._evals.of_step,
+                            collective_at_s=(None if step.in_flight.first is None
+                                             else max(0.0, step.in_flight.first - step.begin)))
         if boundary == BACKWARD_RULE and not self._backward_committed:
             self._held.append(timing)
             if len(self._held) >= HOLD_BACKWARD_STEPS:
