@@ -27,7 +27,8 @@ from dataclasses import dataclass
 EXCHANGES_PER_BURST = 8
 SYNC_INTERVALS_S = (30.0, 60.0, 120.0, 300.0, 600.0)  # between bursts; then the last again
 MIN_DRIFT_SPAN_S = 60.0
-"""The drift is fitted once the bursts' best exchanges span this long; before, None."""
+"""The drift is fitted once the bursts' best exchanges span this long (and there are
+MIN_DRIFT_BURSTS of them); before, None."""
 
 
 def wall_offset_s(skew_s: float = 0.0) -> float:
@@ -76,13 +77,25 @@ def best(exchanges: Sequence[Exchange]) -> Exchange | None:
 
 @dataclass(frozen=True)
 class NodeClock:
-    """A node's clock against node 0's over a run."""
+    """A node's clock against the reference node's (the collector's) over a run."""
 
-    offset_ms: float  # the node's clock minus node 0's, by the exchange with the least round trip
-    uncertainty_ms: float  # half that round trip: the true offset lies within offset ± this
+    offset_ms: float  # the node's clock minus the reference's, by the exchange with the
+    # least round trip (the drift moves it from there)
+    uncertainty_ms: float  # half that round trip: the offset then lay within offset ± this
+    measured_at: float | None  # when (unix seconds, the reference's clock); None: the reference
     num_bursts: int  # bursts whose best exchange was stored
-    drift_ppm: float | None  # the offset's change per second of node 0's clock, in
-    # millionths, fitted over the bursts; None: they span under MIN_DRIFT_SPAN_S
+    drift_ppm: float | None  # the offset's change per second of the reference's clock, in
+    # millionths, fitted over the bursts; None: under MIN_DRIFT_BURSTS bursts, or under
+    # MIN_DRIFT_SPAN_S apart
+
+
+REFERENCE = NodeClock(0.0, 0.0, None, 0, None)
+"""The reference node's own clock."""
+
+MIN_DRIFT_BURSTS = 3
+DRIFT_MAX_TRIP = 3.0
+"""Bursts whose best round trip is over this many times the least are left out of the
+drift fit (a queued answer's offset is off by up to half its round trip)."""
 
 
 def estimate(bursts: Sequence[Exchange]) -> NodeClock | None:
@@ -92,8 +105,10 @@ def estimate(bursts: Sequence[Exchange]) -> NodeClock | None:
     if chosen is None:
         return None
     drift = None
-    times = [e.t2 for e in whole]
-    if max(times) - min(times) >= MIN_DRIFT_SPAN_S:
-        slope, _ = statistics.linear_regression(times, [e.offset_s for e in whole])
+    fit = [e for e in whole if e.round_trip_s <= DRIFT_MAX_TRIP * chosen.round_trip_s]
+    times = [e.t2 for e in fit]
+    if len(fit) >= MIN_DRIFT_BURSTS and max(times) - min(times) >= MIN_DRIFT_SPAN_S:
+        slope, _ = statistics.linear_regression(times, [e.offset_s for e in fit])
         drift = slope * 1e6
-    return NodeClock(chosen.offset_s * 1e3, chosen.round_trip_s / 2 * 1e3, len(whole), drift)
+    return NodeClock(chosen.offset_s * 1e3, chosen.round_trip_s / 2 * 1e3, chosen.t2,
+                     len(whole), drift)

@@ -59,10 +59,13 @@ Set by the user (read by the launcher, never passed on to the workers):
     A file holding the session secret; it must not be readable by group or
     others (``chmod 600``).  Without either: on one node the launcher makes a
     random secret for the run; several nodes refuse to start.
+
+Test-only (never set in a real job; the launcher's ranks inherit it):
+
 ``TRACEML_TEST_CLOCK_SKEW_S``
-    Test-only, never set in a real job: shifts a launcher's clock exchanges and
-    its ranks' step times by this many seconds (`traceml.clocks`), so that two
-    launchers on one host act as two nodes whose clocks disagree.
+    Shifts a launcher's clock exchanges, and its ranks' step times, by this many
+    seconds (`traceml.clocks`), so that two launchers on one host act as two
+    nodes whose clocks disagree.
 
 Set by torch's elastic agent in every worker (read only, into `TorchRank`):
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK`` (the node rank) and

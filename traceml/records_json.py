@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from traceml import step_fields
+from traceml.clocks import NodeClock
 from traceml.records import (
     FlopCount,
     GpuSample,
@@ -31,7 +32,9 @@ def to_jsonable(run: RunData) -> dict[str, Json]:
     meta = dataclasses.asdict(run.meta)
     meta["missing_ranks"] = list(run.meta.missing_ranks)
     meta["nodes"] = [
-        {"node_rank": n.node_rank, "host": n.host, "ranks": list(n.ranks)} for n in run.meta.nodes
+        {"node_rank": n.node_rank, "host": n.host, "ranks": list(n.ranks),
+         "clock": None if n.clock is None else dataclasses.asdict(n.clock)}
+        for n in run.meta.nodes
     ]
     return {
         "format": RUNDATA_FORMAT,
@@ -133,7 +136,14 @@ def _decode_node(obj: object) -> NodeInfo:
     raw = _as_dict(obj, "node")
     ranks = tuple(_as_int(r, "node rank") for r in _as_list(raw.get("ranks"), "node ranks"))
     host = _as_str(raw.get("host"), "node host")
-    return NodeInfo(node_rank=_as_int(raw.get("node_rank"), "node_rank"), host=host, ranks=ranks)
+    clock = raw.get("clock")  # absent before clocks were measured
+    return NodeInfo(node_rank=_as_int(raw.get("node_rank"), "node_rank"), host=host, ranks=ranks,
+                    clock=None if clock is None else _decode_clock(clock))
+
+
+def _decode_clock(obj: object) -> NodeClock:
+    raw: dict[str, Any] = _as_dict(obj, "node clock")
+    return NodeClock(**raw)
 
 
 def _as_dict(obj: object, what: str) -> dict[str, object]:

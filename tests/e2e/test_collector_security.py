@@ -263,7 +263,8 @@ def test_join_port_is_curve_and_leaks_nothing(tmp_path: Path) -> None:
         for bad in ({"who": ["n1"], "best": None}, {"who": ["", 1], "best": None},
                     {"who": ["n1", -1], "best": None}, {"who": ["n1", 4], "best": [1, 2, 3]},
                     {"who": ["n1", 4], "best": ["1", 2, 3, 4]}, {"who": ["n1", 4], "best": 7},
-                    {"who": ["n1", 4], "best": [1, 2, 3, 1e300]}, [1, 2]):
+                    {"who": ["n1", 4], "best": [1, 2, 3, 1e300]}, [1, 2], {},
+                    {"best": None}, {"who": ["n1", 2**63], "best": best}):
             answer = ask(orjson.dumps({"clock": bad}), keys)
             assert answer == {"ok": False, "error": "malformed clock exchange"}, bad
     finally:
@@ -272,7 +273,7 @@ def test_join_port_is_curve_and_leaks_nothing(tmp_path: Path) -> None:
     stored = _rows(db, "SELECT COUNT(*) FROM meta WHERE key LIKE 'join_error/%'")[0][0]
     assert stored == 64  # bounded: the other 17 are only counted
     assert _rejected(db)["node with mismatching options"] == 81
-    assert _rejected(db)["malformed clock exchange"] == 8
+    assert _rejected(db)["malformed clock exchange"] == 11
     assert _rows(db, "SELECT host, pid, t1, t2, t3, t4 FROM clock_exchanges") == [("n1", 42, *best)]
 
 

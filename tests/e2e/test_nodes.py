@@ -167,16 +167,20 @@ def test_node_1s_clock_is_measured_against_node_0s(tmp_path: Path) -> None:
     summary = read_summary(nodes.session_dir)
     assert summary is not None
     clocks = {n["node_rank"]: n["clock"] for n in summary["meta"]["nodes"]}
-    assert clocks[0] is None
+    assert clocks[0]["offset_ms"] == 0.0 and clocks[0]["num_bursts"] == 0  # the reference
     clock = clocks[1]
     assert clock is not None and clock["num_bursts"] >= 1
-    assert abs(clock["offset_ms"] - 250.0) <= 1.0 and clock["uncertainty_ms"] < 1.0
-    assert "Clocks against node 0: node 1 +2" in results[0][1]
+    assert abs(clock["offset_ms"] - 250.0) <= min(1.0, clock["uncertainty_ms"] + 0.01)
+    assert "Clocks against node 0's: node 1 +2" in results[0][1]
     steps, _ = read_store(nodes.session_dir / "telemetry.sqlite")
     begins = {(r["rank"], r["step"]): r["t_begin"] for r in steps}
     apart = sorted(begins[1, s] - begins[0, s] for s in range(5, 40))
     assert abs(apart[len(apart) // 2] - 0.25) < 0.02  # as stored: node 1's clock
-    assert abs(apart[len(apart) // 2] - clock["offset_ms"] / 1e3) < 0.005  # aligned
+    assert abs(apart[len(apart) // 2] - clock["offset_ms"] / 1e3) < 0.01  # aligned
+    # The ranks reach each step's all-reduce together: on node 0's clock, not 250 ms apart
+    arrival = summary["step_time"]["arrival"]
+    assert arrival is not None and arrival["num_steps"] >= 30
+    assert arrival["median_ms"] < 20.0 and arrival["uncertainty_ms"] == clock["uncertainty_ms"]
 
 
 def test_two_nodes_c10d_with_curve(tmp_path: Path) -> None:

@@ -77,6 +77,14 @@ def test_twice_the_rows_on_one_rank_is_that_ranks_forward_and_backward(tmp_path:
     assert found["kind"] == "COMPUTE_STRAGGLER"
     assert found["why"].startswith("r1 forward and backward were "), found["why"]
     assert found["evidence"]["slower_pct"] >= 90  # nearly every step, in each half
+    # r1 launches its first gradient bucket late: it enters the all-reduce last
+    arrival = summary["step_time"]["arrival"]
+    assert arrival["last_rank"] == 1 and arrival["last_pct"] >= 90, arrival
+    # ...by about its extra forward and backward (its one bucket is ready at backward's end)
+    r0, r1 = summary["step_time"]["ranks"]
+    excess = sum(r1[p]["mean"] - r0[p]["mean"] for p in ("forward_ms", "backward_ms"))
+    assert 0.5 * excess <= arrival["median_ms"] <= 1.2 * excess, (arrival, excess)
+    assert "r1 entered the step's first collective last" in found["why"]
 
 
 def test_a_busy_process_on_one_ranks_core_names_that_rank(tmp_path: Any) -> None:

@@ -13,7 +13,8 @@ from tests.unit.test_store import END, NODE, START, T0
 from traceml import clocks
 from traceml.clocks import Exchange, estimate
 from traceml.environment import CLOCK_SKEW_VAR, clock_skew_for_tests_s
-from traceml.report import build_report
+from traceml.records_json import from_jsonable, to_jsonable
+from traceml.report import build_report, validate_summary
 from traceml.report.json_codec import report_to_json
 from traceml.report.text import render_text
 from traceml.store import SenderState, StoreReader, StoreWriter
@@ -54,6 +55,11 @@ def test_the_drift_is_fitted_over_bursts_a_minute_apart_or_more() -> None:
     assert clock is not None and clock.drift_ppm == pytest.approx(ppm, rel=1e-3)
     assert clock.offset_ms == pytest.approx(100.0, abs=1e-3)  # all alike: the first of equals
     assert estimate(bursts[:2]) is not None and estimate(bursts[:2]).drift_ppm is None  # type: ignore[union-attr]
+    # a burst whose answer was queued 10 ms is left out of the fit, not read as drift
+    queued = [exchange(T0, 0.1, 0.0102, 0.0002), *bursts[1:]]
+    clock = estimate(queued)
+    assert clock is not None and clock.drift_ppm == pytest.approx(ppm, rel=1e-3)
+    assert estimate(queued[:3]).drift_ppm is None  # type: ignore[union-attr]  # 2 bursts left
 
 
 def test_an_exchange_a_stepped_clock_spoiled_is_left_out() -> None:
@@ -77,18 +83,20 @@ def test_the_test_only_skew_shifts_the_wall_clock(value: str, skew: float) -> No
 
 
 def test_stored_exchanges_reach_their_node_in_the_summary(tmp_path: Path) -> None:
-    """Node 1's launcher (found by its system sampler's host and pid) measured its clock;
-    a launcher no node is known for, and node 0's, are not shown."""
+    """Node 1's launcher (found by its system sampler's host and pid) measured its clock
+    against node 0's, the collector's (the reference: 0); a launcher no node is known
+    for is not shown."""
     db = tmp_path / "telemetry.sqlite"
     writer = StoreWriter(str(db))
     writer.save_run(START)
+    writer.save_clock_reference("h", 9)  # NODE's launcher
     node1 = Sender(role="system", host="h1", pid=77, node_rank=1)
     for who in (NODE, node1):
         writer.save_sender(SenderState(who, T0, T0 + 6))
     writer.add_clock_exchange("h1", 77, exchange(T0 + 1, 0.25, 0.0003, 0.0001))
     writer.add_clock_exchange("h1", 77, exchange(T0 + 31, 0.25, 0.0001, 0.0001))
     writer.add_clock_exchange("h9", 5, exchange(T0 + 2, 9.0, 0.0001, 0.0001))  # no such node
-    writer.add_clock_exchange("h", 9, exchange(T0 + 2, 1.0, 0.0001, 0.0001))  # node 0's own
+    writer.add_clock_exchange("h", 9, exchange(T0 + 2, 1.0, 0.0001, 0.0001))  # the reference's
     writer.save_run(END)
     writer.close()
     with StoreReader(db) as reader:
@@ -96,7 +104,7 @@ def test_stored_exchanges_reach_their_node_in_the_summary(tmp_path: Path) -> Non
         run = reader.run(records)
     assert len(records.clock_exchanges) == 4
     nodes = {n.node_rank: n.clock for n in run.meta.nodes}
-    assert nodes[0] is None
+    assert nodes[0] == clocks.REFERENCE
     clock = nodes[1]
     assert clock is not None and clock.num_bursts == 2
     assert clock.offset_ms == pytest.approx(250.0, abs=1e-3)
@@ -105,5 +113,11 @@ def test_stored_exchanges_reach_their_node_in_the_summary(tmp_path: Path) -> Non
     doc = report_to_json(report)
     assert doc["meta"]["nodes"][1]["clock"] == {  # type: ignore[index,call-overload]
         "offset_ms": pytest.approx(250.0, abs=1e-3), "uncertainty_ms": pytest.approx(0.1, abs=1e-3),
-        "num_bursts": 2, "drift_ppm": None}
-    assert "Clocks against node 0: node 1 +250.00 ms +/- 0.10." in render_text(report)
+        "measured_at": "2023-11-14T22:13:51.000+00:00", "num_bursts": 2, "drift_ppm": None}
+    assert doc["meta"]["nodes"][0]["clock"] == {  # type: ignore[index,call-overload]
+        "offset_ms": 0.0, "uncertainty_ms": 0.0, "measured_at": None, "num_bursts": 0,
+        "drift_ppm": None}
+    assert validate_summary(doc) == []
+    assert "Clocks against node 0's: node 1 +250.00 ms +/- 0.10." in render_text(report)
+    # a recorded scenario keeps them
+    assert from_jsonable(to_jsonable(run)).meta.nodes == run.meta.nodes

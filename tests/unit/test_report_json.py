@@ -65,7 +65,7 @@ def test_each_section_has_diagnosis_findings_scope_stats_ranks() -> None:
     doc = as_json(build_report(cpu_run(), 10_000))
     for name, keys in SECTION_STATS.items():
         section = doc[name]
-        job = ["job"] if name == "throughput" else []
+        job = ["job"] if name == "throughput" else ["arrival"] if name == "step_time" else []
         assert list(section) == ["diagnosis", "findings", "scope", "stats", "ranks", *job]
         assert section["diagnosis"] == section["findings"][0]
         assert list(section["stats"]) == list(keys)

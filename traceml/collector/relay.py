@@ -188,6 +188,9 @@ class Outbox:
     def add_clock_exchange(self, host: str, pid: int, exchange: Exchange) -> None:
         """Only node 0's collector answers clock exchanges."""
 
+    def save_clock_reference(self, host: str, pid: int) -> None:
+        """Only node 0's collector answers clock exchanges."""
+
     def save_launcher_lost(self, at: float, role: str) -> None:
         """A relay's launcher is its node's: node 0 learns of it as a lost node."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -66,6 +67,8 @@ ASK_REPEATS = (0.0, 1.0, 2.0, 4.0)  # an ask is published again this long after 
 # (a rank that connected late still reads it; the rank takes each id once)
 JOIN_MAX_BYTES = 4096
 MAX_CLOCK_ROWS = 10_000  # a launcher's stored exchanges (about 150 a day: see traceml.clocks)
+MAX_CLOCK_LAUNCHERS = 8192  # launchers whose exchanges are stored (a node each)
+MAX_PID = 2**31
 
 
 class LiveServer(Protocol):
@@ -238,11 +241,14 @@ class Listener:
         received = self.clock()
         try:
             request = orjson.loads(data)
-            if isinstance(request, dict) and "clock" in request:
-                self._answer_clock(request["clock"], received, collector)
-                return
+        except orjson.JSONDecodeError:
+            request = None
+        if isinstance(request, dict) and "clock" in request:
+            self._answer_clock(request["clock"], received, collector)
+            return
+        try:
             problem = join_problem(request, self.config)
-        except (orjson.JSONDecodeError, TypeError, AttributeError, ValueError):
+        except (TypeError, AttributeError, ValueError):
             problem = "malformed join request"
         if problem:
             collector.reject("node with mismatching options")
@@ -252,19 +258,28 @@ class Listener:
 
     def _answer_clock(self, request: Any, received: float, collector: Collector) -> None:
         """A node's clock exchange (`traceml.clocks`): the request's arrival and the
-        answer's departure on node 0's clock; the burst's best exchange it carries,
-        stored (at most `MAX_CLOCK_ROWS` of one launcher)."""
+        answer's departure on this node's clock; the burst's best exchange it carries,
+        stored (at most `MAX_CLOCK_ROWS` of one launcher, `MAX_CLOCK_LAUNCHERS`
+        launchers).  Always answered, whatever it holds."""
+        answer: dict[str, Any] = {"ok": False, "error": "malformed clock exchange"}
         try:
             host, pid, best = _clock_request(request)
-        except (TypeError, ValueError):
+            if best is not None:
+                known = (host, pid) in self.clock_rows
+                if known or len(self.clock_rows) < MAX_CLOCK_LAUNCHERS:
+                    stored = self.clock_rows[host, pid] = self.clock_rows.get((host, pid), 0) + 1
+                    if stored <= MAX_CLOCK_ROWS:
+                        collector.store.add_clock_exchange(host, pid, best)
+            answer = {"ok": True, "t2": received}
+        except (TypeError, ValueError, LookupError, ArithmeticError):
             collector.reject("malformed clock exchange")
-            self.join.send(orjson.dumps({"ok": False, "error": "malformed clock exchange"}))
-            return
-        if best is not None:
-            stored = self.clock_rows[host, pid] = self.clock_rows.get((host, pid), 0) + 1
-            if stored <= MAX_CLOCK_ROWS:
-                collector.store.add_clock_exchange(host, pid, best)
-        self.join.send(orjson.dumps({"ok": True, "t2": received, "t3": self.clock()}))
+        except StoreError:
+            collector.store_failed = True
+            answer = {"ok": True, "t2": received}  # the exchange still stands
+        finally:
+            if answer["ok"]:
+                answer["t3"] = self.clock()
+            self.join.send(orjson.dumps(answer))
 
     def close(self) -> None:
         for sock in (self.join, self.monitor, self.sock, self.control):
@@ -285,7 +300,8 @@ def _clock_request(request: Any) -> tuple[str, int, Exchange | None]:
     (None: none yet); ValueError or TypeError when it is not one a launcher sends."""
     who, best = request["who"], request.get("best")
     host, pid = who
-    if type(host) is not str or not 0 < len(host) <= 255 or type(pid) is not int or pid < 0:
+    if (type(host) is not str or not 0 < len(host) <= 255 or type(pid) is not int
+            or not 0 <= pid <= MAX_PID):
         raise ValueError("not a launcher")
     if best is None:
         return host, pid, None
@@ -373,6 +389,8 @@ def serve(config: CollectorConfig, dashboard: LiveServer | None = None,
         return _not_ready(context, f"cannot write telemetry to {config.db_path}: {exc}",
                           store_error=True)
     collector = Collector(config, store)
+    if listener.join is not None:  # other nodes set their clocks against this launcher's
+        collector.save_clock_reference(socket.gethostname(), config.parent_pid)
     dashboard = _start_dashboard(dashboard, config, ready)
     asks = None
     if captures is not None:

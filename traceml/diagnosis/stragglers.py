@@ -147,6 +147,8 @@ _KINDS = {INPUT_PART: ("INPUT_STRAGGLER", "INPUT STRAGGLER"),
           UNTRACED_PART: ("HOST_STRAGGLER", "HOST-WORK STRAGGLER")}
 _COMPUTE_KIND = ("COMPUTE_STRAGGLER", "COMPUTE STRAGGLER")
 _COMBINED_KIND = ("STRAGGLER", "STRAGGLER")
+STRAGGLER_KINDS = frozenset(k for k, _ in (*_KINDS.values(), _COMPUTE_KIND, _COMBINED_KIND))
+"""The findings that name one slow rank."""
 
 
 def _kind(part: str) -> tuple[str, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import socket
 import sys
 import threading
@@ -129,7 +130,7 @@ class JoinCheck(threading.Thread):
                     if reply.get("ok"):
                         burst.append(clocks.Exchange(sent, float(reply["t2"]),
                                                      float(reply["t3"]), received))
-                wait = next(intervals)
+                wait = next(intervals) * random.uniform(0.9, 1.1)  # nodes' bursts apart
         except (zmq.ZMQError, orjson.JSONDecodeError, TypeError, ValueError, KeyError):
             pass  # no clock offset for this node; the run goes on
         finally:

@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from traceml import step_fields
+from traceml.diagnosis.arrival import LAST_CITED_PCT, ArrivalSkew, arrival_line, arrival_skew
 from traceml.diagnosis.ending import diagnose_ending
-from traceml.diagnosis.finding import severity_rank
+from traceml.diagnosis.finding import Finding, severity_rank
 from traceml.diagnosis.operators import capture_results
 from traceml.diagnosis.process import diagnose_process, rank_process
 from traceml.diagnosis.stats import Located, MetricStat, Worst, metric_stat
@@ -25,6 +26,7 @@ from traceml.diagnosis.step_time import (
     diagnose_step_time,
     rank_step_times,
 )
+from traceml.diagnosis.stragglers import STRAGGLER_KINDS
 from traceml.diagnosis.system import diagnose_system, node_system
 from traceml.diagnosis.throughput import (
     RankThroughput,
@@ -138,11 +140,28 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
     stats["gpu_ms"] = _rank_stat(rows, lambda t: t.gpu_ms.mean if t.gpu_ms is not None else None)
     stats.update(_evaluation_stats(run, node_of))
     findings = diagnose_step_time(times, _unmeasured_steps_why(run), run.meta.device)
+    arrival = arrival_skew(window, node_of, {n.node_rank: n.clock for n in run.meta.nodes})
     scope = dataclasses.replace(
         window.scope(node_of, _num_nodes(run)),
         step_boundary=boundary_rule(r for rank_rows in window.by_rank.values() for r in rank_rows),
         input_source=input_source(window.by_rank))
-    return Section("step_time", findings, scope, stats, tuple(rows))
+    return Section("step_time", cite_arrival(findings, arrival), scope, stats, tuple(rows),
+                   arrival=arrival)
+
+
+def cite_arrival(findings: Iterable[Finding], arrival: ArrivalSkew | None) -> tuple[Finding, ...]:
+    """A straggler finding whose rank came last into the first collective at most steps
+    says so, with the arrivals in its evidence."""
+    out = []
+    for f in findings:
+        if (arrival is not None and f.kind in STRAGGLER_KINDS and f.ranks
+                and f.ranks[0] == arrival.last_rank and arrival.last_pct >= LAST_CITED_PCT):
+            f = dataclasses.replace(
+                f, why=f"{f.why} {arrival_line(arrival)}",
+                evidence={**f.evidence, "arrival_skew_ms": arrival.median_ms,
+                          "arrival_last_pct": arrival.last_pct})
+        out.append(f)
+    return tuple(out)
 
 
 def _reported_mean(name: str) -> Callable[[RankStepTimes], float | None]:

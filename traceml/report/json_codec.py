@@ -19,6 +19,7 @@ import math
 from collections.abc import Mapping
 from datetime import datetime, timezone
 
+from traceml.clocks import NodeClock
 from traceml.diagnosis.ending import Ending
 from traceml.diagnosis.ending_text import waiting
 from traceml.diagnosis.finding import Finding
@@ -113,7 +114,7 @@ def meta_to_json(meta: RunMeta, duration_s: float) -> dict[str, Json]:
         "world_size": meta.world_size,
         "nodes": [
             {"node_rank": n.node_rank, "host": n.host, "ranks": list(n.ranks),
-             "clock": _plain(n.clock)} for n in meta.nodes
+             "clock": clock_to_json(n.clock)} for n in meta.nodes
         ],
         "device": meta.device,
         "mode": meta.mode,
@@ -149,6 +150,16 @@ def finding_to_json(finding: Finding) -> dict[str, Json]:
     }
 
 
+def clock_to_json(clock: NodeClock | None) -> Json:
+    """A node's clock against the collector's node's (`traceml.clocks`); null: not
+    measured."""
+    if clock is None:
+        return None
+    return {"offset_ms": _number(clock.offset_ms), "uncertainty_ms": _number(clock.uncertainty_ms),
+            "measured_at": None if clock.measured_at is None else iso_utc(clock.measured_at),
+            "num_bursts": clock.num_bursts, "drift_ppm": _number(clock.drift_ppm)}
+
+
 def section_to_json(section: Section) -> dict[str, Json]:
     """One section: diagnosis, findings, scope, stats and per-rank rows."""
     out: dict[str, Json] = {
@@ -160,6 +171,8 @@ def section_to_json(section: Section) -> dict[str, Json]:
     }
     if section.job is not None:
         out["job"] = _plain(section.job)
+    if section.name == "step_time":
+        out["arrival"] = _plain(section.arrival)
     return out
 
 

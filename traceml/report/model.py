@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from traceml.diagnosis.arrival import ArrivalSkew
 from traceml.diagnosis.ending import Ending
 from traceml.diagnosis.finding import Finding
 from traceml.diagnosis.operators import CaptureResult
@@ -22,8 +23,8 @@ from traceml.diagnosis.throughput import JobThroughput, RankThroughput
 from traceml.diagnosis.window import Scope
 from traceml.records import RunMeta
 
-SCHEMA_VERSION = "1.7"  # 1.7: meta.nodes[].clock; 1.6: captures (profiler captures'
-# operators); 1.5: meta.exports; 1.4: launcher_lost; 1.3: hook phase, straggler
+SCHEMA_VERSION = "1.7"  # 1.7: meta.nodes[].clock, step_time.arrival; 1.6: captures
+# (profiler captures' operators); 1.5: meta.exports; 1.4: launcher_lost; 1.3: hook phase, straggler
 # steadiness; 1.2: ending, ...
 """Version of final_summary.json; bump the major part on incompatible changes."""
 
@@ -51,6 +52,8 @@ class Section:
     stats: Mapping[str, MetricStat | None]  # fixed keys per section; None = not measured
     ranks: tuple[RankRow, ...]  # per rank, ascending (System: per node)
     job: JobThroughput | None = None  # Throughput only: the job's sums and sources
+    # Step Time only: the arrivals at each step's first collective (None: not measured)
+    arrival: ArrivalSkew | None = None
 
     def __post_init__(self) -> None:
         assert self.findings, f"section {self.name} has no finding"

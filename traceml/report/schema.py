@@ -66,7 +66,8 @@ _META = _obj({
     "world_size": _INT,
     "nodes": {"type": "array", "items": _obj({
         "node_rank": _INT, "host": _STR, "ranks": _INTS,
-        "clock": _obj({"offset_ms": _NUM, "uncertainty_ms": _NUM, "num_bursts": _INT,
+        "clock": _obj({"offset_ms": _NUM, "uncertainty_ms": _NUM,
+                       "measured_at": {"type": ["string", "null"]}, "num_bursts": _INT,
                        "drift_ppm": _NUM_OR_NULL}, nullable=True)})},
     "device": {"type": "string", "enum": ["cpu", "cuda"]},
     "mode": {"type": "string", "enum": ["run", "watch"]},
@@ -195,6 +196,10 @@ _THROUGHPUT_JOB = _obj({
     "flops_source": _STR,
 })
 
+_ARRIVAL = _obj({"median_ms": _NUM, "worst_ms": _NUM, "worst_step": _INT, "worst_rank": _INT,
+                 "last_rank": _INT, "last_pct": _NUM, "num_steps": _INT,
+                 "uncertainty_ms": _NUM}, nullable=True)
+
 SECTION_STATS: Mapping[str, tuple[str, ...]] = {
     "step_time": (
         *(p.column for p in phases.step_metrics()), *(f.name for f in step_fields.reported()),
@@ -235,6 +240,7 @@ def _section(name: str) -> dict[str, Any]:
         "stats": _obj({key: _STAT for key in SECTION_STATS[name]}),
         "ranks": {"type": "array", "items": _ROWS[name]},
         **({"job": _THROUGHPUT_JOB} if name == "throughput" else {}),
+        **({"arrival": _ARRIVAL} if name == "step_time" else {}),
     })
 
 

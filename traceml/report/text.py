@@ -12,6 +12,8 @@ import textwrap
 from collections.abc import Mapping, Sequence
 
 from traceml import phases
+from traceml.clocks import REFERENCE
+from traceml.diagnosis.arrival import arrival_line
 from traceml.diagnosis.ending import STOPPING_EXCEPTIONS
 from traceml.diagnosis.ending_text import RANKS_NAMED
 from traceml.diagnosis.finding import Finding, format_bytes, format_ranks
@@ -209,10 +211,11 @@ def _count(num: int, noun: str) -> str:
 
 
 def clocks_line(meta: RunMeta, listed: int = 3) -> str:
-    """Each node's clock against node 0's (a few listed; more: the largest and how many),
-    '' when none was measured (one node)."""
-    measured = [n for n in meta.nodes if n.clock is not None]
-    if not measured:
+    """Each node's clock against the collector's node's (a few listed; more: the farthest
+    and how many), '' when none was measured (one node)."""
+    reference = next((n.node_rank for n in meta.nodes if n.clock == REFERENCE), None)
+    measured = [n for n in meta.nodes if n.clock is not None and n.clock != REFERENCE]
+    if reference is None or not measured:
         return ""
 
     def one(n: NodeInfo) -> str:
@@ -220,11 +223,11 @@ def clocks_line(meta: RunMeta, listed: int = 3) -> str:
         assert c is not None
         drift = f", drift {c.drift_ppm:+.2f} ppm" if c.drift_ppm is not None else ""
         return f"node {n.node_rank} {c.offset_ms:+.2f} ms +/- {c.uncertainty_ms:.2f}{drift}"
+    head = f"Clocks against node {reference}'s"
     if len(measured) <= listed:
-        return "Clocks against node 0: " + "; ".join(map(one, measured)) + "."
+        return f"{head}: " + "; ".join(map(one, measured)) + "."
     largest = max(measured, key=lambda n: abs(n.clock.offset_ms) if n.clock else 0.0)
-    return (f"Clocks against node 0: {len(measured)} nodes measured; the farthest "
-            f"{one(largest)}.")
+    return f"{head}: {len(measured)} nodes measured; the farthest {one(largest)}."
 
 
 def _severity(finding: Finding) -> str:
@@ -299,6 +302,8 @@ def _step_time_stats(section: Section) -> list[str]:
         lines.append(_most_time(shown))
     if section.scope.input_source:
         lines.append(f"- Input: {INPUT_TEXT[section.scope.input_source]}")
+    if section.arrival is not None:
+        lines.append(f"- Arrival at collectives: {arrival_line(section.arrival)}")
     evals, num = section.stats.get("eval_total_ms"), section.stats.get("num_eval")
     if evals is not None and num is not None:
         lines.append(f"- Evaluation: {num.median:.0f} passes, {evals.median / 1e3:.2f} s of wall "

@@ -50,6 +50,7 @@ from traceml.store.rows import (
 from traceml.store.schema import (
     BLOCK_COLUMNS_KEY,
     BLOCK_SUMMED,
+    CLOCK_REFERENCE_KEY,
     EXPORTS_KEY,
     FLOP_COUNT_COLUMNS,
     JOIN_ERROR_PREFIX,
@@ -138,8 +139,13 @@ class StoreReader:
         lost_at = float(lost) if isinstance(lost, (int, float)) and math.isfinite(lost) else None
         role = "process" if meta.get(LAUNCHER_LOST_ROLE_KEY) == "process" else "launcher"
         exchanges = self.clock_exchanges()
+        reference = meta.get(CLOCK_REFERENCE_KEY)
+        if not (type(reference) is list and len(reference) == 2 and type(reference[0]) is str
+                and type(reference[1]) is int):
+            reference = None
         return RunRecords(start, end, senders, {**rejected, **self.skipped}, lost_at, role,
-                          checked_exports(meta.get(EXPORTS_KEY)), exchanges)
+                          checked_exports(meta.get(EXPORTS_KEY)), exchanges,
+                          None if reference is None else (reference[0], reference[1]))
 
     def clock_exchanges(self) -> tuple[tuple[str, int, Exchange], ...]:
         """Each node launcher's best exchange per burst against node 0's clock, as

@@ -58,6 +58,8 @@ class RunRecords:
     exports: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Each node launcher's (host, pid) best exchange per burst against node 0's clock.
     clock_exchanges: tuple[tuple[str, int, Exchange], ...] = ()
+    # (host, pid) of the launcher the exchanges were answered for (the collector's node)
+    clock_reference: tuple[str, int] | None = None
 
 
 _T = TypeVar("_T")

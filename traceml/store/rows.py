@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import orjson
 
 from traceml import stacks, step_fields
-from traceml.clocks import Exchange, estimate
+from traceml.clocks import REFERENCE, Exchange, estimate
 from traceml.errors import ProtocolError
 from traceml.records import (
     TOTALED,
@@ -243,7 +243,7 @@ def _run_meta(records: RunRecords, totals: tuple[RankTotals, ...],
                   else lost_at if lost_at is not None else start.started_at),
         exit_code=exit_code, partial=bool(missing) or exit_code != 0 or not complete,
         world_size=world_size, missing_ranks=missing,
-        nodes=_nodes(senders, records.clock_exchanges),
+        nodes=_nodes(senders, records.clock_exchanges, records.clock_reference),
         device="cuda" if cuda else "cpu",
         versions={"traceml": start.traceml_version, "torch": start.torch_version,
                   "python": start.python_version},
@@ -271,9 +271,11 @@ def _ranks(records: RunRecords, totals: tuple[RankTotals, ...]) -> tuple[int, tu
 
 
 def _nodes(senders: Sequence[SenderState],
-           exchanges: Sequence[tuple[str, int, Exchange]] = ()) -> tuple[NodeInfo, ...]:
-    """The job's nodes, each with its clock against node 0's when it measured one (its
-    launcher's exchanges, found by the host and pid of the launcher's system sampler)."""
+           exchanges: Sequence[tuple[str, int, Exchange]] = (),
+           reference: tuple[str, int] | None = None) -> tuple[NodeInfo, ...]:
+    """The job's nodes, each with its clock against the collector's node (the reference)
+    when its launcher measured one (its exchanges, found by the host and pid of the
+    launcher's system sampler); the reference's own clock reads 0."""
     hosts: dict[int, str] = {}
     ranks: dict[int, set[int]] = {}
     launchers: dict[tuple[str, int], int] = {}
@@ -290,7 +292,10 @@ def _nodes(senders: Sequence[SenderState],
     by_node: dict[int, list[Exchange]] = {}
     for host, pid, exchange in exchanges:
         of = launchers.get((host, pid))
-        if of is not None and of > 0:  # node 0 is the reference
+        if of is not None:
             by_node.setdefault(of, []).append(exchange)
-    return tuple(NodeInfo(n, hosts[n], tuple(sorted(ranks[n])), estimate(by_node.get(n, ())))
+    clocks = {n: estimate(e) for n, e in by_node.items()}
+    if reference is not None and reference in launchers:
+        clocks[launchers[reference]] = REFERENCE
+    return tuple(NodeInfo(n, hosts[n], tuple(sorted(ranks[n])), clocks.get(n))
                  for n in sorted(hosts))

@@ -26,6 +26,8 @@ SCHEMA_VERSION = 8  # 2: a column per phase (communication), collective_ms
 # 7: the captures table (profiler captures: the ask, then the rank's report)
 # 8: the clock_exchanges table (each node's clock against node 0's, `traceml.clocks`)
 JOIN_ERROR_PREFIX = "join_error/"
+CLOCK_REFERENCE_KEY = "clock_reference"  # meta: [host, pid] of the launcher on the
+# collector's node, which every other node's clock is set against (`traceml.clocks`)
 EXPORTS_KEY = "exports"  # meta: exporter -> how its pushes went (sent, failed, endpoint, error)
 LAUNCHER_LOST_KEY = "launcher_lost_at"  # meta: when the collector saw its launcher vanish
 LAUNCHER_LOST_ROLE_KEY = "launcher_lost_role"  # ...which: "launcher", or "process" (init())

@@ -25,6 +25,7 @@ from traceml.store.schema import (
     CAPTURE_ASK_SQL,
     CAPTURE_REPORT_SQL,
     CLOCK_EXCHANGE_SQL,
+    CLOCK_REFERENCE_KEY,
     DDL,
     EXPORTS_KEY,
     FLOP_COUNT_SQL,
@@ -146,6 +147,10 @@ class StoreWriter:
         """A node launcher's best exchange of one burst against node 0's clock."""
         self._execute(CLOCK_EXCHANGE_SQL, (host, pid, exchange.t1, exchange.t2, exchange.t3,
                                            exchange.t4))
+
+    def save_clock_reference(self, host: str, pid: int) -> None:
+        """The launcher on the collector's node: the other nodes' clocks are set against it."""
+        self._set_meta({CLOCK_REFERENCE_KEY: [host, pid]})
 
     def add_join_error(self, error: JoinError) -> None:
         self._set_meta({f"{JOIN_ERROR_PREFIX}{error.at:.6f}": error.problem})
