@@ -252,6 +252,9 @@ def test_join_port_is_curve_and_leaks_nothing(tmp_path: Path) -> None:
         match = orjson.dumps({"session_id": "node0-secret-id", "host": "n1",
                               "options": {"nnodes": "2", "nproc_per_node": "1"}})
         assert ask(match, keys) == {"ok": True, "error": ""}
+        deep = (b'{"session_id": "node0-secret-id", "host": ' + b"[" * 1000 + b"]" * 1000
+                + b', "options": {}}')  # too deep to show: answered, the collector stays
+        assert ask(deep, keys) == {"ok": False, "error": "malformed join request"}
         # Clock exchanges (traceml.clocks): node 0 stamps arrival and answer; a
         # burst's best is stored; what a launcher does not send is refused and counted.
         before = time.time()
@@ -272,7 +275,7 @@ def test_join_port_is_curve_and_leaks_nothing(tmp_path: Path) -> None:
         collector.stop()
     stored = _rows(db, "SELECT COUNT(*) FROM meta WHERE key LIKE 'join_error/%'")[0][0]
     assert stored == 64  # bounded: the other 17 are only counted
-    assert _rejected(db)["node with mismatching options"] == 81
+    assert _rejected(db)["node with mismatching options"] == 82
     assert _rejected(db)["malformed clock exchange"] == 11
     assert _rows(db, "SELECT host, pid, t1, t2, t3, t4 FROM clock_exchanges") == [("n1", 42, *best)]
 

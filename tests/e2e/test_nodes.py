@@ -180,7 +180,10 @@ def test_node_1s_clock_is_measured_against_node_0s(tmp_path: Path) -> None:
     # The ranks reach each step's all-reduce together: on node 0's clock, not 250 ms apart
     arrival = summary["step_time"]["arrival"]
     assert arrival is not None and arrival["num_steps"] >= 30
-    assert arrival["median_ms"] < 20.0 and arrival["uncertainty_ms"] == clock["uncertainty_ms"]
+    assert arrival["median_ms"] < 20.0
+    # The offset's uncertainty, widened by an unknown drift (50 ppm) over the seconds between
+    # the measurement and the steps: a short run adds a fraction of a millisecond.
+    assert clock["uncertainty_ms"] <= arrival["uncertainty_ms"] <= clock["uncertainty_ms"] + 2.0
 
 
 def test_two_nodes_c10d_with_curve(tmp_path: Path) -> None:

@@ -121,3 +121,19 @@ def test_stored_exchanges_reach_their_node_in_the_summary(tmp_path: Path) -> Non
     assert "Clocks against node 0's: node 1 +250.00 ms +/- 0.10." in render_text(report)
     # a recorded scenario keeps them
     assert from_jsonable(to_jsonable(run)).meta.nodes == run.meta.nodes
+
+
+def test_a_store_without_its_reference_sets_clocks_against_node_0(tmp_path: Path) -> None:
+    """A store written before the reference was recorded: node 0's is the reference."""
+    db = tmp_path / "telemetry.sqlite"
+    writer = StoreWriter(str(db))
+    writer.save_run(START)
+    node1 = Sender(role="system", host="h1", pid=77, node_rank=1)
+    for who in (NODE, node1):
+        writer.save_sender(SenderState(who, T0, T0 + 6))
+    writer.add_clock_exchange("h1", 77, exchange(T0 + 1, 0.25, 0.0001, 0.0001))
+    writer.close()
+    with StoreReader(db) as reader:
+        run = reader.run(reader.records())
+    clock = {n.node_rank: n.clock for n in run.meta.nodes}
+    assert clock[0] == clocks.REFERENCE and clock[1] is not None

@@ -246,15 +246,20 @@ class Listener:
         if isinstance(request, dict) and "clock" in request:
             self._answer_clock(request["clock"], received, collector)
             return
+        problem = "malformed join request"
         try:
             problem = join_problem(request, self.config)
-        except (TypeError, AttributeError, ValueError):
-            problem = "malformed join request"
-        if problem:
-            collector.reject("node with mismatching options")
-            if collector.rejected["node with mismatching options"] <= MAX_JOIN_ERRORS:
-                collector.store.add_join_error(JoinError(time.time(), problem))
-        self.join.send(orjson.dumps({"ok": not problem, "error": problem}))
+        except (TypeError, AttributeError, ValueError, LookupError, RecursionError):
+            pass  # the problem stays "malformed join request"
+        try:
+            if problem:
+                collector.reject("node with mismatching options")
+                if collector.rejected["node with mismatching options"] <= MAX_JOIN_ERRORS:
+                    collector.store.add_join_error(JoinError(time.time(), problem))
+        except StoreError:
+            collector.store_failed = True
+        finally:  # a REP socket owes every request its answer
+            self.join.send(orjson.dumps({"ok": not problem, "error": problem}))
 
     def _answer_clock(self, request: Any, received: float, collector: Collector) -> None:
         """A node's clock exchange (`traceml.clocks`): the request's arrival and the

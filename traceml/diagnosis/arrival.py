@@ -21,11 +21,19 @@ from dataclasses import dataclass
 
 from traceml.clocks import NodeClock
 from traceml.diagnosis.window import StepWindow
-from traceml.records import column
+from traceml.records import column, ms_column
 
 LAST_CITED_PCT = 50.0
 """A straggler finding cites the arrivals when its rank came last at this % of the steps
 or more."""
+
+MIN_STEPS = 5
+"""Arrivals over fewer steps (where every rank timed a collective) are not measured."""
+
+UNKNOWN_DRIFT_PPM = 50.0
+"""How far a clock may have drifted per second since its offset was measured, when its
+drift was not measured (an undisciplined quartz clock's tolerance): it widens the
+uncertainty with the time between that measurement and the window."""
 
 
 @dataclass(frozen=True)
@@ -36,61 +44,104 @@ class ArrivalSkew:
     median_ms: float
     worst_ms: float
     worst_step: int
-    worst_rank: int  # the last to arrive at the worst step
-    last_rank: int  # the rank that arrived last most often (the lowest of equals)
-    last_pct: float  # ...at this % of the steps
+    worst_rank: int | None  # the last to arrive at the worst step (None: within the clocks)
+    last_rank: int | None  # the rank last most often (the lowest of equals); None: no step
+    # had a last rank by more than the clocks' uncertainty
+    last_pct: float  # ...last at this % of the steps
     num_steps: int
-    uncertainty_ms: float  # of each spread, from the nodes' clock offsets (0 on one node)
+    uncertainty_ms: float  # of each arrival's difference, from the nodes' clock offsets (0
+    # on one node)
 
 
-def arrival_skew(window: StepWindow, node_of: Mapping[int, int],
-                 clocks: Mapping[int, NodeClock | None]) -> ArrivalSkew | None:
+def arrival_skew(window: StepWindow, clocks: Mapping[int, NodeClock | None]) -> ArrivalSkew | None:
     """The window's arrival skew (see the module docstring); ``clocks``: each node's clock
     against the reference node's (`traceml.clocks.REFERENCE` for that one; None: not
-    measured)."""
+    measured).
+
+    A rank is last at a step only when it came after the next one by more than the
+    clocks' uncertainty.  A step whose last arrival comes after some rank's step ended
+    is left out: that rank had left the collective, so the steps are not the same
+    iteration (a rank's lost events renumbered its steps), or the clocks are wrong."""
     ranks = sorted(r for r, rows in window.by_rank.items() if rows)
     if len(ranks) < 2:
         return None
-    nodes = {node_of.get(r) for r in ranks}
-    offsets: dict[int | None, float] = {}
-    uncertainties = [0.0]
-    if len(nodes) > 1:  # ranks on several hosts: their clocks differ
-        for node in nodes:
-            clock = clocks.get(node) if node is not None else None
-            if clock is None:
-                return None
-            offsets[node] = clock.offset_ms / 1e3
-            uncertainties.append(clock.uncertainty_ms)
-    arrivals = []
-    for r in ranks:
-        rows = window.by_rank[r]
-        offset = offsets.get(node_of.get(r), 0.0)
-        arrivals.append([None if b is None or at is None else b + at / 1e3 - offset
-                         for b, at in zip(column(rows, "t_begin"), column(rows, "collective_at_ms"))])
+    span = window.time_span()
+    middle = None if span is None else (span[0] + span[1]) / 2
+    offsets: dict[int, float] = {}
+    uncertainties: dict[int, float] = {}
+    rows_of = [window.by_rank[r] for r in ranks]
+    nodes = {n for rows in rows_of for n in column(rows, "node_rank")}
+    for node in nodes:
+        if len(nodes) == 1:  # one host: one clock
+            offsets[node], uncertainties[node] = 0.0, 0.0
+            continue
+        clock = clocks.get(node)
+        if clock is None or middle is None:
+            return None
+        offsets[node], uncertainties[node] = _at(clock, middle)
+    uncertainty = sum(sorted(uncertainties.values())[-2:])
+    arrivals, ends = [], []
+    for rows in rows_of:
+        offset = [offsets[n] for n in column(rows, "node_rank")]
+        begins = column(rows, "t_begin")
+        arrivals.append([None if b is None or at is None else b + at / 1e3 - o
+                         for b, at, o in zip(begins, column(rows, "collective_at_ms"), offset)])
+        ends.append([None if b is None else b + ms / 1e3 - o
+                     for b, ms, o in zip(begins, ms_column(rows, "total"), offset)])
+    slack = uncertainty / 1e3 + END_SLACK_S
     spreads, lasts = [], Counter[int]()
-    worst: tuple[float, int, int] | None = None
-    for step, at_step in zip(window.steps, zip(*arrivals)):
-        if None in at_step:
+    worst: tuple[float, int, int | None] | None = None
+    for step, at_step, end_step in zip(window.steps, zip(*arrivals), zip(*ends)):
+        if None in at_step or None in end_step:
             continue
         first, last = min(at_step), max(at_step)
-        rank = ranks[at_step.index(last)]
+        if last > min(end_step) + slack:  # not one iteration's collective
+            continue
+        runner_up = sorted(at_step)[-2]
         spread = (last - first) * 1e3
+        rank = ranks[at_step.index(last)] if (last - runner_up) * 1e3 > uncertainty else None
         spreads.append(spread)
-        lasts[rank] += 1
+        if rank is not None:
+            lasts[rank] += 1
         if worst is None or spread > worst[0]:
             worst = (spread, step, rank)
-    if worst is None:
+    if worst is None or len(spreads) < MIN_STEPS:
         return None
-    last_rank, num = min(lasts.items(), key=lambda kv: (-kv[1], kv[0]))
-    top = sorted(uncertainties)[-2:]
+    last_rank, num = (min(lasts.items(), key=lambda kv: (-kv[1], kv[0])) if lasts
+                      else (None, 0))
     return ArrivalSkew(statistics.median(spreads), worst[0], worst[1], worst[2], last_rank,
-                       100.0 * num / len(spreads), len(spreads), sum(top))
+                       100.0 * num / len(spreads), len(spreads), uncertainty)
+
+
+END_SLACK_S = 0.001  # a step's end and the next arrival read on one clock within this
+
+
+def _at(clock: NodeClock, t: float) -> tuple[float, float]:
+    """A node's offset (s) at ``t`` and its uncertainty (ms): the measured offset moved
+    by the drift since, the uncertainty widened by the time since (`UNKNOWN_DRIFT_PPM`
+    when the drift is not measured; a fifth of the drift's own move when it is)."""
+    since = 0.0 if clock.measured_at is None else t - clock.measured_at
+    if clock.drift_ppm is None:
+        return clock.offset_ms / 1e3, clock.uncertainty_ms + UNKNOWN_DRIFT_PPM * abs(since) / 1e3
+    moved = clock.drift_ppm * 1e-6 * since
+    return clock.offset_ms / 1e3 + moved, clock.uncertainty_ms + 0.2 * abs(moved) * 1e3
+
+
+def cited(skew: ArrivalSkew | None, rank: int) -> bool:
+    """Whether a finding about ``rank`` cites the arrivals: it came last at most steps,
+    by more than the clocks' uncertainty."""
+    return (skew is not None and skew.last_rank == rank and skew.last_pct >= LAST_CITED_PCT
+            and skew.median_ms > skew.uncertainty_ms)
 
 
 def arrival_line(skew: ArrivalSkew) -> str:
     """One sentence of the arrivals, for a finding or the card."""
     clocks = f" (clocks +/- {skew.uncertainty_ms:.2f} ms)" if skew.uncertainty_ms else ""
+    spread = (f"the last rank came {skew.median_ms:.1f} ms after the first (median), "
+              f"{skew.worst_ms:.1f} ms at worst (step {skew.worst_step}"
+              + (f", r{skew.worst_rank})" if skew.worst_rank is not None else ")"))
+    if skew.last_rank is None:
+        return (f"no rank came last by more than the clocks' uncertainty over "
+                f"{skew.num_steps} steps; {spread}{clocks}.")
     return (f"r{skew.last_rank} entered the step's first collective last at "
-            f"{skew.last_pct:.0f}% of {skew.num_steps} steps; the last rank came "
-            f"{skew.median_ms:.1f} ms after the first (median), {skew.worst_ms:.1f} ms at "
-            f"worst (step {skew.worst_step}, r{skew.worst_rank}){clocks}.")
+            f"{skew.last_pct:.0f}% of {skew.num_steps} steps; {spread}{clocks}.")

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from traceml import step_fields
-from traceml.diagnosis.arrival import LAST_CITED_PCT, ArrivalSkew, arrival_line, arrival_skew
+from traceml.diagnosis.arrival import ArrivalSkew, arrival_line, arrival_skew, cited
 from traceml.diagnosis.ending import diagnose_ending
 from traceml.diagnosis.finding import Finding, severity_rank
 from traceml.diagnosis.operators import capture_results
@@ -140,7 +140,7 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
     stats["gpu_ms"] = _rank_stat(rows, lambda t: t.gpu_ms.mean if t.gpu_ms is not None else None)
     stats.update(_evaluation_stats(run, node_of))
     findings = diagnose_step_time(times, _unmeasured_steps_why(run), run.meta.device)
-    arrival = arrival_skew(window, node_of, {n.node_rank: n.clock for n in run.meta.nodes})
+    arrival = arrival_skew(window, {n.node_rank: n.clock for n in run.meta.nodes})
     scope = dataclasses.replace(
         window.scope(node_of, _num_nodes(run)),
         step_boundary=boundary_rule(r for rank_rows in window.by_rank.values() for r in rank_rows),
@@ -154,8 +154,8 @@ def cite_arrival(findings: Iterable[Finding], arrival: ArrivalSkew | None) -> tu
     says so, with the arrivals in its evidence."""
     out = []
     for f in findings:
-        if (arrival is not None and f.kind in STRAGGLER_KINDS and f.ranks
-                and f.ranks[0] == arrival.last_rank and arrival.last_pct >= LAST_CITED_PCT):
+        if arrival is not None and f.kind in STRAGGLER_KINDS and f.ranks and cited(
+                arrival, f.ranks[0]):
             f = dataclasses.replace(
                 f, why=f"{f.why} {arrival_line(arrival)}",
                 evidence={**f.evidence, "arrival_skew_ms": arrival.median_ms,

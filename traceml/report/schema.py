@@ -196,8 +196,9 @@ _THROUGHPUT_JOB = _obj({
     "flops_source": _STR,
 })
 
-_ARRIVAL = _obj({"median_ms": _NUM, "worst_ms": _NUM, "worst_step": _INT, "worst_rank": _INT,
-                 "last_rank": _INT, "last_pct": _NUM, "num_steps": _INT,
+_ARRIVAL = _obj({"median_ms": _NUM, "worst_ms": _NUM, "worst_step": _INT,
+                 "worst_rank": _INT_OR_NULL, "last_rank": _INT_OR_NULL, "last_pct": _NUM,
+                 "num_steps": _INT,
                  "uncertainty_ms": _NUM}, nullable=True)
 
 SECTION_STATS: Mapping[str, tuple[str, ...]] = {

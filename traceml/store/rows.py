@@ -297,5 +297,7 @@ def _nodes(senders: Sequence[SenderState],
     clocks = {n: estimate(e) for n, e in by_node.items()}
     if reference is not None and reference in launchers:
         clocks[launchers[reference]] = REFERENCE
+    elif reference is None and by_node and 0 in hosts and 0 not in by_node:
+        clocks[0] = REFERENCE  # a store that did not record its reference: node 0's
     return tuple(NodeInfo(n, hosts[n], tuple(sorted(ranks[n])), clocks.get(n))
                  for n in sorted(hosts))
