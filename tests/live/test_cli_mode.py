@@ -22,10 +22,14 @@ class Tmux:
         self.base = ["tmux", "-L", socket_name]
 
     def start(self, command: str, width: int = 80, height: int = 24) -> None:
-        # `read` keeps the pane open after the command, so its output can be read.
+        # `read` keeps the pane open after the command, so its output can be read.  The
+        # environment is given explicitly: without a terminal, GNU readline (which pytest
+        # loads) exports LINES=24 and COLUMNS=80 into the process's C environment, which a
+        # child inherits by default; the tmux server would pass them to the pane and the
+        # view (rich reads LINES before the terminal's size) would fit 24 lines, not the pane.
         subprocess.run([*self.base, "new-session", "-d", "-s", "live", "-x", str(width), "-y",
                         str(height), f"bash --norc --noprofile -c {shlex.quote(command + '; read')}"],
-                       check=True)
+                       check=True, env=dict(os.environ))
 
     def screen(self) -> str:
         """The visible pane."""
