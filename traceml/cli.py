@@ -15,6 +15,7 @@ commands:
   report   recompute a session's final summary from its stored telemetry
   compare  compare two runs: IMPROVEMENT, REGRESSION, NO CHANGE, MIXED or INCONCLUSIVE
   capture  ask a live run to profile a rank (and the median rank) with torch.profiler
+  export   write a session's steps as a timeline for ui.perfetto.dev (--perfetto FILE)
 
 Run 'traceml <command> --help' for a command's options."""
 
@@ -49,8 +50,14 @@ def _capture(argv: Sequence[str]) -> int:
     return capture.main(argv)
 
 
+def _export(argv: Sequence[str]) -> int:
+    from traceml.report import export
+
+    return export.main(argv)
+
+
 COMMANDS = {"run": _run, "watch": _watch, "report": _report, "compare": _compare,
-            "capture": _capture}
+            "capture": _capture, "export": _export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

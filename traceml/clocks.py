@@ -112,3 +112,20 @@ def estimate(bursts: Sequence[Exchange]) -> NodeClock | None:
         drift = slope * 1e6
     return NodeClock(chosen.offset_s * 1e3, chosen.round_trip_s / 2 * 1e3, chosen.t2,
                      len(whole), drift)
+
+
+UNKNOWN_DRIFT_PPM = 50.0
+"""How far a clock may have drifted per second since its offset was measured, when its
+drift was not measured (an undisciplined quartz clock's tolerance): it widens the
+uncertainty with the time between that measurement and the window."""
+
+
+def offset_at(clock: NodeClock, t: float) -> tuple[float, float]:
+    """A node's offset (s) at ``t`` and its uncertainty (ms): the measured offset moved
+    by the drift since, the uncertainty widened by the time since (`UNKNOWN_DRIFT_PPM`
+    when the drift is not measured; a fifth of the drift's own move when it is)."""
+    since = 0.0 if clock.measured_at is None else t - clock.measured_at
+    if clock.drift_ppm is None:
+        return clock.offset_ms / 1e3, clock.uncertainty_ms + UNKNOWN_DRIFT_PPM * abs(since) / 1e3
+    moved = clock.drift_ppm * 1e-6 * since
+    return clock.offset_ms / 1e3 + moved, clock.uncertainty_ms + 0.2 * abs(moved) * 1e3

@@ -83,6 +83,7 @@ STEP_FIELDS: tuple[StepField, ...] = (
     # the first collective's launch after the step's begin (the rank's arrival at it, on
     # its clock); None: no collective timed
     _time("collective_at_ms", default=None, optional=True),
+    _time("collective_end_ms", default=None, optional=True),  # ...the last one's completion
     StepField("samples", int, None, optional=True),  # in the batches the step consumed
     StepField("tokens", int, None, optional=True),  # token ids in them (2-D integer batches)
     StepField("flops", float, None, optional=True, high=1e30),  # of the step, counted once
@@ -90,6 +91,9 @@ STEP_FIELDS: tuple[StepField, ...] = (
     StepField("boundary", str, phases.STEP_BOUNDARIES[0], choices=phases.STEP_BOUNDARIES),
     _time("eval_ms"),  # evaluation wall time that ended where this step began
     StepField("num_eval", int, 0),  # ...in this many passes
+    # Where each phase ran (the timeline), ms from the step's begin: its first call's begin
+    # and end, and its last call's when it ran more than once; None: it did not run
+    *(_time(c, default=None, optional=True) for p in phases.PHASES for c in p.place_columns),
 )
 """Every column of a stored step, in storage order; identity columns first."""
 

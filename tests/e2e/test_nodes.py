@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests import trace_events
 from tests.conftest import read_store, read_summary, script, wait_until
 
 
@@ -184,6 +185,18 @@ def test_node_1s_clock_is_measured_against_node_0s(tmp_path: Path) -> None:
     # The offset's uncertainty, widened by an unknown drift (50 ppm) over the seconds between
     # the measurement and the steps: a short run adds a fraction of a millisecond.
     assert clock["uncertainty_ms"] <= arrival["uncertainty_ms"] <= clock["uncertainty_ms"] + 2.0
+    # The exported timeline is on node 0's clock too: the two ranks' steps side by side.
+    out = tmp_path / "timeline.json.gz"
+    done = subprocess.run([sys.executable, "-m", "traceml", "export", str(nodes.session_dir),
+                           "--perfetto", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "not measured" not in done.stderr, done.stderr
+    document = trace_events.load(out)
+    trace_events.check(document["traceEvents"])
+    assert document["otherData"]["clocks"]["1"]["offset_ms"] == clock["offset_ms"]
+    starts = {(e["args"]["rank"], e["args"]["step"]): e["ts"] for e in document["traceEvents"]
+              if e.get("cat") == "step"}
+    apart_us = sorted(starts[1, s] - starts[0, s] for s in range(5, 40))
+    assert abs(apart_us[len(apart_us) // 2]) < 5_000  # µs: not 250 ms
 
 
 def test_two_nodes_c10d_with_curve(tmp_path: Path) -> None:

@@ -62,9 +62,12 @@ def test_every_field_the_tracker_measures_is_a_column() -> None:
     """A StepTiming field is stored under its own name (``_s`` as ``_ms``): one the
     table lacks fails here, not silently in a run."""
     for name in StepTiming._fields:
-        if name in ("phase_s", "counts", "marks"):  # a column per phase; the device columns
-            continue
+        if name in ("phase_s", "counts", "marks") or name.startswith("phase_"):
+            continue  # a column per phase (below); the device columns
         step_fields.field(name[:-2] + "_ms" if name.endswith("_s") else name)
+    for phase in phases.PHASES:
+        for name in (phase.column, phase.count_column, *phase.place_columns):
+            step_fields.field(name)
     for name in events.DEVICE_MARK_FIELDS:
         step_fields.field(name)
 
@@ -73,8 +76,17 @@ def test_a_tracked_step_lands_in_its_columns() -> None:
     n = len(phases.PHASES)
     timing = StepTiming(7, 2.0, 0.5, tuple(0.01 * (i + 1) for i in range(n)),
                         tuple(range(1, n + 1)), 1, ((10, 20, 1.0, 2.0, 3.0, 0.5),), 4096, 0.25,
-                        32, 512, 1e9, True, "backward", 1.5, 2)
+                        32, 512, 1e9, True, "backward", 1.5, 2,
+                        phase_at_s=(0.0, 0.1, None, 0.3, None, None),
+                        phase_end_s=(0.1, 0.2, None, 0.4, None, None),
+                        phase_last_at_s=(None, 0.25, None, None, None, None),
+                        phase_last_end_s=(None, 0.3, None, None, None, None))
     row = step_row(timing, 1000.0, {"rank": 3, "restart": 1, "node_rank": 2})
+    assert [row.value(p.at_column) for p in phases.PHASES] == [
+        0.0, 100.0, None, pytest.approx(300.0), None, None]
+    assert row.value("optimizer_end_ms") == pytest.approx(400.0)
+    assert row.value("forward_last_end_ms") == pytest.approx(300.0)
+    assert row.value("input_last_at_ms") is None
     assert (row.rank, row.restart, row.node_rank, row.step, row.t_begin) == (3, 1, 2, 7, 1002.0)
     assert row.ms("total") == 500.0 and row.ms("forward") == pytest.approx(20.0)
     assert row.counts == tuple(range(1, n + 1)) and row.num_skipped == 1

@@ -3,6 +3,8 @@ hand-built event logs with a fake clock."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.unit.test_steps import Script
@@ -189,3 +191,103 @@ def test_many_disjoint_collectives_are_all_counted() -> None:
     assert flight.total_s() == pytest.approx(1000.0)
 
 
+
+
+def _placed(step: Any) -> dict[str, tuple[Any, ...] | None]:
+    """Where each phase's first call ran in ``step`` by name (seconds from its begin), and
+    its last call's after it when it ran more than once."""
+    out: dict[str, tuple[Any, ...] | None] = {}
+    for i, p in enumerate(phases.PHASES):
+        at, end = step.phase_at_s[i], step.phase_end_s[i]
+        last = (step.phase_last_at_s[i], step.phase_last_end_s[i])
+        out[p.name] = (None if at is None else (pytest.approx(at), pytest.approx(end))
+                       + (() if last == (None, None) else tuple(map(pytest.approx, last))))
+    return out
+
+
+def test_each_phase_is_placed_where_it_ran_communication_inside_backward() -> None:
+    s = CommScript()
+    for _ in range(3):
+        s.ddp_iter()
+    s.log(CLOSE)
+    for step in s.steps:  # fetch 1, forward 2, backward 3 + 2 of exposed wait, optimizer 1
+        assert _placed(step) == {"input": (0, 1), "forward": (1, 3), "backward": (3, 8),
+                                 "optimizer": (8, 9), "communication": (6, 8), "hook": None}
+        assert step.phase_end_s[phases.code("optimizer")] <= step.total_s
+        # in flight from bucket 0's launch to the last bucket's completion, 3.5 s of 4
+        assert (step.collective_at_s, step.collective_end_s, step.collective_s) == (
+            pytest.approx(4.0), pytest.approx(8.0), pytest.approx(3.5))
+
+
+def test_accumulated_micro_batches_place_a_phases_first_and_last_calls() -> None:
+    s = CommScript()
+    for _ in range(3):  # three optimizer steps of two micro-batches each
+        s.micro_batch()
+        s.micro_batch()
+        s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    # fetch 0-1, forward 1-3, backward 3-6, fetch 6-7, forward 7-9, backward 9-12, opt 12-13;
+    # the first step's micro-batches were held as steps of their own, then merged
+    for step in s.steps:
+        assert step.counts[phases.code("forward")] == 2
+        assert _placed(step) == {"input": (0, 1, 6, 7), "forward": (1, 3, 7, 9),
+                                 "backward": (3, 6, 9, 12), "optimizer": (12, 13),
+                                 "communication": None, "hook": None}
+
+
+def test_a_loop_without_a_dataloader_places_its_input_in_the_gap_before_forward() -> None:
+    s = CommScript()
+    for _ in range(3):
+        s.gap(1.5)  # the batch is made in Python, untimed
+        s.phase(FORWARD, 2)
+        s.phase(BACKWARD, 3)
+        s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    step = s.steps[1]
+    assert step.phase_s[phases.code("input")] == pytest.approx(1.5)
+    assert _placed(step)["input"] == (0, 1.5) and _placed(step)["forward"] == (1.5, 3.5)
+
+
+def test_a_phase_nested_in_itself_is_placed_as_its_outer_call() -> None:
+    s = CommScript()
+    for _ in range(3):
+        s.phase(INPUT, 1)
+        s.log(FORWARD)  # a model whose forward calls another module's patched forward
+        s.gap(0.5)
+        s.phase(FORWARD, 1)
+        s.gap(0.5)
+        s.log(END)
+        s.phase(BACKWARD, 3)
+        s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    # both calls counted; the outer one (1 to 3) is the first and the last to end
+    assert _placed(s.steps[1])["forward"] == (1, 3)
+
+
+def test_more_calls_than_two_place_the_first_and_the_last() -> None:
+    s = CommScript()
+    for _ in range(3):
+        s.phase(INPUT, 1)
+        s.phase(FORWARD, 2)
+        for _ in range(3):  # three collectives before backward (metrics)
+            s.phase(COMM, 0.5)
+            s.gap(0.25)
+        s.phase(BACKWARD, 3)
+        s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    step = s.steps[1]
+    assert step.counts[COMM] == 3
+    assert _placed(step)["communication"] == (3, 3.5, 4.5, 5)
+
+
+def test_a_pending_call_of_no_time_is_dropped_with_the_rest_not_placed_in_later_steps() -> None:
+    s = CommScript()
+    for i in range(4):  # a loop without a DataLoader
+        s.gap(1)  # the batch is made
+        s.phase(FORWARD, 2)
+        s.phase(BACKWARD, 3)
+        s.phase(OPTIMIZER, 1)
+        if i == 0:
+            s.phase(COMM, 0.0)  # a collective after the step's optimizer, of no time
+    s.log(CLOSE)
+    assert [_placed(t)["communication"] for t in s.steps[1:]] == [(0, 0), None, None]

@@ -12,6 +12,8 @@ from traceml.wire.events import BATCH_FROM_FORWARD, INPUT
 
 OPTIMIZER_RULE, BACKWARD_RULE, MANUAL_RULE = phases.STEP_BOUNDARIES
 
+_NEVER = float("inf")
+
 MAX_DEPTH = 256
 """Deeper phase nesting, or more device marks or disjoint collective spans in one step,
 than any training loop makes: the events are not a rank's, and are dropped (or
@@ -40,6 +42,14 @@ class StepTiming(NamedTuple):
     # The first collective's launch after the step's begin (the rank's arrival at it);
     # None: no collective timed
     collective_at_s: float | None = None
+    collective_end_s: float | None = None  # the last collective's completion in the step
+    # Where each phase ran, in seconds from the step's begin (`Placement`): its first
+    # call's begin and end, and its last call's when it ran more than once (None: the
+    # phase did not run)
+    phase_at_s: tuple[float | None, ...] = ()
+    phase_end_s: tuple[float | None, ...] = ()
+    phase_last_at_s: tuple[float | None, ...] = ()
+    phase_last_end_s: tuple[float | None, ...] = ()
 
     @property
     def wait_s(self) -> float:
@@ -51,13 +61,14 @@ class OpenStep:
     skipped GradScaler steps, device marks, collectives in flight, batch sizes, whether
     the FLOP counter ran in it."""
 
-    __slots__ = ("begin", "acc", "counts", "num_skipped", "marks", "in_flight", "tally",
-                 "counted")
+    __slots__ = ("begin", "acc", "counts", "where", "num_skipped", "marks", "in_flight",
+                 "tally", "counted")
 
     def __init__(self, begin: float) -> None:
         self.begin = begin
         self.acc = [0.0] * len(phases.PHASES)
         self.counts = [0] * len(phases.PHASES)
+        self.where = Placement()
         self.num_skipped = 0
         self.marks: list[Any] = []
         self.in_flight = InFlight()
@@ -74,9 +85,13 @@ class OpenStep:
                 self.acc[i] += s
                 self.counts[i] += n
             self.num_skipped += step.num_skipped
+            self.where.absorb_offsets(step.t_begin, step.phase_at_s, step.phase_end_s)
+            self.where.absorb_offsets(step.t_begin, step.phase_last_at_s, step.phase_last_end_s)
             self.in_flight.add_total(step.collective_s)
             if step.collective_at_s is not None:
                 self.in_flight.launched(step.t_begin + step.collective_at_s)
+            if step.collective_end_s is not None:
+                self.in_flight.completed(step.t_begin + step.collective_end_s)
         self.marks = [m for step in held for m in step.marks] + self.marks
         tally = BatchTally()  # their batches are this step's too
         for step in held:
@@ -85,6 +100,67 @@ class OpenStep:
             self.counted = self.counted or step.flops_counted
         tally.absorb(self.tally)
         self.tally = tally
+
+
+class Placement:
+    """Where each phase's calls ran in a step: the first call (the earliest begin; of
+    nested calls the outer one) and the last (the latest end), on the rank's clock.  A
+    phase that ran once has one call; one that ran twice, both; of more, the calls
+    between are not placed."""
+
+    __slots__ = ("first_at", "first_end", "last_at", "last_end")
+
+    def __init__(self) -> None:
+        n = len(phases.PHASES)
+        self.first_at, self.first_end = [_NEVER] * n, [_NEVER] * n
+        self.last_at, self.last_end = [-_NEVER] * n, [-_NEVER] * n
+
+    def place(self, phase: int, start: float, end: float) -> None:
+        """A call of ``phase`` ran from ``start`` to ``end``."""
+        if start < self.first_at[phase] or (start == self.first_at[phase]
+                                            and end > self.first_end[phase]):
+            self.first_at[phase], self.first_end[phase] = start, end
+        if end > self.last_end[phase] or (end == self.last_end[phase]
+                                          and start < self.last_at[phase]):
+            self.last_at[phase], self.last_end[phase] = start, end
+
+    def placed_any(self) -> bool:
+        return any(at != _NEVER for at in self.first_at)
+
+    def absorb(self, other: Placement) -> None:
+        """The calls ``other`` placed (pending time that turned out to be this step's)."""
+        for phase, at in enumerate(other.first_at):
+            if at != _NEVER:
+                self.place(phase, at, other.first_end[phase])
+                self.place(phase, other.last_at[phase], other.last_end[phase])
+
+    def absorb_offsets(self, begin: float, at: Sequence[float | None],
+                       end: Sequence[float | None]) -> None:
+        """Calls given as offsets from ``begin`` (a held step's, merged into this one)."""
+        for phase, (a, e) in enumerate(zip(at, end)):
+            if a is not None and e is not None:
+                self.place(phase, begin + a, begin + e)
+
+    def offsets(self, begin: float, end: float) -> tuple[tuple[float | None, ...], ...]:
+        """The first calls' begins and ends and the last calls' (None when it is the
+        first), in seconds from ``begin``, within the step (``begin`` to ``end``)."""
+        total = max(0.0, end - begin)
+
+        def within(t: float) -> float:
+            return min(total, max(0.0, t - begin))
+
+        columns: list[list[float | None]] = [[], [], [], []]
+        for phase, at in enumerate(self.first_at):
+            if at == _NEVER:
+                row: tuple[float | None, ...] = (None, None, None, None)
+            else:
+                first = (within(at), within(self.first_end[phase]))
+                last_at, last_end = self.last_at[phase], self.last_end[phase]
+                same = (last_at, last_end) == (at, self.first_end[phase])
+                row = first + ((None, None) if same else (within(last_at), within(last_end)))
+            for column, value in zip(columns, row):
+                column.append(value)
+        return tuple(tuple(c) for c in columns)
 
 
 class Evaluations:
@@ -129,7 +205,8 @@ class Pending:
     training step's input, or an evaluation loop's?) and the collectives and copies
     since, per phase, with the batches the fetches took."""
 
-    __slots__ = ("start", "fetch_s", "num_fetches", "comm_s", "num_comm", "spans", "tally")
+    __slots__ = ("start", "fetch_s", "num_fetches", "comm_s", "num_comm", "spans", "tally",
+                 "where")
 
     def __init__(self) -> None:
         self.start: float | None = None  # where the first pending fetch began
@@ -139,15 +216,18 @@ class Pending:
         self.num_comm = [0] * len(phases.PHASES)
         self.spans: list[Any] = []  # collectives' (launch, completion)
         self.tally = BatchTally()
+        self.where = Placement()  # where the pending calls ran
 
     def holds_time(self) -> bool:
-        """Whether anything besides fetches is pending."""
-        return bool(self.spans) or any(self.comm_s)
+        """Whether anything besides fetches is pending (a call of no time included)."""
+        return (bool(self.spans) or any(self.comm_s) or any(self.num_comm)
+                or self.where.placed_any())
 
-    def add_fetch(self, start: float, own_s: float, batch: Any) -> None:
+    def add_fetch(self, start: float, end: float, own_s: float, batch: Any) -> None:
         """A fetch ended (``batch``: the batch record in effect)."""
         if self.start is None:
             self.start = start
+        self.where.place(INPUT, start, end)
         self.fetch_s += own_s
         self.num_fetches += 1
         if batch is not None and batch[3] != BATCH_FROM_FORWARD:
@@ -167,6 +247,7 @@ class Pending:
                 step.counts[phase] += n
         for launch, done in self.spans:
             step.in_flight.add(max(launch, step.begin), done)
+        step.where.absorb(self.where)
         return fetched
 
 
@@ -207,14 +288,21 @@ class InFlight:
         self._folded_s = 0.0  # blocks folded away (too many to keep)
         self._any = False
         self.first: float | None = None  # the earliest launch
+        self.last: float | None = None  # the latest completion
 
     def launched(self, launch: float) -> None:
         """A collective launched at ``launch`` (the earliest is kept)."""
         if self.first is None or launch < self.first:
             self.first = launch
 
+    def completed(self, done: float) -> None:
+        """A collective completed at ``done`` (the latest is kept)."""
+        if self.last is None or done > self.last:
+            self.last = done
+
     def add(self, launch: float, done: float) -> None:
         self.launched(launch)
+        self.completed(done)
         blocks = self._blocks
         start, end = launch, done
         while blocks and blocks[-1][1] >= launch:  # a late span may end before them

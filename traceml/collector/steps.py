@@ -117,7 +117,7 @@ class StepTracker:
                 elapsed = t - start
                 if phase == _COPY_PHASE:
                     if not stack:  # in a fetch (pin_memory), the fetch's time has it
-                        self._add_copy(elapsed)
+                        self._add_copy(start, t)
                     continue
                 if stack:
                     stack[-1][2] += elapsed
@@ -125,12 +125,13 @@ class StepTracker:
                 if own < 0.0:
                     own = 0.0
                 if not stack and phase in _DECIDED_LATER and self._end_outer(phase, code,
-                                                                             start, own):
+                                                                             start, t, own):
                     continue
                 if self._open:
                     step = self._step
                     step.acc[phase] += own
                     step.counts[phase] += code != END_UNCOUNTED
+                    step.where.place(phase, start, t)
                     if code >= OPTIMIZER_END or (not stack and phase in _ENDS_MATTER):
                         self._completed(phase, code, t)
             else:
@@ -168,7 +169,7 @@ class StepTracker:
                 or self._nograd_start is not None or self._manual
                 or self._evals.start is not None)
 
-    def _end_outer(self, phase: int, code: int, start: float, own: float) -> bool:
+    def _end_outer(self, phase: int, code: int, start: float, end: float, own: float) -> bool:
         """An outermost fetch, or an outermost collective while the time waits to learn
         what it was for; True: handled (the step has none of it yet)."""
         if phase == INPUT:
@@ -178,13 +179,14 @@ class StepTracker:
                 # work after the evaluation stays out of the next step too.
                 self._end_evaluation()
             else:
-                self._add_pending(start, own)
+                self._add_pending(start, end, own)
             return True
         if not self._undecided():
             return False
         if self._evals.start is None:  # else the evaluation's
             self._pending.comm_s[phase] += own
             self._pending.num_comm[phase] += 1
+            self._pending.where.place(phase, start, end)
         return True
 
     def _completed(self, phase: int, code: int, t: float) -> None:
@@ -274,10 +276,10 @@ class StepTracker:
         start = self._pending.start
         return start if start is not None else now
 
-    def _add_pending(self, start: float, own: float) -> None:
+    def _add_pending(self, start: float, end: float, own: float) -> None:
         if self._nograd_start is not None:
             self._end_evaluation()
-        self._pending.add_fetch(start, own, self._batch)
+        self._pending.add_fetch(start, end, own, self._batch)
 
     def _end_evaluation(self) -> None:
         """A fetch after a no-grad forward: that was an evaluation pass."""
@@ -317,14 +319,16 @@ class StepTracker:
         return (self._open and self._complete and not self._fetch_mode and not self._manual
                 and not self._by_backward)
 
-    def _add_copy(self, elapsed: float) -> None:
+    def _add_copy(self, start: float, end: float) -> None:
         """A host-to-device copy outside every phase: input of the step it is in."""
         if self._evals.start is not None:
             return
         if self._undecided():
-            self._pending.comm_s[INPUT] += elapsed
+            self._pending.comm_s[INPUT] += end - start
+            self._pending.where.place(INPUT, start, end)
         elif self._open:
-            self._step.acc[INPUT] += elapsed
+            self._step.acc[INPUT] += end - start
+            self._step.where.place(INPUT, start, end)
 
     def _undecided(self) -> bool:
         """Whether the time now belongs to what comes next: fetches wait to learn
@@ -380,6 +384,8 @@ class StepTracker:
                 self._finish(end, keep=True)
                 self._begin_step(end)
                 self._step.acc[INPUT] += max(0.0, now - end - timed)
+                if now > end:  # the batch was made between the two
+                    self._step.where.place(INPUT, end, now)
             elif not self._fetch_mode:
                 self._finish(now, keep=True)
                 self._begin_step(now)
@@ -421,12 +427,17 @@ class StepTracker:
         boundary = (MANUAL_RULE if self._manual else
                     BACKWARD_RULE if self._by_backward else OPTIMIZER_RULE)
         step = self._step
+        at_s, end_s, last_at_s, last_end_s = step.where.offsets(step.begin, end)
         timing = StepTiming(-1, step.begin, max(0.0, end - step.begin), tuple(step.acc),
                             tuple(step.counts), step.num_skipped, tuple(step.marks), self._rss,
                             step.in_flight.total_s(), *step.tally.result(), self._flops,
                             step.counted, boundary, *self._evals.of_step,
                             collective_at_s=(None if step.in_flight.first is None
-                                             else max(0.0, step.in_flight.first - step.begin)))
+                                             else max(0.0, step.in_flight.first - step.begin)),
+                            collective_end_s=(None if step.in_flight.last is None
+                                              else max(0.0, step.in_flight.last - step.begin)),
+                            phase_at_s=at_s, phase_end_s=end_s, phase_last_at_s=last_at_s,
+                            phase_last_end_s=last_end_s)
         if boundary == BACKWARD_RULE and not self._backward_committed:
             self._held.append(timing)
             if len(self._held) >= HOLD_BACKWARD_STEPS:

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from traceml.clocks import NodeClock
+from traceml.clocks import NodeClock, offset_at
 from traceml.diagnosis.window import StepWindow
 from traceml.records import column, ms_column
 
@@ -30,10 +30,6 @@ or more."""
 MIN_STEPS = 5
 """Arrivals over fewer steps (where every rank timed a collective) are not measured."""
 
-UNKNOWN_DRIFT_PPM = 50.0
-"""How far a clock may have drifted per second since its offset was measured, when its
-drift was not measured (an undisciplined quartz clock's tolerance): it widens the
-uncertainty with the time between that measurement and the window."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +74,7 @@ def arrival_skew(window: StepWindow, clocks: Mapping[int, NodeClock | None]) -> 
         clock = clocks.get(node)
         if clock is None or middle is None:
             return None
-        offsets[node], uncertainties[node] = _at(clock, middle)
+        offsets[node], uncertainties[node] = offset_at(clock, middle)
     uncertainty = sum(sorted(uncertainties.values())[-2:])
     arrivals, ends = [], []
     for rows in rows_of:
@@ -114,17 +110,6 @@ def arrival_skew(window: StepWindow, clocks: Mapping[int, NodeClock | None]) -> 
 
 
 END_SLACK_S = 0.001  # a step's end and the next arrival read on one clock within this
-
-
-def _at(clock: NodeClock, t: float) -> tuple[float, float]:
-    """A node's offset (s) at ``t`` and its uncertainty (ms): the measured offset moved
-    by the drift since, the uncertainty widened by the time since (`UNKNOWN_DRIFT_PPM`
-    when the drift is not measured; a fifth of the drift's own move when it is)."""
-    since = 0.0 if clock.measured_at is None else t - clock.measured_at
-    if clock.drift_ppm is None:
-        return clock.offset_ms / 1e3, clock.uncertainty_ms + UNKNOWN_DRIFT_PPM * abs(since) / 1e3
-    moved = clock.drift_ppm * 1e-6 * since
-    return clock.offset_ms / 1e3 + moved, clock.uncertainty_ms + 0.2 * abs(moved) * 1e3
 
 
 def cited(skew: ArrivalSkew | None, rank: int) -> bool:

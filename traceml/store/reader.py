@@ -9,7 +9,7 @@ import dataclasses
 import math
 import operator
 import sqlite3
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -223,6 +223,33 @@ class StoreReader:
             "system", "node_rank", _NODE_SAMPLE, span, num_nodes, policy.crash_spans(incidents)),
             system_sample, "system"))
         return self._run_data(records, steps, process, system, totals, incidents)
+
+    def last_steps(self) -> dict[int, int]:
+        """Each rank's highest stored step (rank -> step), from the blocks' bounds."""
+        layout = self._layout()
+        rows = self._rows(f"SELECT rank, MAX(last_step) AS last FROM {layout.source} "
+                          f"WHERE {_READABLE_RANK} GROUP BY rank")
+        return {r["rank"]: r["last"] for r in rows if type(r["last"]) is int}
+
+    def steps_run(self, records: RunRecords, first: int, last: int,
+                  ranks: Collection[int] | None = None) -> RunData:
+        """Steps ``first`` to ``last`` (inclusive) of ``ranks`` (default: every rank),
+        with the process and system samples and the incidents of the time they ran."""
+        steps = tuple(s for s in self._steps_in(
+            f"last_step >= ? AND first_step <= ? AND {_READABLE_RANK}", (first, last),
+            first - 1, last) if ranks is None or s.rank in ranks)
+        begins = [s.t_begin for s in steps if s.t_begin is not None]
+        span = (min(begins), max(s.t for s in steps if s.t is not None)) if begins else None
+        process: tuple[ProcessSample, ...] = ()
+        system: tuple[SystemSample, ...] = ()
+        if span is not None:
+            process = tuple(p for p in self._read(self._rows(
+                "SELECT * FROM process WHERE t >= ? AND t <= ? ORDER BY t, rowid", span),
+                process_sample, "process") if ranks is None or p.rank in ranks)
+            system = tuple(self._read(self._rows(
+                f"SELECT * FROM system WHERE {_NODE_SAMPLE} AND t >= ? AND t <= ? "
+                "ORDER BY t, rowid", span), system_sample, "system"))
+        return self._run_data(records, steps, process, system, totals_of(steps))
 
     def _run_data(self, records: RunRecords, steps: tuple[StepRow, ...],
                   process: tuple[ProcessSample, ...], system: tuple[SystemSample, ...],
