@@ -54,7 +54,8 @@ QUICK: list[tuple[str, list[str], bool, list[str]]] = [
       r"short  wall  untraced +[\d.]+ ms/step  paired added +-?[\d.]+ µs/step",
       r"^-- the same loops as 2 ranks of traceml run, against --no-trace\n"
       r"short  wall  untraced"]),
-    ("bench_page_scale.py", [], False, [r"^\s+64\s+10\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+\d+$"]),
+    ("bench_page_scale.py", [], False,
+     [r"^\s+64\s+10\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+\d+\s+\d+\s+[\d.]+$"]),
     ("bench_summary_scale.py", ["--cache", "{tmp}"], False,
      [r"^\s+8x2000\s+16,000 .* bounded .*STRAGGLER", r"^\s+8x2000\s+16,000 .* full ",
       r"^\s+64x50\s+3,200 .* bounded "]),

@@ -108,9 +108,15 @@ def wide_run(num_ranks: int, num_steps: int, slow_rank: int | None) -> RunData:
     for rank in range(num_ranks):
         for step in range(num_steps):
             inp, fwd, bwd, opt, total = wide_phases(rank, step, slow_rank)
-            steps.append(step_row(rank, step, inp, fwd, bwd, opt, total,
-                                  total - inp - fwd - bwd - opt, 4 * GIB + rank * MIB, 5 * GIB,
-                                  2 * GIB, t=T0 + 1 + step * 0.1, samples=32))
+            row = step_row(rank, step, inp, fwd, bwd, opt, total, total - inp - fwd - bwd - opt,
+                           4 * GIB + rank * MIB, 5 * GIB, 2 * GIB, t=T0 + 1 + step * 0.1,
+                           samples=32)
+            at, placed = 0.0, {}  # one call each, one after the other, as the tracker keeps them
+            for name, ms in zip(("input", "forward", "backward", "optimizer"),
+                                (inp, fwd, bwd, opt)):
+                placed |= {f"{name}_at_ms": round(at, 3), f"{name}_end_ms": round(at + ms, 3)}
+                at += ms
+            steps.append(row.replace(**placed))
     process = tuple(ProcessSample(r, r // per_node, T0 + t, 90.0 + r % 7, 2 * GIB + r * MIB,
                                   256 * GIB, 64, 4 * GIB, 5 * GIB, 80 * GIB)
                     for r in range(num_ranks) for t in (1, 2))

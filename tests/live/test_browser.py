@@ -229,3 +229,50 @@ def test_html_report_shows_a_captures_operators(tmp_path: Path, browser: Any) ->
     page.screenshot(path=str(artifact("html-report-capture.png")), full_page=True)
     assert watch.errors == [] and watch.outside_requests == []
     page.close()
+
+
+def _lanes(page: Any) -> list[dict[str, Any]]:
+    """Each drawn step's lanes: per rank, each phase rectangle's drawn width (px)."""
+    return list(page.evaluate("""() => Array.from(
+        document.querySelectorAll('[data-chart=lane-step]')).map((f) => ({
+            label: f.dataset.label, view: f.querySelector('svg').dataset.view,
+            lanes: Object.fromEntries(Array.from(f.querySelectorAll('[data-lane]')).map((g) =>
+                [g.dataset.lane, Object.fromEntries(Array.from(g.querySelectorAll(
+                    'rect[data-phase]')).map((r) => [r.dataset.phase,
+                    r.getBoundingClientRect().width]))]))}))"""))
+
+
+def test_html_swimlanes_show_the_slow_ranks_longer_phases(tmp_path: Path, browser: Any) -> None:
+    """A real 2-rank gloo DDP straggler (r1 gets twice the rows: twice the forward and
+    backward): on the report's swimlanes r1's forward is drawn wider than r0's, and r0's
+    wait in the all-reduce (communication) wider than r1's; the lanes zoom and reset."""
+    from tests.conftest import run_traceml, script
+
+    res = run_traceml(tmp_path, "run", "--html", "--nproc-per-node=2", script("ddp_real.py"),
+                      "--case", "uneven", "--steps", "30", timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    page, watch = open_page(browser, "file://")
+    page.goto((res.session_dir / "final_summary.html").as_uri())
+    wait_for(lambda: chart_facts(page)["renders"], 20, "the page to render")
+    steps = _lanes(page)
+    assert steps and steps[0]["label"].startswith("typical step "), steps
+    typical = steps[0]["lanes"]
+    assert set(typical) == {"0", "1"}
+    assert typical["1"]["forward"] > 1.3 * typical["0"]["forward"], typical
+    assert typical["0"]["communication"] > typical["1"]["communication"], typical
+    assert {"input", "backward", "optimizer", "in-flight"} <= set(typical["0"])
+    page.locator("[data-chart=lane-step] svg").first.scroll_into_view_if_needed()
+    page.screenshot(path=str(artifact("html-report-lanes.png")), full_page=True)
+    svg = page.locator("[data-chart=lane-step] svg").first
+    before = svg.get_attribute("data-view")
+    svg.hover()
+    page.mouse.wheel(0, -400)  # zoom in around the pointer
+    zoomed = wait_for(lambda: v if (v := svg.get_attribute("data-view")) != before else None, 10,
+                      "the lanes to zoom")
+    lo, hi = map(float, zoomed.split(","))
+    full_lo, full_hi = map(float, before.split(","))
+    assert full_lo <= lo < hi <= full_hi and hi - lo < 0.9 * (full_hi - full_lo)
+    svg.dblclick()
+    assert svg.get_attribute("data-view") == before
+    assert watch.errors == [] and watch.outside_requests == []
+    page.close()

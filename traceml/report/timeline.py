@@ -86,11 +86,17 @@ def choose_steps(last_steps: Mapping[int, int], window: int,
 
 
 @dataclass(frozen=True)
-class _Clocks:
+class NodeClocks:
     """Each node's offset against the reference clock (None: not measured)."""
 
     by_node: Mapping[int, NodeClock | None]
     single: bool  # one node: one clock
+
+    @classmethod
+    def of(cls, run: RunData, rows: Sequence[StepRow]) -> NodeClocks:
+        """The clocks of ``run``'s nodes, for ``rows``."""
+        nodes = {n.node_rank for n in run.meta.nodes} | {r.node_rank for r in rows}
+        return cls({n.node_rank: n.clock for n in run.meta.nodes}, len(nodes) <= 1)
 
     def to_reference(self, node: int, t: float) -> float:
         """``t`` on node ``node``'s clock as the reference clock reads it."""
@@ -254,7 +260,7 @@ def _metadata(run: RunData, rows: Sequence[StepRow], unaligned: Collection[int]
                    "args": {"sort_index": tid}}
 
 
-def _instants(run: RunData, rows: Sequence[StepRow], clocks: _Clocks, span: tuple[float, float],
+def _instants(run: RunData, rows: Sequence[StepRow], clocks: NodeClocks, span: tuple[float, float],
               node_of: Mapping[int, int], us: Callable[[float], float]
               ) -> Iterator[dict[str, Any]]:
     def instant(rank: int, node: int, t: float, name: str, args: dict[str, Any]
@@ -294,7 +300,7 @@ def _instants(run: RunData, rows: Sequence[StepRow], clocks: _Clocks, span: tupl
                               {"total_ms": row.total_ms, "median_ms": found.median_ms})
 
 
-def _counters(run: RunData, clocks: _Clocks, node_of: Mapping[int, int],
+def _counters(run: RunData, clocks: NodeClocks, node_of: Mapping[int, int],
               us: Callable[[float], float]) -> Iterator[dict[str, Any]]:
     mib = 1 << 20
     for p in run.process:
@@ -359,8 +365,7 @@ def trace(run: RunData, steps: StepRange | None = None, to_the_end: bool = True
     crash, the stall that ended the run) are drawn too."""
     rows = [r for r in run.steps if r.t_begin is not None
             and (steps is None or steps.first <= r.step <= steps.last)]
-    nodes = {n.node_rank for n in run.meta.nodes} | {r.node_rank for r in rows}
-    clocks = _Clocks({n.node_rank: n.clock for n in run.meta.nodes}, len(nodes) <= 1)
+    clocks = NodeClocks.of(run, rows)
     unaligned = clocks.unaligned({r.node_rank for r in rows})
     node_of = {r.rank: r.node_rank for r in rows}
     events: list[dict[str, Any]] = list(_metadata(run, rows, unaligned))

@@ -22,12 +22,13 @@ from typing import Any
 from traceml import phases
 from traceml.diagnosis.stats import stands_out
 from traceml.diagnosis.throughput import RankThroughput
-from traceml.diagnosis.window import capture_spans, select_window
+from traceml.diagnosis.window import StepWindow, capture_spans, select_window
 from traceml.records import Json, RunData, ms_column, rank_totals
 from traceml.report.build import build_report, rank_nodes
 from traceml.report.json_codec import report_to_json
 from traceml.report.model import SECTION_NAMES, Report
 from traceml.report.page.gauges import GaugeRow, gauges_to_json, node_gauges, process_gauges
+from traceml.report.page.lanes import StepLanes, build_lanes, lanes_to_json
 from traceml.report.page.series import MAX_POINTS, Series, build_series, series_to_json
 from traceml.report.page.spread import (
     Grid,
@@ -58,8 +59,8 @@ TABLE_PARTS = (*phases.stacked(), phases.TOTAL)
 TABLE_PHASES = tuple(p.column for p in TABLE_PARTS)
 """The phase table's columns: every phase, wait, total."""
 
-SNAPSHOT_FORMAT = "traceml.snapshot/2"
-"""2: ``wide`` (spreads and a downsampled grid at many ranks)."""
+SNAPSHOT_FORMAT = "traceml.snapshot/3"
+"""2: ``wide`` (spreads and a downsampled grid at many ranks); 3: ``lanes`` (swimlanes)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class Snapshot:
     processes: tuple[GaugeRow, ...]
     series: Series  # empty at many ranks: ``wide`` has the bands and the heatmap
     wide: WideView | None = None  # more than WIDE_RANKS ranks
+    lanes: tuple[StepLanes, ...] = ()  # the typical and the slowest step, every rank's phases
 
 
 def live_snapshot(run: RunData, window_rows: int, now: float | None = None) -> Snapshot:
@@ -114,7 +116,8 @@ def live_report(run: RunData, window_rows: int) -> Report:
 def build_snapshot(run: RunData, report: Report, *, ended: bool, now: float | None = None,
                    max_points: int = MAX_POINTS) -> Snapshot:
     """A snapshot of ``run`` around ``report`` (which was built from ``run``)."""
-    phases = phase_rows(run, report)
+    window = report_window(run, report)
+    phases = phase_rows(run, report, window)
     if ended:
         elapsed = report.duration_s
     else:
@@ -123,7 +126,7 @@ def build_snapshot(run: RunData, report: Report, *, ended: bool, now: float | No
     series = Series((), wide.grid.bucket_steps) if wide else build_series(run.steps, max_points)
     return Snapshot(report, elapsed, ended, phases, worst_ranks(phases),
                     blamed_cells(report, phases), node_gauges(report), process_gauges(report),
-                    series, wide)
+                    series, wide, build_lanes(run, report, window))
 
 
 def wide_view(run: RunData, report: Report, phases: tuple[RankPhases, ...]) -> WideView:
@@ -140,10 +143,17 @@ def wide_view(run: RunData, report: Report, phases: tuple[RankPhases, ...]) -> W
                     {k: s for k, s in rates.items() if s is not None}, build_grid(run.steps))
 
 
-def phase_rows(run: RunData, report: Report) -> tuple[RankPhases, ...]:
+def report_window(run: RunData, report: Report) -> StepWindow:
+    """The aligned steps the report's Step Time section read."""
+    return select_window(run.steps, report.step_time.scope.window_rows, run.meta.world_size,
+                         capture_spans(run.captures))
+
+
+def phase_rows(run: RunData, report: Report, window: StepWindow | None = None
+               ) -> tuple[RankPhases, ...]:
     """Per rank: median and worst of each phase over the report's step window."""
-    window = select_window(run.steps, report.step_time.scope.window_rows, run.meta.world_size,
-                           capture_spans(run.captures))
+    if window is None:
+        window = report_window(run, report)
     # The newest step of each rank: a summary's read holds only its window's rows.
     last = {rank: t.last_step for rank, t in rank_totals(run).items()}
     node_of = rank_nodes(run)
@@ -233,6 +243,7 @@ def snapshot_to_json(snap: Snapshot, live: bool) -> dict[str, Json]:
         "processes": gauges_to_json(snap.processes),
         "series": series_to_json(snap.series),
         "wide": None if snap.wide is None else _wide_json(snap.wide, len(snap.phases)),
+        "lanes": lanes_to_json(snap.lanes),
     }
 
 

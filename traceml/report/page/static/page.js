@@ -18,7 +18,7 @@
   const RATES = [["samples_per_s", "samples/s"], ["tokens_per_s", "tokens/s"],
     ["achieved_tflops", "TFLOP/s"], ["mfu_pct", "MFU"]];
   const SVG_NS = "http" + "://www.w3.org/2000/svg";
-  const state = { doc: null, renders: 0 };
+  const state = { doc: null, renders: 0, laneViews: {} };
 
   function $(id) { return document.getElementById(id); }
 
@@ -304,6 +304,143 @@
     for (const r of ranks) for (const v of r.total_ms) yMax = Math.max(yMax, v || 0);
     yMax = yMax > 0 ? yMax : 1;
     fill("phases", ranks.map((r) => phaseChart(r, lo, hi, yMax)));
+  }
+
+  // Swimlanes: the typical and the slowest step, a lane per rank (at many ranks the
+  // named, slowest, fastest and median ranks, and a density band of all of them).
+  const LANE_H = 16, LANE_GAP = 4, LANE_X0 = 56, LANE_W = 900;
+
+  function laneColor(name) {
+    const p = PHASES.find((q) => q[1] === name);
+    return p ? p[2] : "#999999";
+  }
+
+  function drawLanes(svg, s, view) {
+    svg.replaceChildren();
+    const [lo, hi] = view;
+    const x = (t) => LANE_X0 + ((t - lo) / Math.max(1e-9, hi - lo)) * LANE_W;
+    const clip = (t) => Math.max(LANE_X0, Math.min(LANE_X0 + LANE_W, x(t)));
+    const density = s.density ? PHASES.filter((p) => s.density[p[1]]) : [];
+    const rows = s.lanes.length + density.length;
+    const height = rows * (LANE_H + LANE_GAP) + 24;
+    svg.setAttribute("viewBox", `0 0 ${LANE_X0 + LANE_W + 10} ${height}`);
+    const defs = sv("defs");
+    const cp = sv("clipPath", { id: "clip-" + s.step });
+    cp.append(sv("rect", { x: LANE_X0, y: 0, width: LANE_W, height }));
+    defs.append(cp);
+    svg.append(defs);
+    const body = sv("g", { "clip-path": `url(#clip-${s.step})` });
+    s.lanes.forEach((lane, i) => {
+      const y = i * (LANE_H + LANE_GAP);
+      const g = sv("g", { "data-lane": String(lane.rank) });
+      svg.append(sv("text", { x: LANE_X0 - 6, y: y + LANE_H - 4, "text-anchor": "end",
+        class: "lane" }, "r" + lane.rank));
+      const step = sv("rect", { x: x(lane.begin_ms), y, height: LANE_H - 4,
+        width: Math.max(0.5, x(lane.begin_ms + lane.total_ms) - x(lane.begin_ms)),
+        fill: "#eaeef2", stroke: "#d0d7de", "data-phase": "step" });
+      step.append(sv("title", {}, `r${lane.rank} step ${s.step}: ${fmtMs(lane.total_ms)} ms` +
+        (Object.keys(lane.not_drawn_ms).length ? "; not drawn: " + Object.entries(
+          lane.not_drawn_ms).map(([k, v]) => `${k} ${fmtMs(v)} ms`).join(", ") : "")));
+      g.append(step);
+      let depth = 0, ends = [];
+      for (const [name, b, e] of lane.phases) {
+        while (ends.length && ends[ends.length - 1] <= b) ends.pop();
+        depth = ends.length;
+        ends.push(e);
+        const inset = Math.min(depth * 2, 5);
+        const t0 = lane.begin_ms + b, t1 = lane.begin_ms + e;
+        const r = sv("rect", { x: x(t0), y: y + inset, width: Math.max(0.5, x(t1) - x(t0)),
+          height: LANE_H - 4 - 2 * inset, fill: laneColor(name), "data-phase": name,
+          "data-ms": (e - b).toFixed(3) });
+        r.append(sv("title", {}, `r${lane.rank} ${name}: ${fmtMs(e - b)} ms, ` +
+          `from +${fmtMs(b)} ms`));
+        g.append(r);
+      }
+      if (lane.in_flight) {
+        const [a, e] = lane.in_flight;
+        const r = sv("rect", { x: x(lane.begin_ms + a), y: y + LANE_H - 3, height: 2,
+          width: Math.max(0.5, x(lane.begin_ms + e) - x(lane.begin_ms + a)), fill: "#1f2328",
+          "data-phase": "in-flight" });
+        r.append(sv("title", {}, `r${lane.rank} collectives in flight: ${fmtMs(e - a)} ms`));
+        g.append(r);
+      }
+      body.append(g);
+    });
+    density.forEach(([, name, color], j) => {
+      const y = (s.lanes.length + j) * (LANE_H + LANE_GAP);
+      const counts = s.density[name], n = counts.length, w = s.span_ms / n;
+      svg.append(sv("text", { x: LANE_X0 - 6, y: y + LANE_H - 4, "text-anchor": "end" }, name));
+      const g = sv("g", { "data-density": name });
+      counts.forEach((c, k) => {
+        if (!c) return;
+        g.append(sv("rect", { x: x(k * w), y, width: Math.max(0.5, x((k + 1) * w) - x(k * w)),
+          height: LANE_H - 4, fill: color, "fill-opacity": (0.15 + 0.85 * c / s.num_ranks).toFixed(3) }));
+      });
+      g.append(sv("title", {}, `${name}: how many of the ${s.num_ranks} ranks were in it`));
+      body.append(g);
+    });
+    svg.append(body);
+    const yAxis = rows * (LANE_H + LANE_GAP) + 4;
+    svg.append(sv("line", { x1: LANE_X0, y1: yAxis, x2: LANE_X0 + LANE_W, y2: yAxis, stroke: "#d0d7de" }));
+    for (const f of [0, 0.25, 0.5, 0.75, 1]) {
+      const t = lo + f * (hi - lo);
+      svg.append(sv("text", { x: LANE_X0 + f * LANE_W, y: yAxis + 12,
+        "text-anchor": f === 0 ? "start" : f === 1 ? "end" : "middle" }, fmtMs(t) + " ms"));
+    }
+  }
+
+  function laneChart(s) {
+    const svg = sv("svg", { role: "img", "data-chart": "lanes", "data-step": String(s.step) });
+    const full = [0, Math.max(s.span_ms, 1e-3)];
+    const kept = state.laneViews[s.label];  // a live page redraws: keep the zoom of a step
+    let view = kept && kept[1] <= full[1] ? kept.slice() : full.slice(), drag = null;
+    const redraw = () => {
+      state.laneViews[s.label] = view.slice();
+      svg.dataset.view = view.map((v) => v.toFixed(3)).join(",");
+      drawLanes(svg, s, view);
+    };
+    const at = (event) => {
+      const box = svg.getBoundingClientRect(), scale = box.width / (LANE_X0 + LANE_W + 10);
+      const f = Math.max(0, Math.min(1, ((event.clientX - box.left) / scale - LANE_X0) / LANE_W));
+      return view[0] + f * (view[1] - view[0]);
+    };
+    svg.addEventListener("wheel", (event) => {
+      event.preventDefault();
+      const t = at(event), k = event.deltaY > 0 ? 1.25 : 0.8;
+      const lo = t - (t - view[0]) * k, hi = t + (view[1] - t) * k;
+      view = [Math.max(full[0], lo), Math.min(full[1], Math.max(hi, lo + 1e-3))];
+      redraw();
+    }, { passive: false });
+    svg.addEventListener("mousedown", (event) => { drag = [event.clientX, view.slice()]; });
+    for (const end of ["mouseup", "mouseleave"]) svg.addEventListener(end, () => { drag = null; });
+    svg.addEventListener("mousemove", (event) => {
+      if (!drag) return;
+      const box = svg.getBoundingClientRect(), scale = box.width / (LANE_X0 + LANE_W + 10);
+      const dt = -((event.clientX - drag[0]) / scale / LANE_W) * (drag[1][1] - drag[1][0]);
+      const width = drag[1][1] - drag[1][0];
+      const lo = Math.max(full[0], Math.min(full[1] - width, drag[1][0] + dt));
+      view = [lo, lo + width];
+      redraw();
+    });
+    svg.addEventListener("dblclick", () => { view = full.slice(); redraw(); });
+    redraw();
+    const shown = s.lanes.length < s.num_ranks
+      ? ` · ${s.lanes.length} of ${s.num_ranks} ranks drawn (named, slowest, fastest, median), ` +
+        "the density of all below" : "";
+    return el("figure", { "data-chart": "lane-step", "data-label": s.label },
+      [el("figcaption", {}, `${s.label}: ${fmtMs(s.span_ms)} ms from the first rank's begin ` +
+        `to the last rank's end${shown}`), svg]);
+  }
+
+  function renderLanes(doc) {
+    const lanes = doc.lanes || [];
+    $("lanes").className = "lanes";
+    if (!lanes.length) {
+      fill("lanes", el("p", { class: "empty" }, "No step with its phases placed yet " +
+        "(a store written before traceml placed phases has none)."));
+      return;
+    }
+    fill("lanes", lanes.map(laneChart));
   }
 
   function viridis(t) {
@@ -601,6 +738,7 @@
     renderTable(doc);
     renderLegend();
     renderPhaseCharts(doc);
+    renderLanes(doc);
     renderHeatmap(doc);
     renderMemory(doc);
     renderThroughput(doc);
