@@ -193,10 +193,14 @@ def rank_sender(r: int, world: int, host: str, steps_per_s: float) -> Paced:
 def step_record(who: Sender, step: int, t_begin: float) -> StepRow:
     """A step as a relay's tracker emits it (the times of `log_iteration`'s loop)."""
     phase_ms = {"input": 1.0, "forward": 20.0, "backward": 39.0, "optimizer": 10.0}
+    placed, at = {}, 0.0  # where each phase ran, as the tracker keeps it (to the µs)
+    for name, ms in phase_ms.items():
+        placed |= {f"{name}_at_ms": round(at + 0.0123, 3), f"{name}_end_ms": round(at + ms, 3)}
+        at += ms + 0.25
     return StepRow.of(rank=who.rank, node_rank=who.node_rank, step=step, t_begin=t_begin,
                       total_ms=100.0, wait_ms=30.0,
                       **{f"{name}_ms": ms for name, ms in phase_ms.items()},
-                      **{f"num_{name}": 1 for name in phase_ms},
+                      **{f"num_{name}": 1 for name in phase_ms}, **placed,
                       rss_bytes=300 << 20, boundary="optimizer")
 
 

@@ -13,8 +13,15 @@ from traceml import phases
 from traceml.clocks import REFERENCE, NodeClock
 from traceml.records import NodeInfo, StepRow
 from traceml.report import build_report
-from traceml.report.page.lanes import DENSITY_BUCKETS, MAX_LANES, build_lanes, lanes_to_json
+from traceml.report.page.lanes import (
+    DENSITY_BUCKETS,
+    MAX_LANES,
+    _step_lanes,
+    build_lanes,
+    lanes_to_json,
+)
 from traceml.report.page.snapshot import build_snapshot, report_window, snapshot_to_json
+from traceml.report.timeline import NodeClocks
 
 STEPS = 30
 
@@ -31,7 +38,7 @@ def test_two_ranks_the_typical_and_the_slowest_step_with_a_late_rank() -> None:
         for r in range(2):
             late = 0.002 if r == 1 else 0.0  # r1 begins each step 2 ms after r0
             row = ddp_row(r, s, t0=T0 + late + s * 0.005)
-            if s == 20:  # one slow step: r1's backward takes 30 ms more
+            if s == 20:  # one slow step: both ranks' backward takes 30 ms more
                 row = row.replace(total_ms=40.0, backward_end_ms=38.0, communication_at_ms=36.0,
                                   communication_end_ms=38.0, optimizer_at_ms=38.0,
                                   optimizer_end_ms=39.0, wait_ms=31.0)
@@ -95,6 +102,17 @@ def test_sixty_four_ranks_the_named_and_extreme_ranks_and_the_density_of_all() -
     assert density["communication"][116] == 63 and density["backward"][116] == 1
     document = lanes_to_json([typical])[0]
     assert document["num_ranks"] == 64 and len(document["density"]["forward"]) == DENSITY_BUCKETS
+
+
+def test_the_extremes_are_always_drawn_and_the_singled_out_ranks_fill_the_rest() -> None:
+    rows = [ddp_row(r, 0, total_ms=10.0 + r * 0.01) for r in range(64)]  # r63 slowest
+    clocks = NodeClocks({0: REFERENCE}, True)
+    one = _step_lanes("typical step 0", 0, rows, clocks, named=[5])
+    assert [lane.rank for lane in one.lanes] == [0, 5, 32, 63]
+    many = _step_lanes("typical step 0", 0, rows, clocks, named=list(range(1, 30)))
+    shown = [lane.rank for lane in many.lanes]
+    assert len(shown) == MAX_LANES and {0, 32, 63} <= set(shown)
+    assert shown == sorted({0, 32, 63, *range(1, MAX_LANES - 2)})
 
 
 def test_the_snapshot_carries_the_lanes() -> None:

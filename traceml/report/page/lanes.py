@@ -7,10 +7,10 @@ longest, when that is `SLOWER_BY` beyond the typical one).  Each lane is a rank'
 from its begin, placed against the earliest rank's begin at that step, so a rank that
 began late or came last into the all-reduce shows as such, with its phases where they
 ran (`traceml.report.timeline.placed_phases`: what cannot be placed is not drawn, and
-the lane says how much).  Up to `MAX_LANES` ranks get a lane each; beyond, the ranks the
-Step Time findings single out, then the slowest, the fastest and the median rank at
-that step, and a density band: per phase, how many of all the ranks were in it, over
-the step.
+the lane says how much).  Up to `MAX_LANES` ranks get a lane each; beyond, the slowest,
+the fastest and the median rank at that step and as many of the ranks the Step Time
+findings single out as fit, and a density band: per phase, how many of all the ranks
+were in it, over the step.
 """
 
 from __future__ import annotations
@@ -98,11 +98,15 @@ def _step_lanes(label: str, step: int, rows: Sequence[StepRow], clocks: NodeCloc
     if len(lanes) <= MAX_LANES:
         return StepLanes(label, step, span, tuple(lanes), len(lanes))
     by_total = sorted(lanes, key=lambda lane: (lane.begin_ms + lane.total_ms, lane.rank))
-    picks: list[int] = []
-    for rank in (*named, by_total[-1].rank, by_total[0].rank, by_total[len(by_total) // 2].rank):
-        if rank not in picks and any(lane.rank == rank for lane in lanes):
-            picks.append(rank)
-    shown = tuple(lane for lane in lanes if lane.rank in picks[:MAX_LANES])
+    extremes = [by_total[-1].rank, by_total[0].rank, by_total[len(by_total) // 2].rank]
+    present = {lane.rank for lane in lanes}
+    picks = set(extremes)  # always drawn; the singled-out ranks fill the lanes left
+    for rank in named:
+        if len(picks) >= MAX_LANES:
+            break
+        if rank in present:
+            picks.add(rank)
+    shown = tuple(lane for lane in lanes if lane.rank in picks)
     return StepLanes(label, step, span, shown, len(lanes), _density(lanes, span))
 
 

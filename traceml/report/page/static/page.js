@@ -18,7 +18,7 @@
   const RATES = [["samples_per_s", "samples/s"], ["tokens_per_s", "tokens/s"],
     ["achieved_tflops", "TFLOP/s"], ["mfu_pct", "MFU"]];
   const SVG_NS = "http" + "://www.w3.org/2000/svg";
-  const state = { doc: null, renders: 0, laneViews: {} };
+  const state = { doc: null, renders: 0, laneViews: {}, lanesDrawn: null, clipIds: 0 };
 
   function $(id) { return document.getElementById(id); }
 
@@ -308,7 +308,7 @@
 
   // Swimlanes: the typical and the slowest step, a lane per rank (at many ranks the
   // named, slowest, fastest and median ranks, and a density band of all of them).
-  const LANE_H = 16, LANE_GAP = 4, LANE_X0 = 56, LANE_W = 900;
+  const LANE_H = 16, LANE_GAP = 4, LANE_X0 = 110, LANE_W = 900;
 
   function laneColor(name) {
     const p = PHASES.find((q) => q[1] === name);
@@ -319,17 +319,18 @@
     svg.replaceChildren();
     const [lo, hi] = view;
     const x = (t) => LANE_X0 + ((t - lo) / Math.max(1e-9, hi - lo)) * LANE_W;
-    const clip = (t) => Math.max(LANE_X0, Math.min(LANE_X0 + LANE_W, x(t)));
     const density = s.density ? PHASES.filter((p) => s.density[p[1]]) : [];
     const rows = s.lanes.length + density.length;
     const height = rows * (LANE_H + LANE_GAP) + 24;
     svg.setAttribute("viewBox", `0 0 ${LANE_X0 + LANE_W + 10} ${height}`);
     const defs = sv("defs");
-    const cp = sv("clipPath", { id: "clip-" + s.step });
+    state.clipIds += 1;
+    const clipId = "lanes-clip-" + state.clipIds;
+    const cp = sv("clipPath", { id: clipId });
     cp.append(sv("rect", { x: LANE_X0, y: 0, width: LANE_W, height }));
     defs.append(cp);
     svg.append(defs);
-    const body = sv("g", { "clip-path": `url(#clip-${s.step})` });
+    const body = sv("g", { "clip-path": `url(#${clipId})` });
     s.lanes.forEach((lane, i) => {
       const y = i * (LANE_H + LANE_GAP);
       const g = sv("g", { "data-lane": String(lane.rank) });
@@ -392,10 +393,13 @@
   function laneChart(s) {
     const svg = sv("svg", { role: "img", "data-chart": "lanes", "data-step": String(s.step) });
     const full = [0, Math.max(s.span_ms, 1e-3)];
-    const kept = state.laneViews[s.label];  // a live page redraws: keep the zoom of a step
-    let view = kept && kept[1] <= full[1] ? kept.slice() : full.slice(), drag = null;
+    const key = s.label.split(" ")[0];  // "typical" or "slowest": kept across live refreshes
+    const kept = state.laneViews[key];
+    let view = kept ? [Math.max(0, Math.min(kept[0], full[1])), Math.min(kept[1], full[1])]
+      : full.slice(), drag = null;
+    if (!(view[1] > view[0])) view = full.slice();
     const redraw = () => {
-      state.laneViews[s.label] = view.slice();
+      state.laneViews[key] = view.slice();
       svg.dataset.view = view.map((v) => v.toFixed(3)).join(",");
       drawLanes(svg, s, view);
     };
@@ -405,8 +409,9 @@
       return view[0] + f * (view[1] - view[0]);
     };
     svg.addEventListener("wheel", (event) => {
+      if (!event.deltaY) return;  // a sideways swipe: not a zoom
       event.preventDefault();
-      const t = at(event), k = event.deltaY > 0 ? 1.25 : 0.8;
+      const t = at(event), k = Math.min(2, Math.max(0.5, Math.exp(event.deltaY * 0.002)));
       const lo = t - (t - view[0]) * k, hi = t + (view[1] - t) * k;
       view = [Math.max(full[0], lo), Math.min(full[1], Math.max(hi, lo + 1e-3))];
       redraw();
@@ -425,7 +430,7 @@
     svg.addEventListener("dblclick", () => { view = full.slice(); redraw(); });
     redraw();
     const shown = s.lanes.length < s.num_ranks
-      ? ` · ${s.lanes.length} of ${s.num_ranks} ranks drawn (named, slowest, fastest, median), ` +
+      ? ` · ${s.lanes.length} of ${s.num_ranks} ranks drawn (slowest, fastest, median, singled out), ` +
         "the density of all below" : "";
     return el("figure", { "data-chart": "lane-step", "data-label": s.label },
       [el("figcaption", {}, `${s.label}: ${fmtMs(s.span_ms)} ms from the first rank's begin ` +
@@ -435,6 +440,11 @@
   function renderLanes(doc) {
     const lanes = doc.lanes || [];
     $("lanes").className = "lanes";
+    const drawn = JSON.stringify(lanes);  // unchanged on a live refresh: keep a drag going
+    if (drawn === state.lanesDrawn) return;
+    state.lanesDrawn = drawn;
+    const keys = new Set(lanes.map((s) => s.label.split(" ")[0]));
+    for (const k of Object.keys(state.laneViews)) if (!keys.has(k)) delete state.laneViews[k];
     if (!lanes.length) {
       fill("lanes", el("p", { class: "empty" }, "No step with its phases placed yet " +
         "(a store written before traceml placed phases has none)."));
