@@ -34,7 +34,12 @@ def test_closure_optimizer_time_is_exclusive(tmp_path: Path) -> None:
                      "--forward-sleep-ms", "20")
     assert_one_step_per_optimizer_step(res, num_steps=10, accum=1)
     for s in res.steps:
-        assert s["forward_ms"] >= 18 and s["optimizer_ms"] < 15, s
+        assert s["forward_ms"] >= 18, s
+    # The first optimizer step does one-time work of its own (torch.optim's lazy imports
+    # and state; 199 ms once on a loaded machine), so the closure's 20 ms forward left out
+    # of the optimizer's time shows from the second step on.
+    for s in res.steps[1:]:
+        assert s["optimizer_ms"] < 15, s
 
 
 def test_ddp_two_ranks_from_torchelastic_env(tmp_path: Path) -> None:
