@@ -53,10 +53,13 @@ def test_a_compute_straggler_is_profiled_against_the_median_rank(tmp_path: Path)
     assert res.summary is not None
     (c,) = [c for c in res.summary["captures"] if c["trigger"] == "COMPUTE_STRAGGLER"]
     assert (c["suspect"], c["reference"], c["num_steps"], c["notes"]) == (1, 0, 2, [])
-    compute = [o for o in c["operators"] if not o["communication"]]
+    # The compute operators (a slow fetch's iterator, part "input", may rank among them
+    # under load: its time is real, but not what this straggler is about)
+    compute = [o for o in c["operators"] if not o["communication"] and o["part"] != "input"]
     assert compute[0]["name"] in ("aten::mm", "aten::addmm"), c["operators"]
     assert {"aten::mm", "aten::addmm"} <= {o["name"] for o in compute[:4]}
-    for o in compute[:2]:  # r1's rows are 512, r0's 256
+    matmuls = [o for o in compute if o["name"] in ("aten::mm", "aten::addmm")]
+    for o in matmuls[:2]:  # r1's rows are 512, r0's 256
         assert o["diff_ms"] > 0
         assert "512" in o["suspect"]["shapes"] and "256" in o["reference"]["shapes"], o
     # The operators account for the phase's excess in the same steps, within 25 %.
