@@ -42,29 +42,13 @@ class Phase:
         return f"num_{self.name}"
 
     @property
-    def at_column(self) -> str:
-        """Where the phase's first call began, ms from the step's begin: ``input_at_ms``."""
-        return f"{self.name}_at_ms"
-
-    @property
-    def end_column(self) -> str:
-        """...and where it ended: ``input_end_ms``."""
-        return f"{self.name}_end_ms"
-
-    @property
-    def last_at_column(self) -> str:
-        """Where its last call began, when it ran more than once: ``input_last_at_ms``."""
-        return f"{self.name}_last_at_ms"
-
-    @property
-    def last_end_column(self) -> str:
-        """...and where it ended: ``input_last_end_ms``."""
-        return f"{self.name}_last_end_ms"
-
-    @property
     def place_columns(self) -> tuple[str, str, str, str]:
-        """Where its calls ran (`traceml.collector.step_parts.Placement`): the four above."""
-        return (self.at_column, self.end_column, self.last_at_column, self.last_end_column)
+        """Where its calls ran, ms from the step's begin
+        (`traceml.collector.step_parts.Placement`): the first call's begin and end, the
+        last call's begin and end (``input_at_ms``, ``input_end_ms``, ``input_last_at_ms``,
+        ``input_last_end_ms``)."""
+        return (f"{self.name}_at_ms", f"{self.name}_end_ms", f"{self.name}_last_at_ms",
+                f"{self.name}_last_end_ms")
 
     @property
     def gpu_column(self) -> str:

@@ -81,7 +81,7 @@ def test_sixty_four_ranks_the_named_and_extreme_ranks_and_the_density_of_all() -
             row = ddp_row(r, s, t0=T0 + s * 0.012)
             if r == 37:  # a slow loader: input 1 ms -> 3 ms, the rest 2 ms later
                 shifted = {c: row.value(c) + 2.0 for p in phases.PHASES[1:]
-                           for c in (p.at_column, p.end_column) if row.value(c) is not None}
+                           for c in p.place_columns[:2] if row.value(c) is not None}
                 row = row.replace(input_ms=3.0, input_end_ms=3.0, total_ms=12.0,
                                   collective_at_ms=6.0, collective_end_ms=10.0, **shifted)
             rows.append(row)

@@ -82,7 +82,7 @@ def test_a_tracked_step_lands_in_its_columns() -> None:
                         phase_last_at_s=(None, 0.25, None, None, None, None),
                         phase_last_end_s=(None, 0.3, None, None, None, None))
     row = step_row(timing, 1000.0, {"rank": 3, "restart": 1, "node_rank": 2})
-    assert [row.value(p.at_column) for p in phases.PHASES] == [
+    assert [row.value(p.place_columns[0]) for p in phases.PHASES] == [
         0.0, 100.0, None, pytest.approx(300.0), None, None]
     assert row.value("optimizer_end_ms") == pytest.approx(400.0)
     assert row.value("forward_last_end_ms") == pytest.approx(300.0)

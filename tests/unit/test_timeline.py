@@ -35,7 +35,7 @@ def ddp_row(rank: int, step: int, node: int = 0, t0: float = T0, **changes: Any)
     for p in phases.PHASES:
         if p.name in placed:
             columns[p.count_column] = 1
-            columns[p.at_column], columns[p.end_column] = placed[p.name]
+            columns[p.place_columns[0]], columns[p.place_columns[1]] = placed[p.name]
     columns |= {"collective_at_ms": 4.0, "collective_end_ms": 8.0, "collective_ms": 4.0,
                 "node_rank": node}
     row = row_of(rank, step, {"input": 1.0, "forward": 2.0, "backward": 3.0,

@@ -219,9 +219,9 @@ class Pending:
         self.where = Placement()  # where the pending calls ran
 
     def holds_time(self) -> bool:
-        """Whether anything besides fetches is pending (a call of no time included)."""
-        return (bool(self.spans) or any(self.comm_s) or any(self.num_comm)
-                or self.where.placed_any())
+        """Whether anything is pending: a collective span, or any call (a fetch, a
+        collective, a copy; one of no time too), each of which is placed."""
+        return bool(self.spans) or self.where.placed_any()
 
     def add_fetch(self, start: float, end: float, own_s: float, batch: Any) -> None:
         """A fetch ended (``batch``: the batch record in effect)."""

@@ -339,7 +339,7 @@ class StepTracker:
 
     def _drop_pending(self) -> None:
         pending = self._pending
-        if pending.num_fetches or pending.start is not None or pending.holds_time():
+        if pending.holds_time():
             self._pending = Pending()
 
     def _absorb_pending(self) -> None:

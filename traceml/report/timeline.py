@@ -228,16 +228,29 @@ def _step_events(row: StepRow, begin_us: float, dur_us: float, cut_ms: float, no
     at = min(at, row.total_ms)
     comm = {"pid": pid, "tid": _comm_tid(row.rank), "cat": "collective"}
     args = {"in_flight_ms": total, "step": row.step}
-    if end is not None and end >= at and abs((end - at) - total) <= max(
-            0.001, IN_FLIGHT_SLACK * (end - at)):
-        yield {**comm, "ph": "X", "name": "collectives in flight",
-               "ts": at_us(at), "dur": round(at_us(end) - at_us(at), 3), "args": args}
+    whole = in_flight_span(row)
+    if whole is not None:
+        yield {**comm, "ph": "X", "name": "collectives in flight", "ts": at_us(whole[0]),
+               "dur": round(at_us(whole[1]) - at_us(whole[0]), 3), "args": args}
         return
     yield {**comm, "ph": "i", "s": "t", "name": "first collective launched",
            "ts": at_us(at), "args": args}
     if end is not None:
         yield {**comm, "ph": "i", "s": "t", "name": "last collective completed",
                "ts": at_us(min(max(end, at), row.total_ms)), "args": args}
+
+
+def in_flight_span(row: StepRow) -> tuple[float, float] | None:
+    """Collectives in flight as one span, ms from the step's begin (within the step), when
+    they were in flight all the time from the first launch to the last completion (their
+    union within `IN_FLIGHT_SLACK` of it); None otherwise, or when none was timed."""
+    at, end, total = (row.value("collective_at_ms"), row.value("collective_end_ms"),
+                      row.collective_ms)
+    if at is None or end is None or total is None or end < at:
+        return None
+    if abs((end - at) - total) > max(0.001, IN_FLIGHT_SLACK * (end - at)):
+        return None
+    return min(at, row.total_ms), min(end, row.total_ms)
 
 
 def _metadata(run: RunData, rows: Sequence[StepRow], unaligned: Collection[int]

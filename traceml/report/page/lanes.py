@@ -24,7 +24,7 @@ from traceml import phases
 from traceml.diagnosis.window import StepWindow
 from traceml.records import Json, RunData, StepRow, ms_column
 from traceml.report.model import Report
-from traceml.report.timeline import NodeClocks, placed_phases
+from traceml.report.timeline import NodeClocks, in_flight_span, placed_phases
 
 MAX_LANES = 16
 """Ranks drawn one lane each; beyond, the chosen ones and a density band."""
@@ -71,7 +71,7 @@ def build_lanes(run: RunData, report: Report, window: StepWindow) -> tuple[StepL
     columns = [window.by_rank[r] for r in ranks]
     slowest_rank_ms = list(map(max, *(ms_column(rows, "total") for rows in columns))) if len(
         columns) > 1 else list(ms_column(columns[0], "total"))
-    if not any(rows[i].value(phases.PHASES[1].at_column) is not None
+    if not any(rows[i].value(phases.PHASES[1].place_columns[0]) is not None
                for rows in columns for i in range(len(window.steps))):
         return ()  # a store written before phases were placed
     order = sorted(range(len(window.steps)), key=lambda i: (slowest_rank_ms[i], i))
@@ -112,14 +112,8 @@ def _step_lanes(label: str, step: int, rows: Sequence[StepRow], clocks: NodeCloc
 
 def _lane(row: StepRow, begin_ms: float) -> Lane:
     drawn, _, missing = placed_phases(row)
-    at, end, total = (row.value("collective_at_ms"), row.value("collective_end_ms"),
-                      row.collective_ms)
-    in_flight = None
-    if at is not None and end is not None and total is not None and end >= at and abs(
-            (end - at) - total) <= max(0.001, 0.01 * (end - at)):
-        in_flight = (min(at, row.total_ms), min(end, row.total_ms))
     return Lane(row.rank, row.node_rank, begin_ms, row.total_ms,
-                tuple((p.name, b, e) for b, e, p in drawn), in_flight, dict(missing))
+                tuple((p.name, b, e) for b, e, p in drawn), in_flight_span(row), dict(missing))
 
 
 def _density(lanes: Sequence[Lane], span_ms: float) -> dict[str, tuple[int, ...]]:
