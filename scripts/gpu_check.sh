@@ -21,7 +21,7 @@
 #      rather than a host time that is not the GPU's (NCCL makes streams wait,
 #      not the host): no communication phase, in flight null; and the compute
 #      stream's wait on DDP's all-reduce is timed with CUDA events on the sampled
-#      steps (gpu_communication_ms, not yet used by the report).
+#      steps (gpu_communication_ms), which the rules read (not COMMUNICATION-BOUND here).
 #   6. MFU: a bf16 (autocast) transformer step's FLOPs per step, counted by
 #      torch's FLOP counter in one step, equal the hand count (3 x the forward
 #      matmuls) within 2 %, the dtype is bf16, the peak is the table's for this
@@ -34,7 +34,8 @@
 #      puts a known wait (a torch.cuda._sleep kernel) before each bucket's all-reduce
 #      on a side stream; DDP's exposed wait as traceml stores it within 10 % of the
 #      check's events (last bucket ready to backward's return), in a mostly exposed
-#      and a mostly overlapped case; in flight likewise once traceml stores it.
+#      and a mostly overlapped case; in flight likewise once traceml stores it; the
+#      exposed case's verdict COMMUNICATION-BOUND (from that wait), the hidden one's not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-/tmp/traceml-gpu-check}}"
@@ -308,6 +309,12 @@ def nccl():
           len(gcomm) >= 20 and all(v >= 0 for v in gcomm),
           f"{len(gcomm)} timed steps, median {sorted(gcomm)[len(gcomm) // 2]:.3f} ms" if gcomm
           else "none")
+    step_time = json.load(open(f"{logs}/nccl/final_summary.json"))["step_time"]
+    labels = [f["label"] for f in step_time["findings"]]
+    waited = step_time["ranks"][0]["gpu_communication_ms"]
+    check("NCCL: the summary carries the GPU's wait; a local copy is not COMMUNICATION-BOUND",
+          waited is not None and "COMMUNICATION-BOUND" not in labels,
+          f"gpu_communication_ms {waited}; findings: {'; '.join(labels)}")
 
 
 def truth():
@@ -327,6 +334,15 @@ def truth():
               f"injected {own['wire_ms']} ms a bucket, {med(own['buckets'])} buckets, "
               f"in flight {med(own['in_flight'][3:]):.3f} ms; backward (GPU, traceml) "
               f"{med([r[2] for r in rows]):.3f} ms; streams {own['streams']}")
+        # The rules read that wait on CUDA: the mostly exposed case is
+        # COMMUNICATION-BOUND; the mostly hidden one (about 1 of 20 ms) is not.
+        step_time = json.load(open(f"{logs}/truth_{case}/final_summary.json"))["step_time"]
+        comm = [f for f in step_time["findings"] if f["kind"] == "COMMUNICATION_BOUND"]
+        verdict = step_time["diagnosis"]["kind"]
+        check(f"NCCL {case}: the verdict reads the GPU's wait",
+              (verdict == "COMMUNICATION_BOUND") if case == "exposed" else not comm,
+              f"verdict {verdict}; " + (comm[0]["why"] if comm else "no COMMUNICATION-BOUND")
+              + "; " + "; ".join(f["label"] for f in step_time["findings"]))
         if "gpu_collective_ms" in cols:
             flight = [v for (v,) in db.execute("SELECT gpu_collective_ms FROM steps WHERE "
                                                "gpu_collective_ms IS NOT NULL AND step >= 3")]

@@ -29,6 +29,7 @@ _MS_INDEX = {"total": _INDEX["total_ms"], "wait": _INDEX["wait_ms"],
 _COMPUTE_INDEX = tuple(_MS_INDEX[n] for n in phases.compute_names())
 _COUNT_INDEX = tuple(_INDEX[p.count_column] for p in phases.PHASES)
 _GPU_INDEX = tuple(_INDEX[p.gpu_column] for p in phases.gpu_compute())
+_GPU_WAIT_INDEX = tuple(_INDEX[p.gpu_column] for p in phases.gpu_timed() if p.waits)
 
 
 def _column(name: str) -> Any:
@@ -169,6 +170,22 @@ def gpu_column(rows: Sequence[StepRow]) -> list[float]:
     if len(_GPU_INDEX) == 1:
         return [float(t) for t in map(get, rows) if t is not None]
     return [float(sum(ts)) for ts in map(get, rows) if None not in ts]
+
+
+def gpu_wait_column(rows: Sequence[StepRow]) -> list[tuple[float, float]]:
+    """CUDA: for the rows whose compute stream's wait on collectives was timed
+    (``gpu_communication_ms``, DDP's wait on the steps the CUDA path times), that
+    wait and the GPU time of all the step's GPU-timed phases, the wait included
+    (ms); none off CUDA, nor without a DDP model."""
+    if not _GPU_WAIT_INDEX or not rows:
+        return []
+    get = operator.itemgetter(*_GPU_INDEX, *_GPU_WAIT_INDEX)
+    out = []
+    for times in map(get, rows):
+        if None not in times:
+            wait = float(sum(times[len(_GPU_INDEX):]))
+            out.append((wait, float(sum(times[:len(_GPU_INDEX)])) + wait))
+    return out
 
 
 @dataclass(frozen=True)

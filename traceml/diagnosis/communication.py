@@ -13,6 +13,7 @@ from typing import Protocol
 from traceml import phases
 from traceml.diagnosis import thresholds
 from traceml.diagnosis.finding import Finding, as_borderline, borderline, grade
+from traceml.diagnosis.stats import Distribution
 
 
 class RankComm(Protocol):
@@ -51,28 +52,99 @@ def communication_bound(times: Mapping[int, RankComm]) -> list[Finding]:
     if least is None:
         return []
     step = statistics.median(t.mean("total") for t in times.values())
-    share = 100.0 * least.ms / step if step > 0 else 0.0
-    levels = (thresholds.COMM_SHARE_WARN_PCT, thresholds.COMM_SHARE_CRIT_PCT)
-    near = borderline(share, levels[0])
-    severity = grade(share, *levels)
-    if severity is None and not near:
-        return []
     ms, hook = least.ms, least.hook_ms
     hooks = f", {hook:.1f} ms of it in comm hooks" if hook >= HOOK_SHOWN_FRACTION * ms else ""
     mostly = f" (mostly r{least.rank})" if least.rank_pct > 50.0 else ""
     where = ("" if len(times) < 2 else
              f" on the rank that waited least at each step{mostly}: the collectives' own "
              "cost, not waiting for a slower rank")
-    why = f"Communication took {share:.1f}% of step time ({ms:.1f} of {step:.1f} ms{hooks}){where}."
-    next_step = HOOK_NEXT if hook >= 0.5 * ms else COMMUNICATION_NEXT
-    low = levels[0] * (1.0 - thresholds.BORDERLINE_MARGIN) if near else levels[0]
     shares = {r: s for r, t in times.items() if (s := t.communication_share_pct()) is not None}
+    evidence = {"communication_ms": ms, "hook_ms": hook, "step_ms": step, "rank": least.rank,
+                "rank_pct": least.rank_pct}
+    return _bound(ms, step, f"{hooks}){where}.", shares, evidence,
+                  HOOK_NEXT if hook >= 0.5 * ms else COMMUNICATION_NEXT)
+
+
+class RankGpuWait(RankComm, Protocol):
+    """What the CUDA rule reads of one rank (`step_time.RankStepTimes`)."""
+
+    @property
+    def communication_ms(self) -> float: ...
+
+    @property
+    def gpu_communication(self) -> Distribution | None: ...
+
+    @property
+    def gpu_timed_step_ms(self) -> float | None: ...
+
+
+def gpu_wait_measured(times: Mapping[int, RankGpuWait]) -> bool:
+    """Whether every rank's compute stream's wait on collectives was timed on at least
+    `MIN_GPU_WAIT_STEPS` typical steps (CUDA, DDP): what COMMUNICATION-BOUND reads there."""
+    return bool(times) and all(t.gpu_communication is not None
+                               and t.gpu_communication.count >= MIN_GPU_WAIT_STEPS
+                               for t in times.values())
+
+
+def gpu_communication_bound(times: Mapping[int, RankGpuWait]) -> list[Finding]:
+    """COMMUNICATION-BOUND on CUDA, with the thresholds of `communication_bound`:
+    the time the compute stream waited on collectives (``gpu_communication_ms``, CUDA
+    events on the steps the CUDA path times), plus any host collectives, over the
+    typical step.
+
+    NCCL's collectives return once queued: the host's time says nothing of them,
+    the GPU's does.  A rank's timed steps are a random sample of its own, not the
+    same steps as the other ranks', so the least is taken of the ranks' means rather
+    than at each step: the rank that waited least on average, whose wait is the
+    collectives' own cost (a straggler's victims wait longer).  The step is the
+    longer of the host's step and the GPU time of the timed phases: a host that
+    queues work far ahead of its GPU (a short run) has steps shorter than the GPU's;
+    a host that is itself the bottleneck (input) longer ones, where the wait matters
+    less.  Silent unless every rank has `MIN_GPU_WAIT_STEPS` timed steps."""
+    if not gpu_wait_measured(times):
+        return []
+    def ms_of(t: RankGpuWait) -> float:
+        assert t.gpu_communication is not None
+        return t.gpu_communication.mean + t.communication_ms
+    least = min(times, key=lambda r: (ms_of(times[r]), r))
+    steps = {r: max(t.mean("total"), t.gpu_timed_step_ms or 0.0) for r, t in times.items()}
+    step = statistics.median(steps.values())
+    ms = ms_of(times[least])
+    timed = times[least].gpu_communication
+    assert timed is not None
+    where = ("" if len(times) < 2 else
+             f" on the rank that waited least on average (r{least}): the collectives' own "
+             "cost, not waiting for a slower rank")
+    why = (f"; the GPU waited on collectives at the end of backward, CUDA events on "
+           f"{timed.count} timed steps){where}.")
+    shares = {r: 100.0 * ms_of(t) / steps[r] for r, t in times.items() if steps[r] > 0}
+    evidence = {"communication_ms": ms, "hook_ms": 0.0, "step_ms": step, "rank": least,
+                "gpu_wait_ms": timed.mean, "num_gpu_timed_steps": timed.count}
+    return _bound(ms, step, why, shares, evidence, COMMUNICATION_NEXT)
+
+
+def _bound(ms: float, step: float, tail: str, shares: Mapping[int, float],
+           evidence: dict[str, float | int], next_step: str) -> list[Finding]:
+    """The COMMUNICATION-BOUND finding for ``ms`` of a ``step`` ms typical step, if
+    its share reaches the threshold (or is near it); ``tail`` ends its why, the
+    ranks listed are those whose own share reaches it."""
+    share = 100.0 * ms / step if step > 0 else 0.0
+    levels = (thresholds.COMM_SHARE_WARN_PCT, thresholds.COMM_SHARE_CRIT_PCT)
+    near = borderline(share, levels[0])
+    severity = grade(share, *levels)
+    if severity is None and not near:
+        return []
+    why = f"Communication took {share:.1f}% of step time ({ms:.1f} of {step:.1f} ms{tail}"
+    low = levels[0] * (1.0 - thresholds.BORDERLINE_MARGIN) if near else levels[0]
     ranks = sorted((r for r, v in shares.items() if v >= low), key=lambda r: -shares[r])
-    evidence = {"communication_share_pct": share, "communication_ms": ms, "hook_ms": hook,
-                "step_ms": step, "rank": least.rank, "rank_pct": least.rank_pct}
     found = Finding("COMMUNICATION_BOUND", "COMMUNICATION-BOUND", severity or "warn", why,
-                    next_step, tuple(ranks), evidence)
+                    next_step, tuple(ranks), {"communication_share_pct": share, **evidence})
     return [as_borderline(found, levels[0]) if near else found]
+
+
+MIN_GPU_WAIT_STEPS = 5
+"""COMMUNICATION-BOUND on CUDA reads the GPU's wait only from ranks with at least this
+many timed steps in the window."""
 
 
 @dataclass(frozen=True)

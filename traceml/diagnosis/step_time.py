@@ -24,7 +24,11 @@ from dataclasses import dataclass
 from traceml import phases, step_fields
 from traceml.diagnosis import stragglers as attribution
 from traceml.diagnosis import thresholds
-from traceml.diagnosis.communication import communication_bound
+from traceml.diagnosis.communication import (
+    communication_bound,
+    gpu_communication_bound,
+    gpu_wait_measured,
+)
 from traceml.diagnosis.finding import (
     Finding,
     as_borderline,
@@ -37,7 +41,7 @@ from traceml.diagnosis.finding import (
 from traceml.diagnosis.outliers import RankOutliers, find_outliers, outlier_steps
 from traceml.diagnosis.stats import Distribution, distribution
 from traceml.diagnosis.window import StepWindow
-from traceml.records import StepRow, column, gpu_column, ms_column, ms_columns
+from traceml.records import StepRow, column, gpu_column, gpu_wait_column, ms_column, ms_columns
 
 PHASES = tuple(p.name for p in phases.step_metrics())
 """What each rank row holds a distribution of: total, every phase, compute, wait."""
@@ -63,6 +67,11 @@ class RankStepTimes:
     num_gpu_timed_steps: int | None = None  # steps with GPU times; None off CUDA
     outliers: RankOutliers | None = None
     rows: tuple[StepRow, ...] = ()  # the typical steps, for step-by-step tests
+    # CUDA: the compute stream's wait on collectives (DDP's, ``gpu_communication_ms``)
+    # over the typical steps that timed it, and the mean GPU time of those steps'
+    # timed phases, the wait included; None where no step timed it.
+    gpu_communication: Distribution | None = None
+    gpu_timed_step_ms: float | None = None
 
     def dist(self, phase: str) -> Distribution:
         """The distribution of one of PHASES."""
@@ -106,7 +115,8 @@ class RankStepTimes:
                 **{f"{p}_ms": self.dists[p] for p in PHASES},
                 **{f.name: self.reported.get(f.name) for f in step_fields.reported()},
                 **{f"{p}_share_pct": self.share_pct(p) for p in SHARES},
-                "gpu_ms": self.gpu_ms, "num_gpu_timed_steps": self.num_gpu_timed_steps}
+                "gpu_ms": self.gpu_ms, "num_gpu_timed_steps": self.num_gpu_timed_steps,
+                "gpu_communication_ms": self.gpu_communication}
 
 
 def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int, RankStepTimes]:
@@ -123,9 +133,12 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
         reported = {f.name: reported_distribution(rows, f.name) for f in step_fields.reported()}
         gpu = gpu_column(every)
         on_cuda = bool(gpu) or column(every, "peak_allocated_bytes").count(None) < len(every)
-        out[rank] = RankStepTimes(rank, node_of.get(rank), len(every), dists, reported,
-                                  distribution(gpu) if gpu else None,
-                                  len(gpu) if on_cuda else None, outliers, tuple(rows))
+        waits = gpu_wait_column(rows)
+        out[rank] = RankStepTimes(
+            rank, node_of.get(rank), len(every), dists, reported,
+            distribution(gpu) if gpu else None, len(gpu) if on_cuda else None, outliers,
+            tuple(rows), distribution([w for w, _ in waits]) if waits else None,
+            statistics.fmean(s for _, s in waits) if waits else None)
     return out
 
 
@@ -292,9 +305,11 @@ def diagnose_step_time(
     if not times:
         return (not_measured("STEP TIME", unmeasured_why),)
     measured = comm_measured(times)
+    on_gpu = gpu_wait_measured(times)  # CUDA: the GPU's wait on DDP's collectives
     found = stragglers(times, device)
-    found += input_bound(times, device) + wait_heavy(times) + communication_bound(times)
-    if len(times) >= 2 and not measured:
+    found += input_bound(times, device) + wait_heavy(times)
+    found += gpu_communication_bound(times) if on_gpu else communication_bound(times)
+    if len(times) >= 2 and not measured and not on_gpu:
         found.append(not_measured(
             "COMMUNICATION", "Collectives were not timed end to end (CUDA/NCCL, a hook or "
             "backend traceml cannot time, or none ran), so a rank waiting for another may "

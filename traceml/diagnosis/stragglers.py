@@ -182,7 +182,7 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
     if not found and unsteady:
         found.append(_unsteady(*max(unsteady, key=lambda ec: ec[0].excess_ms), step_ms))
     elif not found and explained:
-        found.append(_unclear(explained, step_ms))
+        found.append(_unclear(explained, step_ms, device))
     return found
 
 
@@ -347,14 +347,23 @@ def _unsteady(excess: Excess, held: Consistency, step_ms: float) -> Finding:
                    evidence)
 
 
-def _unclear(explained: list[Excess], step_ms: float) -> Finding:
+def _unclear(explained: list[Excess], step_ms: float, device: str) -> Finding:
     worst = max(explained, key=lambda e: e.excess_ms)
     why = (f"r{worst.rank} {_part_text(worst.part)} took +{worst.excess_ms:.1f} ms per step "
            f"over the other ranks ({100.0 * worst.excess_ms / step_ms:.1f}% of the "
            f"{step_ms:.1f} ms typical step), but another rank's slower input or host work "
            f"may explain it (r{worst.rank} may be waiting for that rank in a collective "
            "traceml did not time), so which rank is slow cannot be told.")
-    return Finding(UNCLEAR_KIND, "UNCLEAR STRAGGLER", "info", why,
-                   "Run with a backend whose collectives traceml times (gloo, or NCCL with "
-                   "DDP/FSDP), or profile the ranks side by side with torch.profiler.",
+    next_step = UNCLEAR_NEXT.get(device, UNCLEAR_NEXT["cpu"])
+    return Finding(UNCLEAR_KIND, "UNCLEAR STRAGGLER", "info", why, next_step,
                    (worst.rank,), {"excess_ms": worst.excess_ms, "step_ms": step_ms})
+
+
+UNCLEAR_NEXT = {
+    "cpu": ("Run with a backend whose collectives traceml times (gloo, or NCCL with "
+            "DDP/FSDP), or profile the ranks side by side with torch.profiler."),
+    "cuda": ("On CUDA, stragglers are read from the host's time, where a rank waiting for "
+             "its GPU (and its GPU for another rank's collective) reads as its own compute: "
+             "profile the ranks side by side (traceml capture, or torch.profiler)."),
+}
+"""UNCLEAR STRAGGLER's advice (collectives not timed) by device."""

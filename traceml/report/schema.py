@@ -112,6 +112,7 @@ _STEP_TIME_ROW = _obj({
     **{f"{p.name}_share_pct": _NUM_OR_NULL for p in phases.share_metrics()},
     "gpu_ms": _DIST_OR_NULL,
     "num_gpu_timed_steps": _INT_OR_NULL,
+    "gpu_communication_ms": _DIST_OR_NULL,
 })
 
 _STEP_MEMORY_ROW = _obj({
