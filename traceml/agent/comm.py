@@ -42,9 +42,9 @@ backward's compute is queued, the second after DDP's reducer has made the
 stream wait for its all-reduces (and queued the copy of their results into the
 gradients).  The GPU time between them is the time the compute stream waited
 on communication, ``gpu_communication_ms``, nested in backward's GPU time and
-taken out of it.  Nothing per bucket, no synchronisation, no host event.  The
-report does not use it yet (it says communication was not measured on CUDA)
-until the GPU checks (`scripts/gpu_check.sh`) prove it against ground truth.
+taken out of it.  Nothing per bucket, no synchronisation, no host event.
+COMMUNICATION-BOUND reads it on CUDA (`traceml.diagnosis.communication`);
+`scripts/gpu_check.sh` checks it against the check's own CUDA events.
 """
 
 from __future__ import annotations
