@@ -36,11 +36,18 @@
 #      check's events (last bucket ready to backward's return), in a mostly exposed
 #      and a mostly overlapped case; in flight likewise once traceml stores it; the
 #      exposed case's verdict COMMUNICATION-BOUND (from that wait), the hidden one's not.
+#
+# GPU_CHECK_ONLY=nccl,truth (the sections' names: healthy, input_bound, nccl, truth,
+# mfu, capture) runs and checks those alone: a rerun of one part inside a short lease.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-/tmp/traceml-gpu-check}}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+ONLY="${GPU_CHECK_ONLY:-}"
+wanted() {  # wanted SECTION: whether GPU_CHECK_ONLY (empty: all) names it
+    [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]
+}
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
 
@@ -195,20 +202,22 @@ json.dump({"times": times, "flops": 3 * forward, "device_name": name}, open(sys.
 PY
 
 # Each run's failure is reported by the checks below (FAIL), not by stopping here.
-run() {  # run SESSION ARGS...: traceml run, its output in $OUT/SESSION.txt
-    local session="$1"; shift
+run() {  # run SECTION SESSION ARGS...: traceml run, its output in $OUT/SESSION.txt
+    wanted "$1" || return 0
+    local session="$2"; shift 2
     "$PY" -m traceml run --logs-dir "$OUT/logs" --session-id "$session" --sample-interval 0.5 \
         "$@" > "$OUT/$session.txt" 2>&1 || echo "traceml run $session: exit $?" | tee -a "$OUT/$session.txt"
 }
-run mfu "$OUT/mfu_train.py" "$OUT/mfu_own.json"
-run nccl "$OUT/nccl_train.py"
+run mfu mfu "$OUT/mfu_train.py" "$OUT/mfu_own.json"
+run nccl nccl "$OUT/nccl_train.py"
 # DDP's wait against the check's own events: a few big buckets after little compute
 # (the wait mostly exposed), and many buckets under a long backward (mostly hidden).
-run truth_exposed "$OUT/nccl_truth.py" "$OUT/truth_exposed.json" 64 4
-run truth_overlap "$OUT/nccl_truth.py" "$OUT/truth_overlap.json" 4096 1
-run healthy "$OUT/cuda_train.py" 0 200 100
-run input "$OUT/cuda_train.py" 0.0005 60
+run truth truth_exposed "$OUT/nccl_truth.py" "$OUT/truth_exposed.json" 64 4
+run truth truth_overlap "$OUT/nccl_truth.py" "$OUT/truth_overlap.json" 4096 1
+run healthy healthy "$OUT/cuda_train.py" 0 200 100
+run input_bound input "$OUT/cuda_train.py" 0.0005 60
 
+if wanted capture; then
 # A live run long enough to be asked for a capture by hand.
 "$PY" -m traceml run --logs-dir "$OUT/logs" --session-id capture --sample-interval 0.5 \
     "$OUT/cuda_train.py" 0 6000 > "$OUT/capture.txt" 2>&1 &
@@ -229,10 +238,12 @@ PY
 "$PY" -m traceml capture "$OUT/logs/capture" --rank 0 --steps 2 --wait 120 \
     > "$OUT/capture_cli.txt" 2>&1 || true
 wait "$RUN_PID" || true
+fi
 
-"$PY" - "$OUT/logs" <<'PY'
+"$PY" - "$OUT/logs" "$ONLY" <<'PY'
 import json, sqlite3, sys
 logs = sys.argv[1]
+only = [name for name in sys.argv[2].split(",") if name]
 failed = []
 
 def check(name, ok, detail=""):
@@ -400,6 +411,8 @@ def capture():
 
 
 for section in (healthy, input_bound, nccl, truth, mfu, capture):
+    if only and section.__name__ not in only:
+        continue
     try:
         section()
     except Exception as exc:  # a run that failed leaves its files out

@@ -36,7 +36,7 @@ def row_of(rank: int, step: int, phase_ms: dict[str, float], total_ms: float, wa
            **columns: Any) -> StepRow:
     """A StepRow from phase times by name, its GPU time (as the first GPU-timed phase's)
     and its end time ``t``; other columns by name."""
-    gpu = [p.gpu_column for p in phases.gpu_timed()]
+    gpu = [p.gpu_column for p in phases.gpu_compute()]  # a DDP wait: by name
     if gpu_ms is not None:
         columns |= dict.fromkeys(gpu, 0.0) | {gpu[0]: gpu_ms}
     return StepRow.of(rank=rank, step=step, total_ms=total_ms, wait_ms=wait_ms,

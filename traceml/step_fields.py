@@ -94,6 +94,9 @@ STEP_FIELDS: tuple[StepField, ...] = (
     # Where each phase ran (the timeline), ms from the step's begin: its first call's begin
     # and end, and its last call's when it ran more than once; None: it did not run
     *(_time(c, default=None, optional=True) for p in phases.PHASES for c in p.place_columns),
+    # CUDA: a DDP model's all-reduces in flight on the GPU, from its first bucket's
+    # gradients being ready to the end of DDP's wait; None off CUDA or an untimed step
+    _time("gpu_collective_ms", default=None, optional=True),
 )
 """Every column of a stored step, in storage order; identity columns first."""
 

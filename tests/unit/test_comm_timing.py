@@ -375,26 +375,6 @@ def test_on_cuda_ddps_wait_is_the_gpu_time_between_compute_queued_and_its_wait(
     assert times[COMM] == []  # nothing on the host clock
 
 
-class _GpuStandIn:
-    """The fake GPU clock moving as backward's kernels and DDP's wait would move it."""
-
-    def __init__(self, cuda: Any, compute_ms: float, wait_ms: float) -> None:
-        self.cuda, self.compute_ms, self.wait_ms = cuda, compute_ms, wait_ms
-        self.expect = 0
-        self.seen = 0
-
-    def compute(self) -> None:
-        self.cuda.gpu_ms += self.compute_ms
-
-    def grad_ready(self, param: Any) -> None:
-        self.seen += 1
-        if self.seen == self.expect:  # as DDP's reducer: its finalisation, at the end
-            torch.autograd.Variable._execution_engine.queue_callback(self.finalise)
-
-    def finalise(self) -> None:
-        self.cuda.gpu_ms += self.wait_ms
-
-
 def test_on_cuda_an_untimed_step_records_nothing(probe: Probe,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import traceml.agent.comm as comm
@@ -405,3 +385,69 @@ def test_on_cuda_an_untimed_step_records_nothing(probe: Probe,
     model(torch.randn(4, 16)).sum().backward()
     times, _ = probe.take(float("inf"))
     assert times[COMM] == []
+
+
+def test_on_cuda_in_flight_runs_from_the_first_buckets_gradients_to_the_end_of_ddps_wait(
+        probe: Probe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA DDP model (its device stood in): on a timed backward, a hook on each
+    parameter of DDP's first bucket records an event on the GPU (the last one
+    counts); DDP's wait ends the span.  Each gradient takes 1 ms of the fake GPU's
+    clock: the first bucket (the last two layers) is ready 2 gradients and the 3 ms
+    wait before the end, so 5 ms in flight, 3 of them exposed.  Untimed backwards
+    run without the hooks; a no_sync() backward launches nothing: none in flight."""
+    import traceml.agent.comm as comm
+
+    monkeypatch.setattr(comm, "_on_host", lambda ddp: False)
+    net = nn.Sequential(nn.Linear(16, 600), nn.Linear(600, 600), nn.Linear(600, 1))
+    model = DDP(net)
+    for _ in range(2):  # untimed: DDP rebuilds its buckets; nothing hooked yet
+        model(torch.randn(4, 16)).sum().backward()
+    assert not any(p._post_accumulate_grad_hooks for p in net.parameters())
+    cuda = _gpu_probe(probe)
+    stand_in = _GpuStandIn(cuda, compute_ms=4.0, wait_ms=3.0, grad_ms=1.0)
+    for p in model.parameters():  # before the agent's: each gradient moves the clock first
+        p.register_post_accumulate_grad_hook(stand_in.grad_ready)
+    stand_in.expect = sum(1 for _ in model.parameters())
+    ours = {name: len(p._post_accumulate_grad_hooks) for name, p in net.named_parameters()}
+
+    def timed_backward() -> dict[str, float | None]:
+        stand_in.seen = 0
+        loss = model(torch.randn(4, 16)).sum()
+        loss.register_hook(lambda grad: stand_in.compute())
+        loss.backward()
+        timer = probe.cuda_timer
+        times = timer.resolve(timer.take_step())
+        return dict(zip((*(p.name for p in phases.gpu_timed()), "in_flight"), times))
+
+    gpu = timed_backward()
+    assert gpu["in_flight"] == pytest.approx(5.0)
+    assert gpu["communication"] == pytest.approx(3.0)
+    assert gpu["backward"] == pytest.approx(4.0 + 6 * 1.0)  # kernels and gradients
+    # The hooks went with the timed backward: the stand-in's alone are left.
+    assert {name: len(p._post_accumulate_grad_hooks) for name, p in net.named_parameters()
+            } == ours
+    with model.no_sync():
+        assert timed_backward()["in_flight"] is None
+
+
+class _GpuStandIn:
+    """The fake GPU clock moving as backward's kernels and DDP's wait would move it."""
+
+    def __init__(self, cuda: Any, compute_ms: float, wait_ms: float, grad_ms: float = 0.0
+                 ) -> None:
+        self.cuda, self.compute_ms, self.wait_ms = cuda, compute_ms, wait_ms
+        self.grad_ms = grad_ms  # each gradient's accumulation
+        self.expect = 0
+        self.seen = 0
+
+    def compute(self) -> None:
+        self.cuda.gpu_ms += self.compute_ms
+
+    def grad_ready(self, param: Any) -> None:
+        self.cuda.gpu_ms += self.grad_ms
+        self.seen += 1
+        if self.seen == self.expect:  # as DDP's reducer: its finalisation, at the end
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalise)
+
+    def finalise(self) -> None:
+        self.cuda.gpu_ms += self.wait_ms

@@ -67,7 +67,7 @@ def test_plain_step() -> None:
         cuda.gpu_ms += ms
         timer.stop()
     spans = timer.take_step()
-    assert timer.resolve(spans) == (2.0, 4.0, 1.0, None)  # no collective waited on: not measured
+    assert timer.resolve(spans) == (2.0, 4.0, 1.0, None, None)  # no collective waited on: not measured
 
 
 def test_closure_is_exclusive_and_waits_for_gpu() -> None:
@@ -87,7 +87,7 @@ def test_closure_is_exclusive_and_waits_for_gpu() -> None:
     cuda.done_until = 4.0  # the GPU has not reached the optimizer's end yet
     assert timer.resolve(spans) is None
     cuda.done_until = float("inf")
-    assert timer.resolve(spans) == (2.0, 3.0, 1.5, None)
+    assert timer.resolve(spans) == (2.0, 3.0, 1.5, None, None)
 
 
 class FakeTorchC:
@@ -171,12 +171,12 @@ def test_consecutive_phases_share_one_boundary_event() -> None:
         run_phase(timer, cuda, clock, phase, ms)
     spans = timer.take_step()
     assert cuda.records == 5  # not 8: one event ends a phase and starts the next
-    assert timer.resolve(spans) == (2.5, 4.0, 1.0, None)
+    assert timer.resolve(spans) == (2.5, 4.0, 1.0, None, None)
     # The step's events go back to the pool once each: the next step makes none.
     for phase, ms in ((FORWARD, 2.0), (BACKWARD, 4.0)):
         run_phase(timer, cuda, clock, phase, ms)
     assert cuda.events_made == 5
-    assert timer.resolve(timer.take_step()) == (2.0, 4.0, 0.0, None)
+    assert timer.resolve(timer.take_step()) == (2.0, 4.0, 0.0, None, None)
 
 
 def test_a_gap_with_work_in_it_keeps_its_own_boundaries() -> None:
@@ -190,7 +190,7 @@ def test_a_gap_with_work_in_it_keeps_its_own_boundaries() -> None:
     cuda.gpu_ms += 3.0  # clip_grad_norm_'s kernels
     run_phase(timer, cuda, clock, OPTIMIZER, 1.0, gap_s=80e-6)
     assert cuda.records == 5
-    assert timer.resolve(timer.take_step()) == (2.0, 4.0, 1.0, None)
+    assert timer.resolve(timer.take_step()) == (2.0, 4.0, 1.0, None, None)
 
 
 def test_no_boundary_is_shared_across_streams_steps_or_when_told_not_to() -> None:
@@ -313,4 +313,4 @@ def test_the_wait_on_communication_nests_in_backward_and_leaves_its_compute() ->
     cuda.gpu_ms += 3.0  # the stream waits for NCCL
     timer.stop()
     timer.stop()
-    assert timer.resolve(timer.take_step()) == (2.0, 4.0, 0.0, 3.0)
+    assert timer.resolve(timer.take_step()) == (2.0, 4.0, 0.0, 3.0, None)

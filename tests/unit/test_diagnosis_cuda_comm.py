@@ -122,3 +122,30 @@ def test_without_a_ddp_model_cuda_communication_stays_not_measured() -> None:
     assert times[0].json_fields()["gpu_communication_ms"] is None
     assert "COMMUNICATION NOT MEASURED" in [f.label for f in
                                             diagnose_step_time(times, device="cuda")]
+
+
+def test_the_summary_and_the_card_carry_the_gpus_wait_and_in_flight() -> None:
+    """A 2-rank CUDA DDP run's summary end to end (built, validated, rendered): the
+    rank rows' GPU wait and in flight, the card's line for them, the verdict."""
+    from traceml.records import NodeInfo, RunData, RunMeta
+    from traceml.report import build_report, render_text, report_to_json, validate_summary
+
+    meta = RunMeta(session_id="ddp", command=["train.py"], started_at=1_767_225_600.0,
+                   ended_at=1_767_225_700.0, exit_code=0, partial=False, world_size=2,
+                   missing_ranks=(), nodes=(NodeInfo(0, "gpu-box", (0, 1)),), device="cuda",
+                   versions={"traceml": "0.1.0", "torch": "2.11.0", "python": "3.12.3"},
+                   transport={"sent": 10, "dropped": 0, "gaps": 0, "rejected": 0})
+    gpu = EXPOSED | {"collective": 8.1}
+    rows = [r.replace(t_begin=meta.started_at + r.step * 0.0054 + 1.0)
+            for rank in (0, 1) for r in cuda_rank(rank, HOST_AHEAD, gpu)]
+    summary = report_to_json(build_report(RunData(meta, tuple(rows), (), ()), 100_000))
+    validate_summary(summary)
+    step_time = summary["step_time"]
+    assert step_time["diagnosis"]["kind"] == "COMMUNICATION_BOUND"
+    row = step_time["ranks"][0]
+    assert row["gpu_communication_ms"]["mean"] == pytest.approx(7.8)
+    assert row["gpu_collective_ms"]["mean"] == pytest.approx(8.1)
+    card = render_text(build_report(RunData(meta, tuple(rows), (), ()), 100_000))
+    assert "GPU communication: the GPU waited on DDP's all-reduces median/worst 7.8/7.8ms" in \
+        " ".join(card.replace("|", " ").split())
+    assert "in flight 8.1/8.1ms" in " ".join(card.replace("|", " ").split())

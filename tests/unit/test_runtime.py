@@ -188,7 +188,8 @@ class StandInTimer:
         if self.error is not None:
             raise self.error
         rest = (0.0,) * (len(TIMED) - 1)  # forward's ms, the other phases' 0
-        return (float(len(spans)), *rest) if max(spans) < self.done else None
+        # ...and nothing in flight (no DDP wait)
+        return (float(len(spans)), *rest, None) if max(spans) < self.done else None
 
 
 def log_device_marks(runtime: AgentRuntime, timer: StandInTimer) -> None:

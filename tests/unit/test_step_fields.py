@@ -75,7 +75,7 @@ def test_every_field_the_tracker_measures_is_a_column() -> None:
 def test_a_tracked_step_lands_in_its_columns() -> None:
     n = len(phases.PHASES)
     timing = StepTiming(7, 2.0, 0.5, tuple(0.01 * (i + 1) for i in range(n)),
-                        tuple(range(1, n + 1)), 1, ((10, 20, 1.0, 2.0, 3.0, 0.5),), 4096, 0.25,
+                        tuple(range(1, n + 1)), 1, ((10, 20, 1.0, 2.0, 3.0, 0.5, 2.0),), 4096, 0.25,
                         32, 512, 1e9, True, "backward", 1.5, 2,
                         phase_at_s=(0.0, 0.1, None, 0.3, None, None),
                         phase_end_s=(0.1, 0.2, None, 0.4, None, None),
@@ -93,6 +93,7 @@ def test_a_tracked_step_lands_in_its_columns() -> None:
     # GPU compute is forward + backward + optimizer; the wait on collectives is apart.
     assert (row.peak_allocated_bytes, row.peak_reserved_bytes, row.gpu_ms) == (10, 20, 6.0)
     assert row.value("gpu_communication_ms") == 0.5
+    assert row.value("gpu_collective_ms") == 2.0
     assert (row.rss_bytes, row.collective_ms, row.samples, row.tokens) == (4096, 250.0, 32, 512)
     assert (row.flops, row.flops_counted, row.boundary) == (1e9, True, "backward")
     assert (row.eval_ms, row.num_eval) == (1500.0, 2)

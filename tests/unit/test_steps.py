@@ -368,10 +368,10 @@ def _iteration(t: float, mark: list[Any] | None = None) -> list[list[Any]]:
 def test_rank_steps_turn_batches_into_step_rows() -> None:
     steps = RankSteps()
     first = steps.feed(_batch(0, [[RSS, 4096], *_iteration(0.0, [10, 20, 1.5, None, 0.5,
-                                                                   None])]))
+                                                                   None, None])]))
     assert first == []  # step 0 stays open until the next iteration begins
-    rows = steps.feed(_batch(1, [*_iteration(8.0, [30, 15, 2.0, None, 0.25, 0.5]),
-                                 [MARK, [5, 40, 1.0, None, 0.25, 0.75]], [CLOSE, 16.0]]))
+    rows = steps.feed(_batch(1, [*_iteration(8.0, [30, 15, 2.0, None, 0.25, 0.5, 2.0]),
+                                 [MARK, [5, 40, 1.0, None, 0.25, 0.75, 3.0]], [CLOSE, 16.0]]))
     row = [r.columns() for r in rows]
     assert [r["step"] for r in row] == [0, 1]
     assert row[0]["t_begin"] == 1000.0 and row[1]["t_begin"] == 1008.0
@@ -382,7 +382,9 @@ def test_rank_steps_turn_batches_into_step_rows() -> None:
     assert (row[1]["peak_allocated_bytes"], row[1]["peak_reserved_bytes"]) == (30, 40)
     assert (row[1]["gpu_forward_ms"], row[1]["gpu_backward_ms"],
             row[1]["gpu_optimizer_ms"], row[1]["gpu_communication_ms"]) == (3.0, None, 0.5, 1.25)
+    assert row[1]["gpu_collective_ms"] == 5.0  # in flight on the GPU, summed like the waits
     assert row[0]["gpu_communication_ms"] is None  # no DDP wait timed: not measured
+    assert row[0]["gpu_collective_ms"] is None
 
 
 def test_rank_steps_resynchronise_after_a_lost_batch() -> None:
@@ -436,12 +438,12 @@ def test_a_log_of_begins_without_ends_is_dropped_not_kept() -> None:
 def test_a_step_with_an_untimed_device_mark_has_no_gpu_times() -> None:
     """The agent times a sample of step ends: a step of two optimizer steps of
     which one was timed keeps its highest peaks but no GPU times (not half)."""
-    timed = [100, 200, 2.0, 3.0, 1.0, 0.5]
-    untimed = [None, None, None, None, None, None]
-    assert merge_device_marks((timed, untimed)) == (100, 200, None, None, None, None)
-    assert merge_device_marks((timed, [50, 300, 2.0, 3.0, 1.0, 0.5])) == (
-        100, 300, 4.0, 6.0, 2.0, 1.0)
-    assert merge_device_marks((untimed,)) == (None,) * 6
+    timed = [100, 200, 2.0, 3.0, 1.0, 0.5, 2.5]
+    untimed = [None] * 7
+    assert merge_device_marks((timed, untimed)) == (100, 200, None, None, None, None, None)
+    assert merge_device_marks((timed, [50, 300, 2.0, 3.0, 1.0, 0.5, 2.5])) == (
+        100, 300, 4.0, 6.0, 2.0, 1.0, 5.0)
+    assert merge_device_marks((untimed,)) == (None,) * 7
 def test_manual_parameter_updates_end_steps_at_backward() -> None:
     # No torch.optim: forward, backward, then the loop updates p.data itself.
     s = Script()

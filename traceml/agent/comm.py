@@ -86,6 +86,7 @@ class CommTiming:
         self._originals: list[tuple[Any, str, Any]] = []
         self._handle: Any = None  # the prehook on the running backward's root
         self.first_buckets: list[FirstBucket] = []  # each host DDP model's (in flight)
+        self.gpu_first_buckets: list[FirstBucket] = []  # each CUDA DDP model's
         self._opens = self._exposed_callbacks()
         self._gpu_opens = self._gpu_callbacks()
         self._queued = self._opens  # what the root's prehook queues (gloo's or the GPU's)
@@ -126,9 +127,10 @@ class CommTiming:
             setattr(owner, name, original)
         self._originals = []
         self.probe.on_backward = None
-        for first in self.first_buckets:
+        for first in (*self.first_buckets, *self.gpu_first_buckets):
             first.remove()
         self.first_buckets.clear()  # the same list: the callbacks hold it
+        self.gpu_first_buckets.clear()
 
     def _takes_part(self, args: tuple[Any, ...] = (), kwargs: Any = None) -> bool:
         """Whether a collective call here is the training's and can be timed: on
@@ -146,7 +148,7 @@ class CommTiming:
 
     def _wrap_ddp_init(self, orig: Any) -> Any:
         probe, mark, firsts = self.probe, self.mark_exposed, self.first_buckets
-        mark_gpu = self.mark_exposed_gpu
+        mark_gpu, gpu_firsts, ready = self.mark_exposed_gpu, self.gpu_first_buckets, self._ready
 
         @functools.wraps(orig)
         def _ddp_init_helper(ddp: Any, parameters: Any, *args: Any, **kwargs: Any) -> None:
@@ -155,18 +157,27 @@ class CommTiming:
             # from there): one prehook per backward, nothing per bucket.  On
             # CUDA DDP's reducer makes streams wait, not the host: the same
             # callbacks record CUDA events instead, on the timed steps only.
-            if _on_host(ddp):
+            on_host = _on_host(ddp)
+            if on_host:
                 probe.on_backward = mark
-                try:
-                    for first in [f for f in firsts if f.model in (ddp, None)]:  # set up
-                        first.remove()  # again, or its model is gone
-                        firsts.remove(first)
-                    firsts.append(FirstBucket(ddp, list(parameters), probe.clock))
-                except Exception as exc:
-                    probe.on_error(exc)
             elif probe.on_backward is None:  # CUDA: GPU events on the timed steps only
                 probe.on_backward = mark_gpu
+            hooked = firsts if on_host else gpu_firsts
+            try:
+                for first in [f for f in hooked if f.model in (ddp, None)]:  # set up
+                    first.remove()  # again, or its model is gone
+                    hooked.remove(first)
+                hooked.append(FirstBucket(ddp, list(parameters), probe.clock,
+                                          None if on_host else ready))
+            except Exception as exc:
+                probe.on_error(exc)
         return _ddp_init_helper
+
+    def _ready(self) -> None:
+        """A CUDA DDP model's first bucket is ready (autograd's thread, timed steps)."""
+        timer = self.probe.cuda_timer
+        if timer is not None:
+            self.probe.guarded(timer.first_bucket_ready)
 
     def mark_exposed(self, tensors: Any) -> None:
         """Backward begins (training thread): a prehook on the graph's root queues,
@@ -181,6 +192,9 @@ class CommTiming:
         path times, the same prehook queues the callbacks that record DDP's wait on
         the GPU (`_gpu_callbacks`); on the other steps, nothing."""
         if self.probe.cuda_timer is not None:
+            for first in self.gpu_first_buckets:  # in flight: hooked for this backward
+                first.arm()
+                first.attach()
             self._hook_root(tensors, self._gpu_opens)
 
     def _hook_root(self, tensors: Any, opens: Callable[[], None]) -> None:
@@ -192,12 +206,14 @@ class CommTiming:
             self._handle = node.register_prehook(self._queue_exposed)
 
     def _gpu_callbacks(self) -> Callable[[], None]:
-        probe, engine = self.probe, _engine()
+        probe, engine, firsts = self.probe, _engine(), self.gpu_first_buckets
 
         def closes() -> None:  # after DDP's reducer made the stream wait for its work
             timer = probe.cuda_timer
             if timer is not None:
                 probe.guarded(timer.stop)
+            for first in firsts:  # untimed backwards run without the hooks
+                first.detach()
 
         def opens() -> None:  # backward's compute is queued: the stream waits from here
             timer = probe.cuda_timer

@@ -43,6 +43,11 @@ TIMED = tuple(phases.code(p.name) for p in phases.gpu_timed())
 ONLY_WHEN_SEEN = frozenset(phases.code(p.name) for p in phases.gpu_timed() if p.collective)
 """Phases whose GPU time is None, not 0, in a timed step without them (communication:
 timed only where a CUDA DDP model waits; elsewhere it is not measured)."""
+COMM = phases.code("communication")
+IN_FLIGHT = -1
+"""The span from a CUDA DDP model's first bucket's gradients being ready to the end
+of DDP's wait (`CudaPhaseTimer.first_bucket_ready`): the all-reduces in flight, the
+part backward hid included; resolved after the TIMED phases, as the last time."""
 POOL_MAX = 4096
 SHARE_WITHIN_S = 10e-6
 """A phase starting this soon after the previous one ended shares its end event;
@@ -72,6 +77,7 @@ class CudaPhaseTimer:
         # stream, clock() when recorded.
         self._last_end: tuple[Any, Any, float] | None = None
         self.spent_s = 0.0  # training-thread time inside start/stop since the last take
+        self._ready: Any = None  # the running backward's first-bucket-ready event
 
     def _event(self, stream: Any) -> Any:
         try:
@@ -105,15 +111,37 @@ class CudaPhaseTimer:
         phase, start = self._open.pop()
         end = self._event(stream)
         self._spans.append((phase, start, end, len(self._open)))
+        ready = self._ready
+        if phase == COMM and ready is not None:  # DDP's wait ends: in flight since ready
+            self._ready = None
+            self._spans.append((IN_FLIGHT, ready, end, -1))
         now = clock()
         self._last_end = (end, stream, now)
         self.spent_s += now - began
+
+    def first_bucket_ready(self) -> None:
+        """A CUDA DDP model's first bucket's gradients are queued (autograd's thread,
+        in a post-accumulate-grad hook of each of its parameters, while the training
+        thread waits in backward): its all-reduce can start from here.  Recorded on
+        the current stream, again at each of the bucket's parameters (the last one
+        counts); DDP's wait ends the in-flight span (`stop` of communication)."""
+        stream = None if self._stream is None else self._stream()
+        ready = self._ready
+        if ready is None:
+            self._ready = self._event(stream)
+        elif stream is None:
+            ready.record()
+        else:
+            ready.record(stream)
 
     def take_step(self) -> list[Span]:
         """The spans of the step that just ended (training thread); the next
         step's first phase records its own start."""
         spans, self._spans = self._spans, []
         self._last_end = None
+        ready, self._ready = self._ready, None
+        if ready is not None and len(self._pool) < POOL_MAX:  # no DDP wait closed it
+            self._pool.append(ready)
         return spans
 
     def take_spent_s(self) -> float:
@@ -123,21 +151,27 @@ class CudaPhaseTimer:
 
     def resolve(self, spans: list[Span]) -> tuple[float | None, ...] | None:
         """Exclusive GPU ms of each TIMED phase (None: a phase of ONLY_WHEN_SEEN that
-        the step did not have); None until the GPU is done."""
+        the step did not have), then the ms in flight (`IN_FLIGHT`, summed over the
+        step's DDP waits; None without one); None until the GPU is done."""
         if any(not end.query() for _, _, end, _ in spans):
             return None
         seen = {phase for phase, _, _, _ in spans}
         totals = {p: 0.0 for p in TIMED}
+        in_flight = 0.0
         nested_ms: dict[int, float] = {}  # depth -> time of spans closed inside it
         for phase, start, end, depth in spans:  # in closing order: children first
             ms = float(start.elapsed_time(end))
+            if phase == IN_FLIGHT:
+                in_flight += ms
+                continue
             own = max(0.0, ms - nested_ms.pop(depth + 1, 0.0))
             nested_ms[depth] = nested_ms.get(depth, 0.0) + ms
             if depth == 0:
                 nested_ms.pop(0)
             totals[phase] += own
         self._recycle(spans)
-        return tuple(None if p in ONLY_WHEN_SEEN and p not in seen else totals[p] for p in TIMED)
+        return (*(None if p in ONLY_WHEN_SEEN and p not in seen else totals[p] for p in TIMED),
+                in_flight if IN_FLIGHT in seen else None)
 
     def _recycle(self, spans: list[Span]) -> None:
         seen: set[int] = set()  # a shared boundary is one event in two spans

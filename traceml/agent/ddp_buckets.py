@@ -38,10 +38,15 @@ first backward passes after its buckets were rebuilt, then never again."""
 class FirstBucket:
     """One DDP model's first-bucket launch time in the running backward."""
 
-    def __init__(self, ddp: Any, parameters: Sequence[Any], clock: Callable[[], float]) -> None:
+    def __init__(self, ddp: Any, parameters: Sequence[Any], clock: Callable[[], float],
+                 on_gpu: Callable[[], None] | None = None) -> None:
+        """``clock`` stamps the launch (gloo); ``on_gpu`` instead (CUDA) records it on
+        the GPU (`cuda_timing.CudaPhaseTimer.first_bucket_ready`), hooked on the
+        timed steps only (`attach` and `detach` around them)."""
         self._ddp = weakref.ref(ddp)
         self._parameters = [weakref.ref(p) for p in parameters]
         self._clock = clock
+        self._on_gpu = on_gpu
         self._handles: list[Any] = []
         # The first bucket's parameters, hooked; weakly: a deleted model frees them.
         self._hooked: list[weakref.ref[Any]] = []
@@ -90,11 +95,15 @@ class FirstBucket:
         self._handles = []
 
     def _stamp(self, param: Any) -> None:
-        # Not under no_sync() (nothing is launched), nor with a comm hook the
-        # script registered: its buckets are spans one by one (`comm.timed_hook`).
+        # Not under no_sync() (nothing is launched).  On gloo, not with a comm hook
+        # the script registered either: its buckets are spans one by one
+        # (`comm.timed_hook`); on CUDA they are not, and this is the launch.
         ddp = self._ddp()
-        if (ddp is not None and getattr(ddp, "require_backward_grad_sync", False)
-                and not getattr(ddp, "_comm_hooks", None)):
+        if ddp is None or not getattr(ddp, "require_backward_grad_sync", False):
+            return
+        if self._on_gpu is not None:  # CUDA: hooked for a timed backward only
+            self._on_gpu()
+        elif not getattr(ddp, "_comm_hooks", None):
             self.launched = self._clock()
 
     def take(self) -> float | None:

@@ -10,10 +10,10 @@ import sys
 import time
 from typing import Any
 
-from traceml import phases
 from traceml.agent.cuda_timing import CudaPhaseTimer, SamplingRule, StepSampler, allocator_bytes
 from traceml.agent.probe import Probe
 from traceml.errors import WarnOnce
+from traceml.wire.events import DEVICE_MARK_FIELDS
 
 
 class DeviceSteps:
@@ -119,7 +119,7 @@ class DeviceSteps:
         """A logged mark as `wire.events.DEVICE_MARK_FIELDS` (all None for an untimed
         step); None while the GPU has not passed its events (unless ``give_up``:
         then without GPU times)."""
-        gpu: tuple[float | None, ...] = (None,) * len(phases.gpu_timed())
+        gpu: tuple[float | None, ...] = (None,) * (len(DEVICE_MARK_FIELDS) - 2)
         if value is None:
             return [None, None, *gpu]
         (allocated, reserved), spans = value

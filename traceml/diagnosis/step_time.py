@@ -72,6 +72,9 @@ class RankStepTimes:
     # timed phases, the wait included; None where no step timed it.
     gpu_communication: Distribution | None = None
     gpu_timed_step_ms: float | None = None
+    # CUDA: DDP's all-reduces in flight on the GPU (``gpu_collective_ms``, from its first
+    # bucket's gradients to the end of its wait) over the typical steps that timed it
+    gpu_in_flight: Distribution | None = None
 
     def dist(self, phase: str) -> Distribution:
         """The distribution of one of PHASES."""
@@ -116,7 +119,8 @@ class RankStepTimes:
                 **{f.name: self.reported.get(f.name) for f in step_fields.reported()},
                 **{f"{p}_share_pct": self.share_pct(p) for p in SHARES},
                 "gpu_ms": self.gpu_ms, "num_gpu_timed_steps": self.num_gpu_timed_steps,
-                "gpu_communication_ms": self.gpu_communication}
+                "gpu_communication_ms": self.gpu_communication,
+                "gpu_collective_ms": self.gpu_in_flight}
 
 
 def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int, RankStepTimes]:
@@ -134,11 +138,13 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
         gpu = gpu_column(every)
         on_cuda = bool(gpu) or column(every, "peak_allocated_bytes").count(None) < len(every)
         waits = gpu_wait_column(rows)
+        in_flight = [v for v in column(rows, "gpu_collective_ms") if v is not None]
         out[rank] = RankStepTimes(
             rank, node_of.get(rank), len(every), dists, reported,
             distribution(gpu) if gpu else None, len(gpu) if on_cuda else None, outliers,
             tuple(rows), distribution([w for w, _ in waits]) if waits else None,
-            statistics.fmean(s for _, s in waits) if waits else None)
+            statistics.fmean(s for _, s in waits) if waits else None,
+            distribution(in_flight) if in_flight else None)
     return out
 
 

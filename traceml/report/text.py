@@ -324,8 +324,18 @@ def _gpu_time(section: Section) -> list[str]:
         return [f"- GPU time: not measured ({of} carry GPU times)"]
     parts = "+".join(p.name for p in phases.gpu_compute())
     where = f" r{stat.worst_rank}" if len(rows) > 1 else ""
-    return [f"- GPU time: median/worst {stat.median:.1f}/{stat.worst:.1f}ms{where} "
-            f"({parts}), from {of} (those timed)"]
+    lines = [f"- GPU time: median/worst {stat.median:.1f}/{stat.worst:.1f}ms{where} "
+             f"({parts}), from {of} (those timed)"]
+    waited, flight = section.stats.get("gpu_communication_ms"), section.stats.get(
+        "gpu_collective_ms")
+    if waited is not None:
+        also = ("" if flight is None else
+                f", in flight {flight.median:.1f}/{flight.worst:.1f}ms (first bucket ready "
+                "to the wait's end)")
+        lines.append(f"- GPU communication: the GPU waited on DDP's all-reduces median/worst "
+                     f"{waited.median:.1f}/{waited.worst:.1f}ms a step{also}, on the timed "
+                     "steps")
+    return lines
 
 
 def format_rate(value: float | None, unit: str) -> str:

@@ -40,7 +40,7 @@ VALUED = (MARK, RSS, SPAN, BATCH, FLOP_COUNT)
 """Codes whose events carry values: they travel in their own lists, not as times."""
 
 DEVICE_MARK_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes",
-                      *(p.gpu_column for p in phases.gpu_timed()))
+                      *(p.gpu_column for p in phases.gpu_timed()), "gpu_collective_ms")
 # What a batch holds (`traceml.agent.batch`), logged when it changes: samples
 # (its first tensor's leading dimension), tokens (that tensor's elements when it
 # holds 2-D integer token ids), the FLOPs per step known for its shape, and
