@@ -1,6 +1,7 @@
-"""COMMUNICATION-BOUND on CUDA from the GPU's wait on DDP's collectives
-(``gpu_communication_ms``), on hand-built 1-, 2- and 8-rank windows whose ranks
-time a random sample of their own steps, as the CUDA path does."""
+"""The rules on CUDA from the GPU's times: COMMUNICATION-BOUND from the GPU's wait on
+DDP's collectives (``gpu_communication_ms``) and stragglers from the GPU's compute, on
+hand-built 1-, 2- and 8-rank windows whose ranks time a random sample of their own
+steps, as the CUDA path does."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ STEPS = 200
 
 
 def cuda_rank(rank: int, host: dict[str, float], gpu: dict[str, float] | None,
-              every: int = 6, seed: int = 0, first_timed: int = 25) -> list[StepRow]:
+              every: int = 6, seed: int = 0, first_timed: int = 25,
+              jitter: float = 0.0) -> list[StepRow]:
     """``STEPS`` steps of one CUDA rank: host phase times ``host`` (ms, ``wait`` the
     untraced rest); on the first ``first_timed`` steps and one random step in each
     block of ``every`` after them, the GPU times ``gpu`` (``forward``, ``backward``
-    with the wait taken out, ``optimizer``, ``communication``: the wait)."""
+    with the wait taken out, ``optimizer``, ``communication``: the wait, ``collective``:
+    in flight)."""
     rng = random.Random(seed * 1000 + rank)
     timed = set(range(1, first_timed))
     timed |= {b + rng.randrange(every) for b in range(first_timed, STEPS, every)}
@@ -30,8 +33,9 @@ def cuda_rank(rank: int, host: dict[str, float], gpu: dict[str, float] | None,
     rows = []
     for step in range(STEPS):
         columns = {}
-        if gpu is not None and step in timed:
-            columns = {f"gpu_{name}_ms": ms for name, ms in gpu.items()}
+        if gpu is not None and step in timed:  # each time moved by up to +-jitter of it
+            columns = {f"gpu_{name}_ms": ms * (1.0 + rng.uniform(-jitter, jitter))
+                       for name, ms in gpu.items()}
         rows.append(row_of(rank, step, phase_ms, total, host.get("wait", 0.0),
                            peak_allocated_bytes=2**30, **columns))
     return rows
@@ -149,3 +153,67 @@ def test_the_summary_and_the_card_carry_the_gpus_wait_and_in_flight() -> None:
     assert "GPU communication: the GPU waited on DDP's all-reduces median/worst 7.8/7.8ms" in \
         " ".join(card.replace("|", " ").split())
     assert "in flight 8.1/8.1ms" in " ".join(card.replace("|", " ").split())
+
+
+# GPU-bound ranks: every host blocks alike (its launches wait on its own GPU, which
+# waits for the slowest in DDP's all-reduce), so host time names nobody.
+HOST_BOUND_BY_GPU = {"input": 0.3, "forward": 1.0, "backward": 16.5, "optimizer": 1.9,
+                     "wait": 0.3}
+GPU_EVEN = {"forward": 4.0, "backward": 8.0, "optimizer": 1.0, "communication": 2.0}
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_a_slower_gpu_backward_names_its_rank_from_the_gpus_times(world: int) -> None:
+    # The last rank's backward kernels take 5 ms more (uneven shapes); the others
+    # wait those 5 ms in DDP's all-reduce, which the GPU's wait takes out of backward.
+    slow = world - 1
+    rows = []
+    for rank in range(world):
+        gpu = GPU_EVEN | ({"backward": 13.0} if rank == slow else {"communication": 7.0})
+        rows += cuda_rank(rank, HOST_BOUND_BY_GPU, gpu, jitter=0.05)
+    times = window(rows, world)
+    top = diagnose_step_time(times, device="cuda")[0]
+    assert (top.kind, top.ranks) == ("COMPUTE_STRAGGLER", (slow,)), top
+    assert top.why.startswith(f"r{slow} backward on the GPU was 13.")
+    assert top.evidence["excess_ms"] == pytest.approx(5.0, abs=0.3)
+    assert "of its GPU-timed steps" in top.why
+    # The same run judged on host time alone names nobody: the hosts look alike.
+    host_only = [f.kind for f in diagnose_step_time(times, device="cpu")
+                 if "STRAGGLER" in f.kind]
+    assert "COMPUTE_STRAGGLER" not in host_only
+
+
+def test_a_gpu_slow_now_and_then_is_unclear_not_named() -> None:
+    # r1's backward runs 8 ms long on about a third of its timed samples (a shared
+    # host's launch contention): its mean is 2.8 ms over r0's, past the straggler
+    # limit, but it is slower in only a third of its samples.
+    rows = cuda_rank(0, HOST_BOUND_BY_GPU, GPU_EVEN, jitter=0.02)
+    flip = random.Random(11)
+    rows += [r.replace(gpu_backward_ms=r.value("gpu_backward_ms") + 8.0)
+             if r.value("gpu_backward_ms") is not None and flip.random() < 0.35 else r
+             for r in cuda_rank(1, HOST_BOUND_BY_GPU, GPU_EVEN, jitter=0.02)]
+    found = diagnose_step_time(window(rows, 2), device="cuda")
+    assert found[0].kind == "STRAGGLER_UNSTEADY", found
+    assert "backward on the GPU" in found[0].why
+    assert not any(f.kind == "COMPUTE_STRAGGLER" for f in found)
+
+
+def test_a_slow_input_rank_on_cuda_is_an_input_straggler() -> None:
+    host = {0: HOST_BOUND_BY_GPU, 1: HOST_BOUND_BY_GPU | {"input": 6.3, "backward": 10.5}}
+    rows = [r for rank in (0, 1) for r in cuda_rank(rank, host[rank], GPU_EVEN, jitter=0.05)]
+    top = diagnose_step_time(window(rows, 2), device="cuda")[0]
+    assert (top.kind, top.ranks) == ("INPUT_STRAGGLER", (1,)), top
+    assert top.why.startswith("r1 input was 6.3 ms")
+
+
+def test_too_few_gpu_timed_steps_fall_back_to_host_time() -> None:
+    # r1 has GPU times on 3 typical steps only: attribution reads host time, where
+    # r1's backward (its host blocked on its slow GPU) is blamed with host wording.
+    rows = cuda_rank(0, HOST_BOUND_BY_GPU, GPU_EVEN)
+    slow_host = HOST_BOUND_BY_GPU | {"backward": 22.0}
+    rows += [r if r.step >= STEPS - 3 else r.replace(gpu_forward_ms=None)
+             for r in cuda_rank(1, slow_host, GPU_EVEN, every=1, jitter=0.05)]
+    times = window(rows, 2)
+    top = diagnose_step_time(times, device="cuda")[0]
+    assert (top.kind, top.ranks) == ("COMPUTE_STRAGGLER", (1,)), top
+    assert top.why.startswith("r1 backward was 22.0 ms vs 16.5 ms")

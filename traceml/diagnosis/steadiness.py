@@ -59,8 +59,12 @@ class StepSeries:
     rank's per-step reference (the median of the others) is a bisection."""
 
     times: Mapping[int, StepTimes]
+    # Parts each rank has at steps of its own (CUDA's GPU times, on each rank's sample
+    # of steps): compared with the other ranks' typical value, not step by step
+    pooled: frozenset[str] = frozenset()
     _sorted: dict[tuple[str, ...], dict[int, list[float]]] = field(default_factory=dict)
     _noise: dict[tuple[str, ...], dict[int, float]] = field(default_factory=dict)
+    _references: dict[tuple[str, ...], dict[int, float]] = field(default_factory=dict)
 
     def values(self, rank: int, parts: tuple[str, ...]) -> dict[int, float]:
         """One rank's time in ``parts`` (added up) at each of its typical steps."""
@@ -71,7 +75,11 @@ class StepSeries:
                 if all(step in c for c in columns)}
 
     def excesses(self, rank: int, parts: tuple[str, ...]) -> list[float]:
-        """The rank's per-step excess over the other ranks' median, in step order."""
+        """The rank's per-step excess over the other ranks' median, in step order.  For
+        `pooled` parts, over the median of the other ranks' medians (their steps are
+        not the rank's)."""
+        if self.pooled.intersection(parts):
+            return self._pooled_excesses(rank, parts)
         table = self._sorted.get(parts)
         if table is None:
             table = {}
@@ -84,6 +92,18 @@ class StepSeries:
         return [value - median_without(table[step], value)
                 for step, value in sorted(self.values(rank, parts).items())
                 if len(table[step]) >= 2]
+
+    def _pooled_excesses(self, rank: int, parts: tuple[str, ...]) -> list[float]:
+        references = self._references.get(parts)
+        if references is None:
+            medians = {r: statistics.median(v) for r in self.times
+                       if (v := list(self.values(r, parts).values()))}
+            references = medians_of_others(medians) if len(medians) >= 2 else {}
+            self._references[parts] = references
+        reference = references.get(rank)
+        if reference is None:
+            return []
+        return [value - reference for _, value in sorted(self.values(rank, parts).items())]
 
     def own_noise_ms(self, rank: int, parts: tuple[str, ...]) -> float:
         """The median over the *other* ranks of their own step-to-step spread in

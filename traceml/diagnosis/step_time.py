@@ -287,9 +287,58 @@ def balanced(times: Mapping[int, RankStepTimes]) -> Finding:
 
 def stragglers(times: Mapping[int, RankStepTimes], device: str = "cpu") -> list[Finding]:
     """INPUT / COMPUTE / HOST-WORK STRAGGLER and STRAGGLER, from each rank's own work
-    (`traceml.diagnosis.stragglers`)."""
+    (`traceml.diagnosis.stragglers`); on CUDA, compute from the GPU's times when every
+    rank has enough of them (`GpuOwnWork`)."""
     step_ms = median_mean_ms(times, "total") if len(times) >= 2 else 0.0
+    gpu = gpu_own_work(times) if device == "cuda" else None
+    if gpu is not None:
+        return attribution.stragglers(gpu, step_ms, False, device, on_gpu=True)
     return attribution.stragglers(times, step_ms, comm_measured(times), device)
+
+
+@dataclass(frozen=True)
+class GpuOwnWork:
+    """One rank's own work for straggler attribution on CUDA.
+
+    On CUDA the host's compute phases time launches, and wherever the host blocks
+    on its GPU (a full launch queue, a copy), which may be waiting for another rank:
+    host time cannot tell a slow GPU from a waiting one.  The GPU's time of each
+    compute phase can, on the steps the CUDA path times: its kernels, and the GPU
+    idle inside the phase waiting for the host's launches, with DDP's wait on
+    the other ranks taken out of backward (``gpu_communication_ms``).  Input and
+    untraced work stay the host's, on every typical step.  Each rank times its own
+    sample of steps, so compute parts are held against the other ranks' typical
+    value (`steadiness.StepSeries.pooled`); communication stays unmeasured for the
+    attribution (a forward collective, DDP's buffer broadcast or FSDP's
+    all-gathers, can hold waiting in the GPU's forward)."""
+
+    host: RankStepTimes
+    gpu: Mapping[str, Mapping[int, float]]  # compute part -> its GPU ms at each timed step
+
+    def mean(self, part: str) -> float:
+        values = self.gpu.get(part)
+        return statistics.fmean(values.values()) if values is not None else self.host.mean(part)
+
+    def per_step(self, part: str) -> Mapping[int, float]:
+        values = self.gpu.get(part)
+        return values if values is not None else self.host.per_step(part)
+
+
+def gpu_own_work(times: Mapping[int, RankStepTimes]) -> dict[int, GpuOwnWork] | None:
+    """Every rank's `GpuOwnWork`, when every rank has GPU times on at least
+    `thresholds.STRAGGLER_MIN_STEPS` typical steps; None otherwise (host time, as
+    off CUDA)."""
+    names = tuple(p.name for p in phases.gpu_compute())
+    out = {}
+    for rank, t in times.items():
+        steps = column(t.rows, "step")
+        columns = [column(t.rows, p.gpu_column) for p in phases.gpu_compute()]
+        timed = [(s, v) for s, *v in zip(steps, *columns) if None not in v]
+        if len(timed) < thresholds.STRAGGLER_MIN_STEPS:
+            return None
+        out[rank] = GpuOwnWork(t, {name: {s: float(v[i]) for s, v in timed}
+                                   for i, name in enumerate(names)})
+    return out or None
 
 
 def comm_measured(times: Mapping[int, RankStepTimes]) -> bool:

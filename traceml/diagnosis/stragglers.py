@@ -158,10 +158,13 @@ def _kind(part: str) -> tuple[str, str]:
 
 
 def stragglers(times: Mapping[int, RankTimes], step_ms: float,
-               comm_measured: bool, device: str = "cpu") -> list[Finding]:
+               comm_measured: bool, device: str = "cpu", on_gpu: bool = False
+               ) -> list[Finding]:
     """INPUT / COMPUTE / HOST-WORK STRAGGLER, STRAGGLER (own work together), or
     UNCLEAR STRAGGLER: with >= 2 ranks, from each rank's own work, named only when
-    its excess holds step by step."""
+    its excess holds step by step.  ``on_gpu``: the compute parts are GPU times on
+    each rank's own sample of steps (CUDA), held against the other ranks' typical
+    value sample by sample rather than step by step."""
     if len(times) < 2 or step_ms <= 0:
         return []
     # Candidates from just below the limit: those near it are said as borderline.
@@ -172,15 +175,17 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
     seen = {e.rank for e in standing + explained}
     standing += _combined(every, sorted(set(times) - seen), limit_ms, comm_measured)
     siblings = _siblings(every, limit_ms, comm_measured)
-    held, unsteady = _steady(_together(standing, siblings), StepSeries(times))
+    series = StepSeries(times, frozenset(COMPUTE_PARTS) if on_gpu else frozenset())
+    held, unsteady = _steady(_together(standing, siblings), series)
     named = sorted(held, key=lambda e: -e.excess_ms)
     by_kind: dict[tuple[str, str], list[Excess]] = {}
     for excess in named:
         by_kind.setdefault(_kind(excess.part), []).append(excess)
-    found = [_straggler(kind, group, step_ms, device, min(held[group[0]].slower_pct))
+    found = [_straggler(kind, group, step_ms, device, min(held[group[0]].slower_pct), on_gpu)
              for kind, group in by_kind.items()]
     if not found and unsteady:
-        found.append(_unsteady(*max(unsteady, key=lambda ec: ec[0].excess_ms), step_ms))
+        found.append(_unsteady(*max(unsteady, key=lambda ec: ec[0].excess_ms), step_ms,
+                               on_gpu))
     elif not found and explained:
         found.append(_unclear(explained, step_ms, device))
     return found
@@ -269,17 +274,18 @@ def _combined(every: Mapping[tuple[int, str], Excess], ranks: list[int], limit_m
 
 
 def _straggler(kind: tuple[str, str], found: list[Excess], step_ms: float,
-               device: str, slower_pct: float) -> Finding:
+               device: str, slower_pct: float, on_gpu: bool = False) -> Finding:
     worst = found[0]
     excess_pct = 100.0 * worst.excess_ms / step_ms
     severity = grade(excess_pct, thresholds.STRAGGLER_WARN_PCT, thresholds.STRAGGLER_CRIT_PCT)
     near = borderline(excess_pct, thresholds.STRAGGLER_WARN_PCT)
     ranks = tuple(dict.fromkeys(e.rank for e in found))
     verb = "were" if " and " in worst.part else "was"
-    why = (f"r{worst.rank} {_part_text(worst.part)} {verb} {worst.value_ms:.1f} ms vs "
-           f"{worst.reference_ms:.1f} ms on the other ranks (+{worst.excess_ms:.1f} ms, "
+    steps = "of its GPU-timed steps" if on_gpu and _on_gpu(worst) else "of the steps"
+    why = (f"r{worst.rank} {_part_text(worst.part, on_gpu)} {verb} {worst.value_ms:.1f} ms "
+           f"vs {worst.reference_ms:.1f} ms on the other ranks (+{worst.excess_ms:.1f} ms, "
            f"{excess_pct:.1f}% of the {step_ms:.1f} ms typical step; slower in "
-           f"{slower_pct:.0f}% of the steps).")
+           f"{slower_pct:.0f}% {steps}).")
     if len(ranks) > 1:
         why = why[:-1] + f"; slow too: {format_ranks(ranks[1:])}."
     evidence = {"rank": worst.rank, "value_ms": worst.value_ms,
@@ -292,10 +298,19 @@ def _straggler(kind: tuple[str, str], found: list[Excess], step_ms: float,
     return finding
 
 
-def _part_text(part: str) -> str:
+def _part_text(part: str, on_gpu: bool = False) -> str:
     if part == UNTRACED_PART:
         return "untraced host work (outside every phase)"
+    if on_gpu and part == "own work":
+        return "own work (input on the host, compute on the GPU)"
+    if on_gpu and part != INPUT_PART:
+        return f"{part} on the GPU"
     return part
+
+
+def _on_gpu(excess: Excess) -> bool:
+    """Whether an excess holds a compute part (a GPU time, on CUDA's sampled steps)."""
+    return any(p in COMPUTE_PARTS for p in excess.parts)
 
 
 def _next(kind: str, worst: Excess, device: str) -> str:
@@ -318,7 +333,8 @@ def _next(kind: str, worst: Excess, device: str) -> str:
     return f"Profile {rank} with torch.profiler: several parts of its own work run slower."
 
 
-def _unsteady(excess: Excess, held: Consistency, step_ms: float) -> Finding:
+def _unsteady(excess: Excess, held: Consistency, step_ms: float, on_gpu: bool = False
+              ) -> Finding:
     """UNCLEAR STRAGGLER (info): ranks differ on the mean, but no rank is slower
     step by step; no rank is named."""
     excess_pct = 100.0 * excess.excess_ms / step_ms
@@ -330,7 +346,8 @@ def _unsteady(excess: Excess, held: Consistency, step_ms: float) -> Finding:
     else:
         how = (f"{held.num_steps} steps are too few to tell whether r{excess.rank} is "
                "slower step by step")
-    why = (f"Ranks differ by {excess.excess_ms:.1f} ms per step in {_part_text(excess.part)} "
+    why = (f"Ranks differ by {excess.excess_ms:.1f} ms per step in "
+           f"{_part_text(excess.part, on_gpu)} "
            f"(r{excess.rank} {excess.value_ms:.1f} ms vs {excess.reference_ms:.1f} ms on the "
            f"other ranks, {excess_pct:.1f}% of the {step_ms:.1f} ms typical step), but not "
            f"consistently: {how}, so no single rank is the cause.")
@@ -362,8 +379,9 @@ def _unclear(explained: list[Excess], step_ms: float, device: str) -> Finding:
 UNCLEAR_NEXT = {
     "cpu": ("Run with a backend whose collectives traceml times (gloo, or NCCL with "
             "DDP/FSDP), or profile the ranks side by side with torch.profiler."),
-    "cuda": ("On CUDA, stragglers are read from the host's time, where a rank waiting for "
-             "its GPU (and its GPU for another rank's collective) reads as its own compute: "
-             "profile the ranks side by side (traceml capture, or torch.profiler)."),
+    "cuda": ("On CUDA a rank's compute can hold waiting for another rank: its host's time "
+             "waits on its GPU, and its GPU's forward on a collective there (DDP's buffer "
+             "broadcast, FSDP's all-gathers). Profile the ranks side by side (traceml "
+             "capture, or torch.profiler)."),
 }
 """UNCLEAR STRAGGLER's advice (collectives not timed) by device."""
