@@ -314,3 +314,28 @@ def test_the_wait_on_communication_nests_in_backward_and_leaves_its_compute() ->
     timer.stop()
     timer.stop()
     assert timer.resolve(timer.take_step()) == (2.0, 4.0, 0.0, 3.0, None)
+
+
+def test_in_flight_starts_at_the_first_ddp_models_first_bucket() -> None:
+    """A backward through two DDP models (a GAN's generator step): the first model to
+    have its first bucket ready starts the span; the other's later stamps move nothing,
+    the first's own later parameters do (its bucket is ready at the last of them)."""
+    from traceml import phases
+
+    comm = phases.code("communication")
+    cuda = FakeCuda()
+    timer = CudaPhaseTimer(cuda, share_within_s=0.0)
+    first, second = object(), object()
+    timer.start(BACKWARD)
+    cuda.gpu_ms += 2.0
+    timer.first_bucket_ready(first)
+    cuda.gpu_ms += 1.0
+    timer.first_bucket_ready(first)  # its bucket's last parameter: ready at 3 ms
+    cuda.gpu_ms += 2.0
+    timer.first_bucket_ready(second)  # the other model's, later: not the start
+    cuda.gpu_ms += 1.0
+    timer.start(comm)
+    cuda.gpu_ms += 4.0
+    timer.stop()
+    timer.stop()
+    assert timer.resolve(timer.take_step()) == (0.0, 6.0, 0.0, 4.0, 7.0)

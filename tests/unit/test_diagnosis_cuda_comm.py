@@ -217,3 +217,26 @@ def test_too_few_gpu_timed_steps_fall_back_to_host_time() -> None:
     top = diagnose_step_time(times, device="cuda")[0]
     assert (top.kind, top.ranks) == ("COMPUTE_STRAGGLER", (1,)), top
     assert top.why.startswith("r1 backward was 22.0 ms vs 16.5 ms")
+
+
+def test_a_gpu_forward_waiting_at_a_broadcast_is_not_blamed() -> None:
+    # r1's GPU optimizer takes 5 ms more; r0's GPU forward waits those 5 ms at DDP's
+    # buffer broadcast (a collective inside forward, not taken out): r1 is named, r0 not.
+    r0 = GPU_EVEN | {"forward": 9.0}
+    r1 = GPU_EVEN | {"optimizer": 6.0}
+    rows = (cuda_rank(0, HOST_BOUND_BY_GPU, r0, jitter=0.05)
+            + cuda_rank(1, HOST_BOUND_BY_GPU, r1, jitter=0.05))
+    found = [f for f in diagnose_step_time(window(rows, 2), device="cuda")
+             if "STRAGGLER" in f.kind]
+    assert [(f.kind, f.ranks) for f in found] == [("COMPUTE_STRAGGLER", (1,))], found
+    assert found[0].why.startswith("r1 optimizer on the GPU was 6.")
+
+
+def test_a_host_timed_barrier_overlapping_the_gpus_wait_is_not_counted_twice() -> None:
+    # A dist.barrier() each step (no tensor: timed on the host, 3 ms, waiting for the
+    # GPU's queue) beside the GPU's 7.8 ms wait on DDP: 7.8 ms of communication.
+    host = HOST_AHEAD | {"communication": 3.0}
+    times = window(cuda_rank(0, host, EXPOSED) + cuda_rank(1, host, EXPOSED), 2)
+    top = diagnose_step_time(times, device="cuda")[0]
+    assert top.kind == "COMMUNICATION_BOUND"
+    assert top.evidence["communication_ms"] == pytest.approx(7.8)

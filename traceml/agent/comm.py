@@ -173,11 +173,11 @@ class CommTiming:
                 probe.on_error(exc)
         return _ddp_init_helper
 
-    def _ready(self) -> None:
+    def _ready(self, first: FirstBucket) -> None:
         """A CUDA DDP model's first bucket is ready (autograd's thread, timed steps)."""
         timer = self.probe.cuda_timer
-        if timer is not None:
-            self.probe.guarded(timer.first_bucket_ready)
+        if timer is not None and not self.probe.off:
+            self.probe.guarded(timer.first_bucket_ready, first)
 
     def mark_exposed(self, tensors: Any) -> None:
         """Backward begins (training thread): a prehook on the graph's root queues,
@@ -191,16 +191,20 @@ class CommTiming:
         """A CUDA DDP model's backward begins (training thread): on a step the CUDA
         path times, the same prehook queues the callbacks that record DDP's wait on
         the GPU (`_gpu_callbacks`); on the other steps, nothing."""
-        if self.probe.cuda_timer is not None:
+        if self.probe.cuda_timer is None:
+            return
+        self._hook_root(tensors, self._gpu_opens)
+        if self._handle is not None:  # its callbacks will take the hooks off again
             for first in self.gpu_first_buckets:  # in flight: hooked for this backward
                 first.arm()
                 first.attach()
-            self._hook_root(tensors, self._gpu_opens)
 
     def _hook_root(self, tensors: Any, opens: Callable[[], None]) -> None:
-        """A prehook on the graph's root that queues ``opens`` as the engine starts."""
+        """A prehook on the graph's root that queues ``opens`` as the engine starts
+        (``_handle``; None without a graph)."""
         root = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
         node = getattr(root, "grad_fn", None)
+        self._handle = None
         if node is not None:
             self._queued = opens
             self._handle = node.register_prehook(self._queue_exposed)

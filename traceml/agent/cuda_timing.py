@@ -78,6 +78,7 @@ class CudaPhaseTimer:
         self._last_end: tuple[Any, Any, float] | None = None
         self.spent_s = 0.0  # training-thread time inside start/stop since the last take
         self._ready: Any = None  # the running backward's first-bucket-ready event
+        self._ready_by: object = None  # ...whose (the first DDP model's to stamp it)
 
     def _event(self, stream: Any) -> Any:
         try:
@@ -119,16 +120,20 @@ class CudaPhaseTimer:
         self._last_end = (end, stream, now)
         self.spent_s += now - began
 
-    def first_bucket_ready(self) -> None:
+    def first_bucket_ready(self, model: object = None) -> None:
         """A CUDA DDP model's first bucket's gradients are queued (autograd's thread,
         in a post-accumulate-grad hook of each of its parameters, while the training
         thread waits in backward): its all-reduce can start from here.  Recorded on
         the current stream, again at each of the bucket's parameters (the last one
-        counts); DDP's wait ends the in-flight span (`stop` of communication)."""
+        counts), for the first ``model`` to stamp in this backward (a backward through
+        two DDP models: the earlier launch); DDP's wait ends the in-flight span
+        (`stop` of communication)."""
         stream = None if self._stream is None else self._stream()
         ready = self._ready
         if ready is None:
-            self._ready = self._event(stream)
+            self._ready, self._ready_by = self._event(stream), model
+        elif self._ready_by is not model:
+            return
         elif stream is None:
             ready.record()
         else:

@@ -39,7 +39,7 @@ class FirstBucket:
     """One DDP model's first-bucket launch time in the running backward."""
 
     def __init__(self, ddp: Any, parameters: Sequence[Any], clock: Callable[[], float],
-                 on_gpu: Callable[[], None] | None = None) -> None:
+                 on_gpu: Callable[[FirstBucket], None] | None = None) -> None:
         """``clock`` stamps the launch (gloo); ``on_gpu`` instead (CUDA) records it on
         the GPU (`cuda_timing.CudaPhaseTimer.first_bucket_ready`), hooked on the
         timed steps only (`attach` and `detach` around them)."""
@@ -102,7 +102,7 @@ class FirstBucket:
         if ddp is None or not getattr(ddp, "require_backward_grad_sync", False):
             return
         if self._on_gpu is not None:  # CUDA: hooked for a timed backward only
-            self._on_gpu()
+            self._on_gpu(self)
         elif not getattr(ddp, "_comm_hooks", None):
             self.launched = self._clock()
 

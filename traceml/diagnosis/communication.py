@@ -80,10 +80,18 @@ class RankGpuWait(RankComm, Protocol):
 
 def gpu_wait_measured(times: Mapping[int, RankGpuWait]) -> bool:
     """Whether every rank's compute stream's wait on collectives was timed on at least
-    `MIN_GPU_WAIT_STEPS` typical steps (CUDA, DDP): what COMMUNICATION-BOUND reads there."""
+    `thresholds.GPU_MIN_TIMED_STEPS` typical steps (CUDA, DDP): what the rules read
+    there."""
     return bool(times) and all(t.gpu_communication is not None
-                               and t.gpu_communication.count >= MIN_GPU_WAIT_STEPS
+                               and t.gpu_communication.count >= thresholds.GPU_MIN_TIMED_STEPS
                                for t in times.values())
+
+
+def gpu_step_ms(t: RankGpuWait) -> float:
+    """A CUDA rank's typical step: the longer of the host's and the GPU time of its
+    timed phases (a host that queues work ahead of its GPU has shorter steps than
+    the GPU's; one that is itself the bottleneck, longer ones)."""
+    return max(t.mean("total"), t.gpu_timed_step_ms or 0.0)
 
 
 def gpu_communication_bound(times: Mapping[int, RankGpuWait]) -> list[Finding]:
@@ -96,18 +104,17 @@ def gpu_communication_bound(times: Mapping[int, RankGpuWait]) -> list[Finding]:
     the GPU's does.  A rank's timed steps are a random sample of its own, not the
     same steps as the other ranks', so the least is taken of the ranks' means rather
     than at each step: the rank that waited least on average, whose wait is the
-    collectives' own cost (a straggler's victims wait longer).  The step is the
-    longer of the host's step and the GPU time of the timed phases: a host that
-    queues work far ahead of its GPU (a short run) has steps shorter than the GPU's;
-    a host that is itself the bottleneck (input) longer ones, where the wait matters
-    less.  Silent unless every rank has `MIN_GPU_WAIT_STEPS` timed steps."""
+    collectives' own cost (a straggler's victims wait longer).  A collective the host
+    timed (one without a tensor, a barrier) overlaps the GPU's wait: the longer of
+    the two counts.  The step is `gpu_step_ms`.  Silent unless every rank has
+    `thresholds.GPU_MIN_TIMED_STEPS` timed steps."""
     if not gpu_wait_measured(times):
         return []
     def ms_of(t: RankGpuWait) -> float:
         assert t.gpu_communication is not None
-        return t.gpu_communication.mean + t.communication_ms
+        return max(t.gpu_communication.mean, t.communication_ms)
     least = min(times, key=lambda r: (ms_of(times[r]), r))
-    steps = {r: max(t.mean("total"), t.gpu_timed_step_ms or 0.0) for r, t in times.items()}
+    steps = {r: gpu_step_ms(t) for r, t in times.items()}
     step = statistics.median(steps.values())
     ms = ms_of(times[least])
     timed = times[least].gpu_communication
@@ -140,11 +147,6 @@ def _bound(ms: float, step: float, tail: str, shares: Mapping[int, float],
     found = Finding("COMMUNICATION_BOUND", "COMMUNICATION-BOUND", severity or "warn", why,
                     next_step, tuple(ranks), {"communication_share_pct": share, **evidence})
     return [as_borderline(found, levels[0]) if near else found]
-
-
-MIN_GPU_WAIT_STEPS = 5
-"""COMMUNICATION-BOUND on CUDA reads the GPU's wait only from ranks with at least this
-many timed steps in the window."""
 
 
 @dataclass(frozen=True)

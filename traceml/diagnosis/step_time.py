@@ -27,6 +27,7 @@ from traceml.diagnosis import thresholds
 from traceml.diagnosis.communication import (
     communication_bound,
     gpu_communication_bound,
+    gpu_step_ms,
     gpu_wait_measured,
 )
 from traceml.diagnosis.finding import (
@@ -289,11 +290,14 @@ def stragglers(times: Mapping[int, RankStepTimes], device: str = "cpu") -> list[
     """INPUT / COMPUTE / HOST-WORK STRAGGLER and STRAGGLER, from each rank's own work
     (`traceml.diagnosis.stragglers`); on CUDA, compute from the GPU's times when every
     rank has enough of them (`GpuOwnWork`)."""
-    step_ms = median_mean_ms(times, "total") if len(times) >= 2 else 0.0
+    if len(times) < 2:
+        return []
     gpu = gpu_own_work(times) if device == "cuda" else None
     if gpu is not None:
+        step_ms = statistics.median(gpu_step_ms(t) for t in times.values())
         return attribution.stragglers(gpu, step_ms, False, device, on_gpu=True)
-    return attribution.stragglers(times, step_ms, comm_measured(times), device)
+    return attribution.stragglers(times, median_mean_ms(times, "total"), comm_measured(times),
+                                  device)
 
 
 @dataclass(frozen=True)
@@ -325,16 +329,20 @@ class GpuOwnWork:
 
 
 def gpu_own_work(times: Mapping[int, RankStepTimes]) -> dict[int, GpuOwnWork] | None:
-    """Every rank's `GpuOwnWork`, when every rank has GPU times on at least
-    `thresholds.STRAGGLER_MIN_STEPS` typical steps; None otherwise (host time, as
+    """Every rank's `GpuOwnWork`, when DDP's wait was timed on the GPU on every rank
+    (`gpu_wait_measured`: otherwise the GPU's compute phases may hold a wait that was
+    not taken out) and every rank has GPU times on at least
+    `thresholds.GPU_MIN_TIMED_STEPS` typical steps; None otherwise (host time, as
     off CUDA)."""
+    if not gpu_wait_measured(times):
+        return None
     names = tuple(p.name for p in phases.gpu_compute())
     out = {}
     for rank, t in times.items():
         steps = column(t.rows, "step")
         columns = [column(t.rows, p.gpu_column) for p in phases.gpu_compute()]
         timed = [(s, v) for s, *v in zip(steps, *columns) if None not in v]
-        if len(timed) < thresholds.STRAGGLER_MIN_STEPS:
+        if len(timed) < thresholds.GPU_MIN_TIMED_STEPS:
             return None
         out[rank] = GpuOwnWork(t, {name: {s: float(v[i]) for s, v in timed}
                                    for i, name in enumerate(names)})

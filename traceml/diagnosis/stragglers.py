@@ -53,6 +53,7 @@ OWN_PARTS = (*(p.name for p in phases.PHASES if not p.collective), phases.WAIT.n
 
 COMPUTE_PARTS = phases.compute_names()
 INPUT_PART = "input"
+FORWARD_PART = "forward"
 UNTRACED_PART = phases.WAIT.name
 
 
@@ -115,13 +116,20 @@ def _explainer(by: Sequence[Excess]) -> Callable[[Excess], bool]:
 
 
 def attribute(every: Mapping[tuple[int, str], Excess], limit_ms: float,
-              comm_measured: bool) -> tuple[list[Excess], list[Excess]]:
-    """The candidates that stand (largest first) and those another rank explains."""
+              comm_measured: bool, forward_waits: bool = False
+              ) -> tuple[list[Excess], list[Excess]]:
+    """The candidates that stand (largest first) and those another rank explains.
+    ``forward_waits``: forward may hold waiting for another rank's any part (on the
+    GPU: DDP's buffer broadcast or FSDP's all-gathers make the GPU wait there)."""
     found = [e for e in every.values() if e.excess_ms >= limit_ms]
     explained: list[Excess] = []
     if not comm_measured:
         by_wait = _explainer([e for e in every.values() if e.part in (INPUT_PART, UNTRACED_PART)])
         explained = [e for e in found if e.part in COMPUTE_PARTS and by_wait(e)]
+    if forward_waits:
+        by_any = _explainer([e for e in every.values() if e.part != FORWARD_PART])
+        explained += [e for e in found if e.part == FORWARD_PART and e not in explained
+                      and by_any(e)]
     waiting = _keys(explained)
     standing = [e for e in found if (e.rank, e.part) not in waiting]
     by_other = _explainer([e for e in standing if e.part != UNTRACED_PART])
@@ -171,7 +179,7 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
     limit_ms = ((1.0 - thresholds.BORDERLINE_MARGIN) * thresholds.STRAGGLER_WARN_PCT
                 * step_ms / 100.0)
     every = excesses(times)
-    standing, explained = attribute(every, limit_ms, comm_measured)
+    standing, explained = attribute(every, limit_ms, comm_measured, forward_waits=on_gpu)
     seen = {e.rank for e in standing + explained}
     standing += _combined(every, sorted(set(times) - seen), limit_ms, comm_measured)
     siblings = _siblings(every, limit_ms, comm_measured)
@@ -187,7 +195,7 @@ def stragglers(times: Mapping[int, RankTimes], step_ms: float,
         found.append(_unsteady(*max(unsteady, key=lambda ec: ec[0].excess_ms), step_ms,
                                on_gpu))
     elif not found and explained:
-        found.append(_unclear(explained, step_ms, device))
+        found.append(_unclear(explained, step_ms, device, on_gpu))
     return found
 
 
@@ -339,8 +347,9 @@ def _unsteady(excess: Excess, held: Consistency, step_ms: float, on_gpu: bool = 
     step by step; no rank is named."""
     excess_pct = 100.0 * excess.excess_ms / step_ms
     first, second = held.slower_pct
+    steps = "its GPU-timed steps" if on_gpu and _on_gpu(excess) else "the steps"
     if held.decided:
-        how = (f"r{excess.rank} was slower in {first:.0f}% and {second:.0f}% of the steps "
+        how = (f"r{excess.rank} was slower in {first:.0f}% and {second:.0f}% of {steps} "
                f"of the window's two halves, typically by {held.median_excess_ms:.1f} ms "
                f"against {held.noise_ms:.1f} ms of step-to-step noise")
     else:
@@ -364,13 +373,16 @@ def _unsteady(excess: Excess, held: Consistency, step_ms: float, on_gpu: bool = 
                    evidence)
 
 
-def _unclear(explained: list[Excess], step_ms: float, device: str) -> Finding:
+def _unclear(explained: list[Excess], step_ms: float, device: str, on_gpu: bool = False
+             ) -> Finding:
     worst = max(explained, key=lambda e: e.excess_ms)
-    why = (f"r{worst.rank} {_part_text(worst.part)} took +{worst.excess_ms:.1f} ms per step "
+    why = (f"r{worst.rank} {_part_text(worst.part, on_gpu)} took +{worst.excess_ms:.1f} ms "
+           "per step "
            f"over the other ranks ({100.0 * worst.excess_ms / step_ms:.1f}% of the "
-           f"{step_ms:.1f} ms typical step), but another rank's slower input or host work "
-           f"may explain it (r{worst.rank} may be waiting for that rank in a collective "
-           "traceml did not time), so which rank is slow cannot be told.")
+           f"{step_ms:.1f} ms typical step), but another rank's slower "
+           f"{'work' if on_gpu else 'input or host work'} may explain it (r{worst.rank} may "
+           "be waiting for that rank in a collective traceml did not time), so which rank "
+           "is slow cannot be told.")
     next_step = UNCLEAR_NEXT.get(device, UNCLEAR_NEXT["cpu"])
     return Finding(UNCLEAR_KIND, "UNCLEAR STRAGGLER", "info", why, next_step,
                    (worst.rank,), {"excess_ms": worst.excess_ms, "step_ms": step_ms})

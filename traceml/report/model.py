@@ -23,7 +23,7 @@ from traceml.diagnosis.throughput import JobThroughput, RankThroughput
 from traceml.diagnosis.window import Scope
 from traceml.records import RunMeta
 
-SCHEMA_VERSION = "1.8"  # 1.8: step_time.ranks[].gpu_communication_ms; 1.7: meta.nodes[].clock,
+SCHEMA_VERSION = "1.8"  # 1.8: step_time gpu_communication_ms, gpu_collective_ms; 1.7: meta.nodes[].clock,
 # step_time.arrival; 1.6: captures (profiler captures' operators); 1.5: meta.exports;
 # 1.4: launcher_lost; 1.3: hook phase, straggler steadiness; 1.2: ending, ...
 """Version of final_summary.json; bump the major part on incompatible changes."""
