@@ -96,6 +96,22 @@ def test_timed_collectives_give_exposed_and_in_flight_communication() -> None:
     assert in_flight == {0: pytest.approx(0.0221, abs=0.0002), 1: pytest.approx(0.002)}
 
 
+def test_cuda_ddp_exports_the_gpus_wait_and_in_flight() -> None:
+    # fixed_run's CUDA ranks with DDP's wait and in flight timed on every 3rd step.
+    run = fixed_run(30)
+    wait, flight = {0: 6.0, 1: 2.0}, {0: 9.0, 1: 4.0}
+    steps = tuple(r.replace(gpu_forward_ms=1.0, gpu_backward_ms=2.0, gpu_optimizer_ms=0.5,
+                            gpu_communication_ms=wait[r.rank], gpu_collective_ms=flight[r.rank])
+                  if r.step % 3 == 0 else r for r in run.steps)
+    m = scrape(dataclasses.replace(run, steps=steps))
+    assert by_rank(m["traceml_gpu_communication_wait_seconds"]) == {0: 0.006, 1: 0.002}
+    assert by_rank(m["traceml_gpu_communication_in_flight_seconds"]) == {0: 0.009, 1: 0.004}
+    # Off CUDA DDP: absent, not 0.
+    plain = scrape(fixed_run(30))
+    assert "traceml_gpu_communication_wait_seconds" not in plain
+    assert "traceml_gpu_communication_in_flight_seconds" not in plain
+
+
 def test_eight_ranks_each_have_series_and_the_slow_loader_is_named() -> None:
     m = scrape(wide_run(8, 30, slow_rank=5))
     assert set(by_rank(m["traceml_steps_completed_total"])) == set(range(8))

@@ -223,6 +223,17 @@ def _step_families(out: _Families, snap: Values, run: RunData, ranks: set[int]) 
             [({"rank": str(rank)}, _s(d.p50 if (d := t.reported.get("collective_ms"))
                                       else None))
              for rank, t in sorted(times.items()) if rank in ranks])
+    out.add("gpu_communication_wait_seconds", "gauge",
+            "CUDA: the time the rank's GPU waited on DDP's all-reduces per step, on the steps "
+            "timed with CUDA events (median).",
+            [({"rank": str(rank)}, _s(t.gpu_communication.p50 if t.gpu_communication else None))
+             for rank, t in sorted(times.items()) if rank in ranks])
+    out.add("gpu_communication_in_flight_seconds", "gauge",
+            "CUDA: DDP's all-reduces in flight on the rank's GPU per step, from its first "
+            "bucket's gradients to the end of its wait, on the steps timed with CUDA events "
+            "(median).",
+            [({"rank": str(rank)}, _s(t.gpu_in_flight.p50 if t.gpu_in_flight else None))
+             for rank, t in sorted(times.items()) if rank in ranks])
     last = _last_steps(run.steps, ranks)
     out.add("last_step_timestamp_seconds", "gauge",
             "Unix time the rank's newest step ended (for no-progress alerts).",
