@@ -161,31 +161,17 @@ def column(rows: Iterable[StepRow], name: str) -> list[Any]:
     return list(map(operator.itemgetter(_INDEX[name]), rows))
 
 
-def gpu_column(rows: Sequence[StepRow]) -> list[float]:
+def gpu_column(rows: Sequence[StepRow], with_wait: bool = False) -> list[float]:
     """The GPU times of the rows that carry them (``row.gpu_ms`` where not None),
-    without a call per row: none off CUDA."""
-    if not _GPU_INDEX or not rows:
+    without a call per row: none off CUDA.  ``with_wait``: the compute stream's wait on
+    collectives (DDP's, ``gpu_communication_ms``) added, over the rows that timed it."""
+    index = (*_GPU_INDEX, *_GPU_WAIT_INDEX) if with_wait else _GPU_INDEX
+    if not index or not rows:
         return []
-    get = operator.itemgetter(*_GPU_INDEX)
-    if len(_GPU_INDEX) == 1:
+    get = operator.itemgetter(*index)
+    if len(index) == 1:
         return [float(t) for t in map(get, rows) if t is not None]
     return [float(sum(ts)) for ts in map(get, rows) if None not in ts]
-
-
-def gpu_wait_column(rows: Sequence[StepRow]) -> list[tuple[float, float]]:
-    """CUDA: for the rows whose compute stream's wait on collectives was timed
-    (``gpu_communication_ms``, DDP's wait on the steps the CUDA path times), that
-    wait and the GPU time of all the step's GPU-timed phases, the wait included
-    (ms); none off CUDA, nor without a DDP model."""
-    if not _GPU_WAIT_INDEX or not rows:
-        return []
-    get = operator.itemgetter(*_GPU_INDEX, *_GPU_WAIT_INDEX)
-    out = []
-    for times in map(get, rows):
-        if None not in times:
-            wait = float(sum(times[len(_GPU_INDEX):]))
-            out.append((wait, float(sum(times[:len(_GPU_INDEX)])) + wait))
-    return out
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ class StepField:
     identity: bool = False  # who ran it (from the sender), not what the step measured
     reported: bool = False  # the summary gives each rank's distribution over its typical
     # steps (``ranks[*].<name>``, and median/worst in ``stats``); None: none measured
+    sampled: bool = False  # measured on a sample of steps (CUDA's timed ones): a step's
+    # None is left out of its distribution; otherwise, once any step measured it, 0
 
     @property
     def sql_type(self) -> str:
@@ -57,9 +59,10 @@ class StepField:
 
 
 def _time(name: str, default: float | None = 0.0, optional: bool = False,
-          reported: bool = False) -> StepField:
+          reported: bool = False, sampled: bool = False) -> StepField:
     """A duration in ms."""
-    return StepField(name, float, default, optional, high=MAX_STEP_MS, reported=reported)
+    return StepField(name, float, default, optional, high=MAX_STEP_MS, reported=reported,
+                     sampled=sampled)
 
 
 STEP_FIELDS: tuple[StepField, ...] = (
@@ -76,8 +79,10 @@ STEP_FIELDS: tuple[StepField, ...] = (
     StepField("rss_bytes", int, None, optional=True),  # host RSS of the rank at step end
     StepField("peak_allocated_bytes", int, None, optional=True),  # CUDA peaks this step
     StepField("peak_reserved_bytes", int, None, optional=True),
-    # GPU time per GPU-timed phase (CUDA events); None off CUDA, or an untimed step
-    *(_time(p.gpu_column, default=None, optional=True) for p in phases.gpu_timed()),
+    # GPU time per GPU-timed phase (CUDA events); None off CUDA, or an untimed step; the
+    # wait on collectives (DDP's) is reported on its own
+    *(_time(p.gpu_column, default=None, optional=True, reported=p.waits, sampled=True)
+      for p in phases.gpu_timed()),
     # any collective in flight, exposed or hidden behind compute; None: none timed
     _time("collective_ms", default=None, optional=True, reported=True),
     # the first collective's launch after the step's begin (the rank's arrival at it, on
@@ -96,7 +101,7 @@ STEP_FIELDS: tuple[StepField, ...] = (
     *(_time(c, default=None, optional=True) for p in phases.PHASES for c in p.place_columns),
     # CUDA: a DDP model's all-reduces in flight on the GPU, from its first bucket's
     # gradients being ready to the end of DDP's wait; None off CUDA or an untimed step
-    _time("gpu_collective_ms", default=None, optional=True),
+    _time("gpu_collective_ms", default=None, optional=True, reported=True, sampled=True),
 )
 """Every column of a stored step, in storage order; identity columns first."""
 

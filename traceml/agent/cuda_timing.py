@@ -85,11 +85,7 @@ class CudaPhaseTimer:
             event = self._pool.pop()
         except IndexError:
             event = self.cuda.Event(enable_timing=True)
-        if stream is None:
-            event.record()
-        else:
-            event.record(stream)
-        return event
+        return _record(event, stream)
 
     def start(self, phase: int) -> None:
         clock = self.clock
@@ -129,15 +125,10 @@ class CudaPhaseTimer:
         two DDP models: the earlier launch); DDP's wait ends the in-flight span
         (`stop` of communication)."""
         stream = None if self._stream is None else self._stream()
-        ready = self._ready
-        if ready is None:
+        if self._ready is None:
             self._ready, self._ready_by = self._event(stream), model
-        elif self._ready_by is not model:
-            return
-        elif stream is None:
-            ready.record()
-        else:
-            ready.record(stream)
+        elif self._ready_by is model:
+            _record(self._ready, stream)
 
     def take_step(self) -> list[Span]:
         """The spans of the step that just ended (training thread); the next
@@ -291,6 +282,15 @@ class StepSampler:
         self.gap = self.left = self._to_block_end + 1 + offset
         self._to_block_end = self.every - 1 - offset
         return self.gap
+
+
+def _record(event: Any, stream: Any) -> Any:
+    """``event`` recorded on ``stream`` (None: the current one, by torch's lookup)."""
+    if stream is None:
+        event.record()
+    else:
+        event.record(stream)
+    return event
 
 
 def _current_stream_lookup(cuda: Any, torch_c: Any) -> Callable[[], Any] | None:

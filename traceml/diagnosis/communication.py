@@ -72,18 +72,27 @@ class RankGpuWait(RankComm, Protocol):
     def communication_ms(self) -> float: ...
 
     @property
-    def gpu_communication(self) -> Distribution | None: ...
+    def reported(self) -> Mapping[str, Distribution | None]: ...
 
     @property
     def gpu_timed_step_ms(self) -> float | None: ...
+
+
+GPU_WAIT = next(p.gpu_column for p in phases.gpu_timed() if p.waits)
+"""The reported step column of the compute stream's wait on collectives (CUDA, DDP)."""
+
+
+def gpu_wait(t: RankGpuWait) -> Distribution | None:
+    """A rank's GPU wait on collectives over its typical steps that timed it."""
+    return t.reported.get(GPU_WAIT)
 
 
 def gpu_wait_measured(times: Mapping[int, RankGpuWait]) -> bool:
     """Whether every rank's compute stream's wait on collectives was timed on at least
     `thresholds.GPU_MIN_TIMED_STEPS` typical steps (CUDA, DDP): what the rules read
     there."""
-    return bool(times) and all(t.gpu_communication is not None
-                               and t.gpu_communication.count >= thresholds.GPU_MIN_TIMED_STEPS
+    return bool(times) and all((w := gpu_wait(t)) is not None
+                               and w.count >= thresholds.GPU_MIN_TIMED_STEPS
                                for t in times.values())
 
 
@@ -110,21 +119,19 @@ def gpu_communication_bound(times: Mapping[int, RankGpuWait]) -> list[Finding]:
     `thresholds.GPU_MIN_TIMED_STEPS` timed steps."""
     if not gpu_wait_measured(times):
         return []
-    def ms_of(t: RankGpuWait) -> float:
-        assert t.gpu_communication is not None
-        return max(t.gpu_communication.mean, t.communication_ms)
-    least = min(times, key=lambda r: (ms_of(times[r]), r))
+    waits = {r: w for r, t in times.items() if (w := gpu_wait(t)) is not None}
+    def ms_of(r: int) -> float:
+        return max(waits[r].mean, times[r].communication_ms)
+    least = min(times, key=lambda r: (ms_of(r), r))
     steps = {r: gpu_step_ms(t) for r, t in times.items()}
     step = statistics.median(steps.values())
-    ms = ms_of(times[least])
-    timed = times[least].gpu_communication
-    assert timed is not None
+    ms, timed = ms_of(least), waits[least]
     where = ("" if len(times) < 2 else
              f" on the rank that waited least on average (r{least}): the collectives' own "
              "cost, not waiting for a slower rank")
     why = (f"; the GPU waited on collectives at the end of backward, CUDA events on "
            f"{timed.count} timed steps){where}.")
-    shares = {r: 100.0 * ms_of(t) / steps[r] for r, t in times.items() if steps[r] > 0}
+    shares = {r: 100.0 * ms_of(r) / steps[r] for r in times if steps[r] > 0}
     evidence = {"communication_ms": ms, "hook_ms": 0.0, "step_ms": step, "rank": least,
                 "gpu_wait_ms": timed.mean, "num_gpu_timed_steps": timed.count}
     return _bound(ms, step, why, shares, evidence, COMMUNICATION_NEXT)

@@ -42,7 +42,7 @@ from traceml.diagnosis.finding import (
 from traceml.diagnosis.outliers import RankOutliers, find_outliers, outlier_steps
 from traceml.diagnosis.stats import Distribution, distribution
 from traceml.diagnosis.window import StepWindow
-from traceml.records import StepRow, column, gpu_column, gpu_wait_column, ms_column, ms_columns
+from traceml.records import StepRow, column, gpu_column, ms_column, ms_columns
 
 PHASES = tuple(p.name for p in phases.step_metrics())
 """What each rank row holds a distribution of: total, every phase, compute, wait."""
@@ -68,14 +68,9 @@ class RankStepTimes:
     num_gpu_timed_steps: int | None = None  # steps with GPU times; None off CUDA
     outliers: RankOutliers | None = None
     rows: tuple[StepRow, ...] = ()  # the typical steps, for step-by-step tests
-    # CUDA: the compute stream's wait on collectives (DDP's, ``gpu_communication_ms``)
-    # over the typical steps that timed it, and the mean GPU time of those steps'
-    # timed phases, the wait included; None where no step timed it.
-    gpu_communication: Distribution | None = None
+    # CUDA: the mean GPU time of the timed phases, DDP's wait on collectives included,
+    # over the typical steps that timed that wait; None where none did
     gpu_timed_step_ms: float | None = None
-    # CUDA: DDP's all-reduces in flight on the GPU (``gpu_collective_ms``, from its first
-    # bucket's gradients to the end of its wait) over the typical steps that timed it
-    gpu_in_flight: Distribution | None = None
 
     def dist(self, phase: str) -> Distribution:
         """The distribution of one of PHASES."""
@@ -119,9 +114,7 @@ class RankStepTimes:
                 **{f"{p}_ms": self.dists[p] for p in PHASES},
                 **{f.name: self.reported.get(f.name) for f in step_fields.reported()},
                 **{f"{p}_share_pct": self.share_pct(p) for p in SHARES},
-                "gpu_ms": self.gpu_ms, "num_gpu_timed_steps": self.num_gpu_timed_steps,
-                "gpu_communication_ms": self.gpu_communication,
-                "gpu_collective_ms": self.gpu_in_flight}
+                "gpu_ms": self.gpu_ms, "num_gpu_timed_steps": self.num_gpu_timed_steps}
 
 
 def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int, RankStepTimes]:
@@ -135,27 +128,27 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
         slow = set(outliers.steps)
         rows = [r for r in every if r.step not in slow] if slow else list(every)
         dists = {p: distribution(ms) for p, ms in ms_columns(rows, PHASES).items()}
-        reported = {f.name: reported_distribution(rows, f.name) for f in step_fields.reported()}
+        reported = {f.name: reported_distribution(rows, f) for f in step_fields.reported()}
         gpu = gpu_column(every)
         on_cuda = bool(gpu) or column(every, "peak_allocated_bytes").count(None) < len(every)
-        waits = gpu_wait_column(rows)
-        in_flight = [v for v in column(rows, "gpu_collective_ms") if v is not None]
+        with_wait = gpu_column(rows, with_wait=True)
         out[rank] = RankStepTimes(
             rank, node_of.get(rank), len(every), dists, reported,
             distribution(gpu) if gpu else None, len(gpu) if on_cuda else None, outliers,
-            tuple(rows), distribution([w for w, _ in waits]) if waits else None,
-            statistics.fmean(s for _, s in waits) if waits else None,
-            distribution(in_flight) if in_flight else None)
+            tuple(rows), statistics.fmean(with_wait) if with_wait else None)
     return out
 
 
-def reported_distribution(rows: Sequence[StepRow], name: str) -> Distribution | None:
+def reported_distribution(rows: Sequence[StepRow], field: step_fields.StepField
+                          ) -> Distribution | None:
     """A reported column's distribution over ``rows``: measured once any step measured
-    it (collectives in flight: a step without one had none in flight); None if none did."""
-    values = column(rows, name)
-    if values.count(None) == len(values):
+    it (collectives in flight: a step without one had none in flight), over the steps
+    that measured it where the column is ``sampled``; None if none did."""
+    values = column(rows, field.name)
+    measured = [v for v in values if v is not None]
+    if not measured:
         return None
-    return distribution([v or 0.0 for v in values])
+    return distribution(measured if field.sampled else [v or 0.0 for v in values])
 
 
 def median_share_pct(times: Mapping[int, RankStepTimes], phase: str) -> float | None:

@@ -289,11 +289,10 @@ def _straggler(kind: tuple[str, str], found: list[Excess], step_ms: float,
     near = borderline(excess_pct, thresholds.STRAGGLER_WARN_PCT)
     ranks = tuple(dict.fromkeys(e.rank for e in found))
     verb = "were" if " and " in worst.part else "was"
-    steps = "of its GPU-timed steps" if on_gpu and _on_gpu(worst) else "of the steps"
     why = (f"r{worst.rank} {_part_text(worst.part, on_gpu)} {verb} {worst.value_ms:.1f} ms "
            f"vs {worst.reference_ms:.1f} ms on the other ranks (+{worst.excess_ms:.1f} ms, "
            f"{excess_pct:.1f}% of the {step_ms:.1f} ms typical step; slower in "
-           f"{slower_pct:.0f}% {steps}).")
+           f"{slower_pct:.0f}% of {_steps_text(worst, on_gpu)}).")
     if len(ranks) > 1:
         why = why[:-1] + f"; slow too: {format_ranks(ranks[1:])}."
     evidence = {"rank": worst.rank, "value_ms": worst.value_ms,
@@ -316,9 +315,11 @@ def _part_text(part: str, on_gpu: bool = False) -> str:
     return part
 
 
-def _on_gpu(excess: Excess) -> bool:
-    """Whether an excess holds a compute part (a GPU time, on CUDA's sampled steps)."""
-    return any(p in COMPUTE_PARTS for p in excess.parts)
+def _steps_text(excess: Excess, on_gpu: bool) -> str:
+    """The steps an excess was held at: the rank's GPU-timed ones for a GPU time."""
+    if on_gpu and any(p in COMPUTE_PARTS for p in excess.parts):
+        return "its GPU-timed steps"
+    return "the steps"
 
 
 def _next(kind: str, worst: Excess, device: str) -> str:
@@ -347,9 +348,9 @@ def _unsteady(excess: Excess, held: Consistency, step_ms: float, on_gpu: bool = 
     step by step; no rank is named."""
     excess_pct = 100.0 * excess.excess_ms / step_ms
     first, second = held.slower_pct
-    steps = "its GPU-timed steps" if on_gpu and _on_gpu(excess) else "the steps"
     if held.decided:
-        how = (f"r{excess.rank} was slower in {first:.0f}% and {second:.0f}% of {steps} "
+        how = (f"r{excess.rank} was slower in {first:.0f}% and {second:.0f}% of "
+               f"{_steps_text(excess, on_gpu)} "
                f"of the window's two halves, typically by {held.median_excess_ms:.1f} ms "
                f"against {held.noise_ms:.1f} ms of step-to-step noise")
     else:

@@ -66,11 +66,12 @@ straggler limit slower are named with it ("r1 forward and backward"), and tested
 step by step together (a rank with more rows is slower in both)."""
 
 STRAGGLER_MIN_STEPS = 6
+"""traceml: fewer window steps than this (3 per half) cannot show an excess holding
+step by step; the rule then says it cannot tell rather than name a rank."""
+
 GPU_MIN_TIMED_STEPS = STRAGGLER_MIN_STEPS
 """On CUDA the rules read the GPU's times (COMMUNICATION-BOUND's wait, stragglers'
 compute) only when every rank has at least this many GPU-timed typical steps."""
-"""traceml: fewer window steps than this (3 per half) cannot show an excess holding
-step by step; the rule then says it cannot tell rather than name a rank."""
 
 COMM_SHARE_WARN_PCT = 10.0  # SPEC R-COMM-3 COMMUNICATION-BOUND: exposed communication share
 COMM_SHARE_CRIT_PCT = 20.0  # SPEC R-COMM-3

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from traceml import phases
+from traceml.diagnosis.communication import GPU_WAIT
 from traceml.diagnosis.finding import NOT_MEASURED
 from traceml.diagnosis.step_time import RankStepTimes, comm_measured
 from traceml.diagnosis.throughput import RankThroughput
@@ -220,24 +221,28 @@ def _step_families(out: _Families, snap: Values, run: RunData, ranks: set[int]) 
              for r in rows for p in parts])
     out.add("communication_in_flight_seconds", "gauge",
             "The rank's collectives in flight per step, overlapping its other work (median).",
-            [({"rank": str(rank)}, _s(d.p50 if (d := t.reported.get("collective_ms"))
-                                      else None))
-             for rank, t in sorted(times.items()) if rank in ranks])
+            _medians(times, ranks, "collective_ms"))
     out.add("gpu_communication_wait_seconds", "gauge",
             "CUDA: the time the rank's GPU waited on DDP's all-reduces per step, on the steps "
             "timed with CUDA events (median).",
-            [({"rank": str(rank)}, _s(t.gpu_communication.p50 if t.gpu_communication else None))
-             for rank, t in sorted(times.items()) if rank in ranks])
+            _medians(times, ranks, GPU_WAIT))
     out.add("gpu_communication_in_flight_seconds", "gauge",
             "CUDA: DDP's all-reduces in flight on the rank's GPU per step, from its first "
             "bucket's gradients to the end of its wait, on the steps timed with CUDA events "
             "(median).",
-            [({"rank": str(rank)}, _s(t.gpu_in_flight.p50 if t.gpu_in_flight else None))
-             for rank, t in sorted(times.items()) if rank in ranks])
+            _medians(times, ranks, "gpu_collective_ms"))
     last = _last_steps(run.steps, ranks)
     out.add("last_step_timestamp_seconds", "gauge",
             "Unix time the rank's newest step ended (for no-progress alerts).",
             [({"rank": str(rank)}, t) for rank, t in sorted(last.items())])
+
+
+def _medians(times: Mapping[int, RankStepTimes], ranks: set[int], name: str
+             ) -> list[tuple[dict[str, str], float | None]]:
+    """Each of ``ranks``' median of a reported step column, in seconds (None: not
+    measured)."""
+    return [({"rank": str(rank)}, _s(d.p50 if (d := t.reported.get(name)) else None))
+            for rank, t in sorted(times.items()) if rank in ranks]
 
 
 def _last_steps(steps: Iterable[StepRow], ranks: set[int]) -> dict[int, float]:

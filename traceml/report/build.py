@@ -138,10 +138,6 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
     for phase in SHARES:
         stats[f"{phase}_share_pct"] = _rank_stat(rows, _phase_share(phase))
     stats["gpu_ms"] = _rank_stat(rows, lambda t: t.gpu_ms.mean if t.gpu_ms is not None else None)
-    stats["gpu_communication_ms"] = _rank_stat(
-        rows, lambda t: t.gpu_communication.mean if t.gpu_communication is not None else None)
-    stats["gpu_collective_ms"] = _rank_stat(
-        rows, lambda t: t.gpu_in_flight.mean if t.gpu_in_flight is not None else None)
     stats.update(_evaluation_stats(run, node_of))
     findings = diagnose_step_time(times, _unmeasured_steps_why(run), run.meta.device)
     arrival = arrival_skew(window, {n.node_rank: n.clock for n in run.meta.nodes})

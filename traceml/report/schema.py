@@ -112,8 +112,6 @@ _STEP_TIME_ROW = _obj({
     **{f"{p.name}_share_pct": _NUM_OR_NULL for p in phases.share_metrics()},
     "gpu_ms": _DIST_OR_NULL,
     "num_gpu_timed_steps": _INT_OR_NULL,
-    "gpu_communication_ms": _DIST_OR_NULL,
-    "gpu_collective_ms": _DIST_OR_NULL,
 })
 
 _STEP_MEMORY_ROW = _obj({
@@ -207,7 +205,7 @@ SECTION_STATS: Mapping[str, tuple[str, ...]] = {
     "step_time": (
         *(p.column for p in phases.step_metrics()), *(f.name for f in step_fields.reported()),
         *(f"{p.name}_share_pct" for p in phases.share_metrics()), "gpu_ms",
-        "gpu_communication_ms", "gpu_collective_ms", "eval_total_ms", "num_eval",
+        "eval_total_ms", "num_eval",
     ),
     "step_memory": (
         "peak_allocated_bytes", "peak_reserved_bytes", "pressure_pct", "allocated_growth_bytes",

@@ -69,8 +69,8 @@ def build_lanes(run: RunData, report: Report, window: StepWindow) -> tuple[StepL
     if not ranks or not window.steps:
         return ()
     columns = [window.by_rank[r] for r in ranks]
-    slowest_rank_ms = list(map(max, *(ms_column(rows, "total") for rows in columns))) if len(
-        columns) > 1 else list(ms_column(columns[0], "total"))
+    slowest_rank_ms = [max(at_step) for at_step in zip(*(ms_column(rows, "total")
+                                                          for rows in columns))]
     if not any(rows[i].value(phases.PHASES[1].place_columns[0]) is not None
                for rows in columns for i in range(len(window.steps))):
         return ()  # a store written before phases were placed
