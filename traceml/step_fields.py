@@ -35,6 +35,10 @@ MAX_COUNT = float(2**62)
 MAX_RANKS = 1 << 17
 """Ranks a job can have (the wire's bound on a sender's rank)."""
 
+MAX_SPANS = 8
+"""Disjoint spans of collectives in flight a step stores (`collective_spans_ms`); a step
+with more stores none, and its first launch, last completion and total still tell."""
+
 
 @dataclass(frozen=True)
 class StepField:
@@ -44,7 +48,7 @@ class StepField:
     kind: type[int] | type[float] | type[str] | type[bool]
     default: Value = 0  # what a store written before the column existed reads as
     optional: bool = False  # None: not measured
-    low: float = 0.0  # bounds of a number a collector stores
+    low: float = 0.0  # bounds of a number a collector stores (of a text: its length)
     high: float = MAX_COUNT
     choices: tuple[str, ...] = ()  # a text column's values
     identity: bool = False  # who ran it (from the sender), not what the step measured
@@ -102,6 +106,11 @@ STEP_FIELDS: tuple[StepField, ...] = (
     # CUDA: a DDP model's all-reduces in flight on the GPU, from its first bucket's
     # gradients being ready to the end of DDP's wait; None off CUDA or an untimed step
     _time("gpu_collective_ms", default=None, optional=True, reported=True, sampled=True),
+    # The disjoint spans collectives were in flight, when there was a gap between them:
+    # "begin-end,begin-end" in ms from the step's begin (to the µs), at most `MAX_SPANS`;
+    # None: no gap (collective_at_ms to collective_end_ms is the span), more spans than
+    # that, a step merged from parts, or none timed (`traceml.report.timeline`)
+    StepField("collective_spans_ms", str, None, optional=True, high=MAX_SPANS * 40),
 )
 """Every column of a stored step, in storage order; identity columns first."""
 
@@ -135,7 +144,8 @@ def admits(f: StepField, value: object) -> bool:
     if value is None:
         return f.optional
     if f.kind is str:
-        return isinstance(value, str) and (not f.choices or value in f.choices)
+        return (isinstance(value, str) and len(value) <= f.high
+                and (not f.choices or value in f.choices))
     if f.kind is not float and type(value) is float:
         return False
     return type(value) in (int, float, bool) and f.low <= value <= f.high  # type: ignore[operator]
@@ -165,6 +175,7 @@ def admits_column(f: StepField, column: Sequence[Value]) -> bool:
     if not present:
         return True
     if f.kind is str:
-        return not f.choices or set(present) <= set(f.choices)
+        return (max(map(len, present)) <= f.high  # type: ignore[arg-type]
+                and (not f.choices or set(present) <= set(f.choices)))
     return (f.low <= min(present) <= f.high  # type: ignore[type-var,operator]
             and f.low <= max(present) <= f.high)  # type: ignore[type-var,operator]

@@ -8,10 +8,12 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import run_traceml, script
+from tests.perfetto import opened
 from tests.trace_events import check, load, self_times
 
 STEPS = 30
@@ -23,15 +25,35 @@ def export(session_dir: Path, out: Path, *args: str) -> subprocess.CompletedProc
                           timeout=120)
 
 
-def test_a_ddp_runs_timeline_nests_its_phases_and_adds_up_to_the_typical_step(
-        tmp_path: Path) -> None:
-    # r1 gets twice the rows: twice the forward and backward; r0 waits in the all-reduce.
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """A real 2-rank gloo DDP run and its export (``trace.json.gz``): r1 gets twice the
+    rows, so twice the forward and backward, and r0 waits in the all-reduce."""
+    tmp_path = tmp_path_factory.mktemp("ddp")
     res = run_traceml(tmp_path, "run", "--nproc-per-node=2", script("ddp_real.py"),
                       "--case", "uneven", "--steps", str(STEPS), timeout=240)
     assert res.returncode == 0 and res.summary is not None, res.stderr[-3000:]
     done = export(res.session_dir, tmp_path / "trace.json.gz")
     assert done.returncode == 0, done.stderr
     assert f"steps 0-{STEPS - 1} of 2 rank(s) written to" in done.stderr
+    return res, tmp_path
+
+
+def window_of(summary: dict[str, Any], rank: int, step_ms: dict[int, float],
+              counted: set[int]) -> list[float]:
+    """The steps (ms by step) the summary's typical step of ``rank`` is the mean of: those
+    in its window after the warm-up, less the steps the FLOP counter ran in, less its
+    outliers (the slowest)."""
+    scope = summary["step_time"]["scope"]
+    rank_row = next(r for r in summary["step_time"]["ranks"] if r["rank"] == rank)
+    sums = [ms for s, ms in step_ms.items()
+            if scope["first_step"] <= s <= scope["last_step"] and s not in counted]
+    return sorted(sums)[:len(sums) - rank_row["num_outlier_steps"]]
+
+
+def test_a_ddp_runs_timeline_nests_its_phases_and_adds_up_to_the_typical_step(
+        ddp_run: tuple[Any, Path]) -> None:
+    res, tmp_path = ddp_run
     document = load(tmp_path / "trace.json.gz")
     events = document["traceEvents"]
     check(events)
@@ -60,9 +82,8 @@ def test_a_ddp_runs_timeline_nests_its_phases_and_adds_up_to_the_typical_step(
         # (the first steps' collectives may go untimed while the timing hooks install)
         assert len({e["args"]["step"] for e in flights}) >= STEPS - 3
         # The slices' self times and what is not drawn add up to each step, and over the
-        # summary's window (after its warm-up, without the steps the FLOP counter ran in
-        # or its outliers, the slowest) to its typical step within 1 %.
-        scope, typical = res.summary["step_time"]["scope"], summary_ranks[rank]["total_ms"]
+        # summary's window to its typical step within 1 %.
+        typical = summary_ranks[rank]["total_ms"]
         sums = {}
         for step in steps:
             s = step["args"]["step"]
@@ -72,9 +93,8 @@ def test_a_ddp_runs_timeline_nests_its_phases_and_adds_up_to_the_typical_step(
             total_ms = phase_us / 1e3 + left_ms + step["args"]["wait_ms"]
             # (positions are stored to the µs: each slice edge within half of one)
             assert total_ms * 1e3 == pytest.approx(step["dur"], rel=1e-6, abs=5.0), step
-            if scope["first_step"] <= s <= scope["last_step"] and s not in counted:
-                sums[s] = total_ms
-        kept = sorted(sums.values())[:len(sums) - summary_ranks[rank]["num_outlier_steps"]]
+            sums[s] = total_ms
+        kept = window_of(res.summary, rank, sums, counted)
         assert len(kept) == typical["count"]
         assert statistics.fmean(kept) == pytest.approx(typical["mean"], rel=0.01)
 
@@ -95,3 +115,123 @@ def test_a_ddp_runs_timeline_nests_its_phases_and_adds_up_to_the_typical_step(
     done = export(res.session_dir, tmp_path / "no" / "such" / "bad.json")
     assert done.returncode != 0 and "existing folder" in done.stderr
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_perfettos_own_importer_reads_the_export_as_traceml_wrote_it(
+        ddp_run: tuple[Any, Path], browser: Any) -> None:
+    """The gzip export opened in the Perfetto UI (its WebAssembly trace processor, in
+    headless Chromium): no import error; one process for the node with a steps and an
+    in-flight track per rank; every step a top-level slice with its phases nested in it;
+    its drawn phases, wait and time not drawn (from the args as Perfetto stored them) make
+    the step; and over the summary's window the steps Perfetto holds make each rank's
+    typical step within 1 %."""
+    res, tmp_path = ddp_run
+    events = load(tmp_path / "trace.json.gz")["traceEvents"]
+    with opened(browser, tmp_path / "trace.json.gz") as perfetto:
+        assert perfetto.query("select name, value from stats where value > 0 and "
+                              "severity in ('error', 'data_loss')") == []
+        nodes = perfetto.query("select name from process where name is not null")
+        assert [p["name"].split(" (")[0] for p in nodes] == ["node 0"], nodes
+        threads = {t["name"] for t in perfetto.query(
+            "select name from thread where name is not null")}
+        assert threads == {"r0 steps", "r0 collectives in flight", "r1 steps",
+                           "r1 collectives in flight"}
+        assert perfetto.one("select count(*) from slice where category = 'phase' "
+                            "and parent_id is null") == 0
+        for rank in (0, 1):
+            steps = perfetto.query(f"""
+                select s.id, s.dur, extract_arg(s.arg_set_id, 'args.step') as step,
+                       extract_arg(s.arg_set_id, 'args.wait_ms') as wait_ms,
+                       (select sum(c.dur) from slice c where c.parent_id = s.id) as drawn_ns,
+                       (select sum(cast(a.display_value as real)) from args a
+                        where a.arg_set_id = s.arg_set_id
+                          and a.key glob 'args.not_drawn_ms.*') as not_drawn_ms
+                from slice s join thread_track tt on s.track_id = tt.id
+                join thread t using (utid)
+                where t.name = 'r{rank} steps' and s.depth = 0 and s.category = 'step'
+                order by s.ts""")
+            assert [s["step"] for s in steps] == list(range(STEPS)), steps
+            for s in steps:  # Perfetto's ns; the file's µs, kept to a thousandth
+                made_ns = s["drawn_ns"] + 1e6 * (s["wait_ms"] + (s["not_drawn_ms"] or 0.0))
+                assert made_ns == pytest.approx(s["dur"], abs=5e3), s
+            counted = {e["args"]["step"] for e in events if e.get("cat") == "step"
+                       and e["args"].get("flops_counted")}
+            kept = window_of(res.summary, rank, {s["step"]: s["dur"] / 1e6 for s in steps},
+                             counted)
+            typical = next(r for r in res.summary["step_time"]["ranks"]
+                           if r["rank"] == rank)["total_ms"]
+            assert len(kept) == typical["count"]
+            assert statistics.fmean(kept) == pytest.approx(typical["mean"], rel=0.01)
+            in_flight = perfetto.one(f"""
+                select count(*) from slice s join thread_track tt on s.track_id = tt.id
+                join thread t using (utid)
+                where t.name = 'r{rank} collectives in flight' and s.dur > 0""")
+            assert in_flight == sum(1 for e in events if e.get("cat") == "collective"
+                                    and e["ph"] == "X" and e["tid"] == 2 * rank + 2)
+            memory = perfetto.one(f"""
+                select count(*) from counter c join counter_track ct on c.track_id = ct.id
+                where ct.name glob 'r{rank} memory*'""")
+            assert memory == sum(len(e["args"]) for e in events if e["ph"] == "C"
+                                 and e["name"] == f"r{rank} memory MiB")
+            assert memory > 0
+
+
+def test_collectives_in_flight_with_a_gap_are_drawn_span_by_span(
+        tmp_path: Path, browser: Any) -> None:
+    """A real 2-rank DDP convnet with BatchNorm: DDP broadcasts the statistics as each
+    forward begins and all-reduces the gradients in backward, so its collectives are in
+    flight twice a step with a gap between.  The export draws the two spans where they ran
+    (the first before backward, the second ending in it), adding up to the step's time in
+    flight; Perfetto reads them as two slices on the rank's in-flight track, and the
+    HTML report's swimlanes draw them as two segments under each lane."""
+    steps = 16
+    res = run_traceml(tmp_path, "run", "--html", "--nproc-per-node=2", script("ddp_real.py"),
+                      "--case", "conv", "--slow-rank", "-1", "--steps", str(steps), timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    done = export(res.session_dir, tmp_path / "conv.json.gz")
+    assert done.returncode == 0, done.stderr
+    events = load(tmp_path / "conv.json.gz")["traceEvents"]
+    check(events)
+    for rank in (0, 1):
+        begins = {e["args"]["step"]: e["ts"] for e in events
+                  if e.get("cat") == "step" and e["tid"] == 2 * rank + 1}
+        backward = {e["args"]["step"]: e for e in events if e.get("cat") == "phase"
+                    and e["name"] == "backward" and e["tid"] == 2 * rank + 1}
+        flights: dict[int, list[dict[str, Any]]] = {}
+        for e in events:
+            if e.get("cat") == "collective" and e["tid"] == 2 * rank + 2:
+                flights.setdefault(e["args"]["step"], []).append(e)
+        two = [s for s, spans in flights.items()
+               if [e["ph"] for e in spans] == ["X", "X"]]
+        assert len(two) >= steps - 4, {s: [(e["ph"], e["name"]) for e in f]
+                                       for s, f in flights.items()}
+        for s in two:
+            first, second = sorted(flights[s], key=lambda e: e["ts"])
+            assert first["ts"] >= begins[s] - 1
+            assert first["ts"] + first["dur"] < backward[s]["ts"]  # the broadcast
+            assert second["ts"] > first["ts"] + first["dur"]  # the gap
+            end = backward[s]["ts"] + backward[s]["dur"]
+            assert backward[s]["ts"] < second["ts"] + second["dur"] <= end + 1  # all-reduce
+            assert first["dur"] + second["dur"] == pytest.approx(
+                first["args"]["in_flight_ms"] * 1e3, rel=0.01, abs=2)
+    with opened(browser, tmp_path / "conv.json.gz") as perfetto:
+        assert perfetto.query("select name, value from stats where value > 0 and "
+                              "severity in ('error', 'data_loss')") == []
+        per_step = perfetto.query("""
+            select t.name as track, extract_arg(s.arg_set_id, 'args.step') as step,
+                   count(*) as n, min(s.depth) as depth
+            from slice s join thread_track tt on s.track_id = tt.id join thread t using (utid)
+            where s.category = 'collective' and s.dur > 0 group by track, step""")
+        for rank in (0, 1):
+            mine = [r for r in per_step if r["track"] == f"r{rank} collectives in flight"]
+            assert sum(r["n"] == 2 and r["depth"] == 0 for r in mine) >= steps - 4, mine
+    # The report's swimlanes draw the typical step's spans a segment each.
+    page = browser.new_page()
+    page.goto((res.session_dir / "final_summary.html").as_uri())
+    drawn = page.wait_for_function("""() => {
+        const step = document.querySelector('[data-chart=lane-step]');
+        return step && Array.from(step.querySelectorAll('[data-lane]')).map((g) =>
+            g.querySelectorAll('rect[data-phase=in-flight]').length);
+    }""").json_value()
+    assert drawn == [2, 2], drawn
+    page.close()

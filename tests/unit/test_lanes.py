@@ -51,9 +51,19 @@ def test_two_ranks_the_typical_and_the_slowest_step_with_a_late_rank() -> None:
     lane = typical.lanes[1]
     assert lane.phases == (("input", 0.0, 1.0), ("forward", 1.0, 3.0), ("backward", 3.0, 8.0),
                            ("communication", 6.0, 8.0), ("optimizer", 8.0, 9.0))
-    assert lane.in_flight == (4.0, 8.0) and lane.not_drawn_ms == {}
+    assert lane.in_flight == ((4.0, 8.0),) and lane.not_drawn_ms == {}
     assert typical.span_ms == pytest.approx(12.0, abs=1e-3) and typical.density is None
     assert slowest.lanes[0].phases[2] == ("backward", 3.0, 38.0)
+
+
+def test_buckets_in_flight_with_a_gap_are_drawn_span_by_span() -> None:
+    rows = [ddp_row(0, s, collective_ms=2.5, collective_spans_ms="4-5,6.5-8")
+            for s in range(STEPS)]
+    (only,) = lanes_of(rows)
+    assert only.lanes[0].in_flight == ((4.0, 5.0), (6.5, 8.0))
+    assert lanes_to_json([only])[0]["lanes"][0]["in_flight"] == [[4.0, 5.0], [6.5, 8.0]]
+    (unknown,) = lanes_of([r.replace(collective_spans_ms=None) for r in rows])
+    assert unknown.lanes[0].in_flight == ()  # a gap somewhere: not drawn by guess
 
 
 def test_one_rank_one_lane_and_one_step_when_every_step_is_alike() -> None:

@@ -80,8 +80,10 @@ def test_a_tracked_step_lands_in_its_columns() -> None:
                         phase_at_s=(0.0, 0.1, None, 0.3, None, None),
                         phase_end_s=(0.1, 0.2, None, 0.4, None, None),
                         phase_last_at_s=(None, 0.25, None, None, None, None),
-                        phase_last_end_s=(None, 0.3, None, None, None, None))
+                        phase_last_end_s=(None, 0.3, None, None, None, None),
+                        collective_spans_s=((0.1, 0.1234567), (0.2, 10.0)))
     row = step_row(timing, 1000.0, {"rank": 3, "restart": 1, "node_rank": 2})
+    assert row.value("collective_spans_ms") == "100-123.457,200-10000"
     assert [row.value(p.place_columns[0]) for p in phases.PHASES] == [
         0.0, 100.0, None, pytest.approx(300.0), None, None]
     assert row.value("optimizer_end_ms") == pytest.approx(400.0)
@@ -127,3 +129,12 @@ def test_an_added_column_is_in_the_run_json_and_the_summary(added: Path) -> None
     assert doc["step_time"]["stats"]["dummy_ms"]["worst_rank"] == 1
     # The summary's schema (closed objects) derives its rank rows from the table too.
     assert (added / "schema_problems.txt").read_text() == ""
+
+
+def test_a_text_column_longer_than_its_bound_is_refused() -> None:
+    spans = step_fields.field("collective_spans_ms")
+    longest = ",".join(["123456789.123-123456789.124"] * step_fields.MAX_SPANS)
+    assert step_fields.admits(spans, longest)
+    assert step_fields.admits_column(spans, [None, longest])
+    assert not step_fields.admits(spans, longest + "0" * int(spans.high))
+    assert not step_fields.admits_column(spans, [longest, "1-2," * 1000])

@@ -10,6 +10,7 @@ import pytest
 from tests.unit.test_steps import Script
 from traceml import phases
 from traceml.collector.step_parts import InFlight
+from traceml.step_fields import MAX_SPANS
 from traceml.wire.events import BACKWARD, CLOSE, END, FORWARD, INPUT, NOGRAD_FORWARD, OPTIMIZER, SPAN
 
 COMM = phases.code("communication")
@@ -214,9 +215,12 @@ def test_each_phase_is_placed_where_it_ran_communication_inside_backward() -> No
         assert _placed(step) == {"input": (0, 1), "forward": (1, 3), "backward": (3, 8),
                                  "optimizer": (8, 9), "communication": (6, 8), "hook": None}
         assert step.phase_end_s[phases.code("optimizer")] <= step.total_s
-        # in flight from bucket 0's launch to the last bucket's completion, 3.5 s of 4
+        # in flight from bucket 0's launch to the last bucket's completion, 3.5 s of 4:
+        # bucket 0 alone 4-5, then a gap, the last bucket 5.5-8
         assert (step.collective_at_s, step.collective_end_s, step.collective_s) == (
             pytest.approx(4.0), pytest.approx(8.0), pytest.approx(3.5))
+        assert step.collective_spans_s == ((pytest.approx(4.0), pytest.approx(5.0)),
+                                           (pytest.approx(5.5), pytest.approx(8.0)))
 
 
 def test_accumulated_micro_batches_place_a_phases_first_and_last_calls() -> None:
@@ -291,3 +295,27 @@ def test_a_pending_call_of_no_time_is_dropped_with_the_rest_not_placed_in_later_
             s.phase(COMM, 0.0)  # a collective after the step's optimizer, of no time
     s.log(CLOSE)
     assert [_placed(t)["communication"] for t in s.steps[1:]] == [(0, 0), None, None]
+
+
+@pytest.mark.parametrize(("spans", "kept"), [
+    ([(0, 2), (1, 3)], None),  # one span without a gap: the first launch and last end say it
+    ([(0, 1), (2, 3)], ((0, 1), (2, 3))),
+    ([(0, 1), (2, 3), (0.5, 2.5)], None),  # a late one closes the gap
+    ([(2 * i, 2 * i + 1.0) for i in range(MAX_SPANS)],
+     tuple((2.0 * i, 2 * i + 1.0) for i in range(MAX_SPANS))),
+    ([(2 * i, 2 * i + 1.0) for i in range(MAX_SPANS + 1)], None),  # more than a row keeps
+])
+def test_spans_with_gaps_are_kept_up_to_a_rows_worth(
+        spans: list[tuple[float, float]], kept: tuple[tuple[float, float], ...] | None) -> None:
+    flight = InFlight()
+    for launch, done in spans:
+        flight.add(10.0 + launch, 10.0 + done)
+    assert flight.gapped(10.0) == kept
+
+
+def test_a_step_merged_from_parts_keeps_no_spans_but_its_total() -> None:
+    flight = InFlight()
+    flight.add_total(1.0)  # an earlier micro-batch's collectives, folded into a total
+    flight.add(0, 1)
+    flight.add(2, 3)
+    assert flight.gapped(0.0) is None and flight.total_s() == pytest.approx(3.0)

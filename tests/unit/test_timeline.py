@@ -130,8 +130,28 @@ def test_a_store_without_phase_positions_draws_the_steps_and_says_why_not_the_ph
         "input: not placed (stored before phases were)")
 
 
-def test_buckets_with_a_gap_between_are_two_instants_not_a_slice() -> None:
-    document = trace(run_of([ddp_row(0, 0, collective_ms=2.5)]))  # 2.5 of the 4 ms
+def test_buckets_with_a_gap_between_are_a_slice_each() -> None:
+    # 2.5 of the 4 ms: 4-5 and 6.5-8
+    row = ddp_row(0, 0, collective_ms=2.5, collective_spans_ms="4-5,6.5-8")
+    document = trace(run_of([row]))
+    check(document["traceEvents"])
+    flight = events_of(document, cat="collective")
+    begin = events_of(document, cat="step")[0]["ts"]
+    assert [(e["ph"], e["ts"] - begin, e["dur"]) for e in flight] == [
+        ("X", pytest.approx(4000.0), pytest.approx(1000.0)),
+        ("X", pytest.approx(6500.0), pytest.approx(1500.0))]
+    assert all(e["args"] == {"in_flight_ms": 2.5, "step": 0, "spans": 2} for e in flight)
+
+
+@pytest.mark.parametrize("spans", [
+    None,  # not kept (more than a row holds, a merged step, a store before them)
+    "4-5,6-8",  # 3 ms: not the step's 2.5 in flight
+    "4-5,4.5-6",  # overlapping
+    "3-4,6.5-8",  # before the first launch
+    "4-5,6.5-nan", "4-5;6.5-8", "",  # not the column's form
+])
+def test_buckets_with_a_gap_whose_spans_do_not_tell_are_two_instants(spans: str | None) -> None:
+    document = trace(run_of([ddp_row(0, 0, collective_ms=2.5, collective_spans_ms=spans)]))
     flight = events_of(document, cat="collective")
     assert [(e["ph"], e["name"]) for e in flight] == [
         ("i", "first collective launched"), ("i", "last collective completed")]

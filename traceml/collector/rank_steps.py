@@ -112,8 +112,8 @@ class RankSteps:
 
 
 _PLACE_FIELDS = ("phase_at_s", "phase_end_s", "phase_last_at_s", "phase_last_end_s")
-_TIMING_FIELDS = tuple(f for f in StepTiming._fields
-                       if f not in ("phase_s", "counts", "marks", *_PLACE_FIELDS))
+_TIMING_FIELDS = tuple(f for f in StepTiming._fields if f not in (
+    "phase_s", "counts", "marks", "collective_spans_s", *_PLACE_FIELDS))
 _PHASE_COLUMNS = tuple(p.column for p in phases.PHASES)
 _PLACE_COLUMNS = tuple(zip(*(p.place_columns for p in phases.PHASES)))  # per field
 _COUNT_COLUMNS = tuple(p.count_column for p in phases.PHASES)
@@ -138,7 +138,18 @@ def step_row(t: StepTiming, wall_offset_s: float, identity: dict[str, int]) -> S
         values.update(zip(columns, (None if s is None else round(s * 1e3, 3)
                                     for s in getattr(t, field))))
     values.update(zip(DEVICE_MARK_FIELDS, merge_device_marks(t.marks)))
+    if t.collective_spans_s is not None:
+        values["collective_spans_ms"] = spans_text(t.collective_spans_s)
     return StepRow.of(**values)
+
+
+def spans_text(spans_s: Sequence[tuple[float, float]]) -> str:
+    """Spans in seconds as the ``collective_spans_ms`` column holds them: "begin-end,..." in
+    ms, to the µs (`traceml.report.timeline.in_flight_spans` reads them back)."""
+    def ms(s: float) -> str:
+        return f"{s * 1e3:.3f}".rstrip("0").rstrip(".")
+
+    return ",".join(f"{ms(b)}-{ms(e)}" for b, e in spans_s)
 
 
 def merge_device_marks(marks: tuple[Any, ...]) -> tuple[Any, ...]:

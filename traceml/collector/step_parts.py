@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from traceml import phases
+from traceml.step_fields import MAX_SPANS
 from traceml.wire.events import BATCH_FROM_FORWARD, INPUT
 
 OPTIMIZER_RULE, BACKWARD_RULE, MANUAL_RULE = phases.STEP_BOUNDARIES
@@ -43,6 +44,9 @@ class StepTiming(NamedTuple):
     # None: no collective timed
     collective_at_s: float | None = None
     collective_end_s: float | None = None  # the last collective's completion in the step
+    # The disjoint spans collectives were in flight, seconds from the step's begin, when
+    # there was a gap between them (`InFlight.gapped`); None: no gap, or not known
+    collective_spans_s: tuple[tuple[float, float], ...] | None = None
     # Where each phase ran, in seconds from the step's begin (`Placement`): its first
     # call's begin and end, and its last call's when it ran more than once (None: the
     # phase did not run)
@@ -325,3 +329,13 @@ class InFlight:
         if not self._any:
             return None
         return self._folded_s + sum(end - start for start, end in self._blocks)
+
+    def gapped(self, begin: float) -> tuple[tuple[float, float], ...] | None:
+        """The disjoint spans, seconds after ``begin`` (at or after 0), when there was a
+        gap between them and all of them are known: None for one span (the first launch
+        to the last completion says it), for more than `step_fields.MAX_SPANS`, and for a
+        step merged from parts (their spans were folded into a total)."""
+        blocks = self._blocks
+        if self._folded_s or not 1 < len(blocks) <= MAX_SPANS:
+            return None
+        return tuple((max(0.0, start - begin), max(0.0, end - begin)) for start, end in blocks)

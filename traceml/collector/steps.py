@@ -436,6 +436,7 @@ class StepTracker:
                                              else max(0.0, step.in_flight.first - step.begin)),
                             collective_end_s=(None if step.in_flight.last is None
                                               else max(0.0, step.in_flight.last - step.begin)),
+                            collective_spans_s=step.in_flight.gapped(step.begin),
                             phase_at_s=at_s, phase_end_s=end_s, phase_last_at_s=last_at_s,
                             phase_last_end_s=last_end_s)
         if boundary == BACKWARD_RULE and not self._backward_committed:

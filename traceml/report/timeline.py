@@ -9,7 +9,9 @@ that ran once or twice is drawn whole; of one called more often (gradient accumu
 the calls between are not placed, and the step's args say how much of its time is not
 drawn (``not_drawn_ms``), as for a call that would cross another without nesting in it.
 Collectives in flight are one slice from the first launch to the last completion when
-they were in flight all that time, else two instants (the union's total in their args).
+they were in flight all that time, a slice per span when there were gaps between them and
+the collector kept the spans (``collective_spans_ms``: up to eight), else two instants (the
+union's total in their args).
 Stalls, resumes, crashes, outlier steps and profiler captures are instant events; process
 memory and CPU, host CPU and RAM and the GPUs, counters.
 
@@ -228,10 +230,12 @@ def _step_events(row: StepRow, begin_us: float, dur_us: float, cut_ms: float, no
     at = min(at, row.total_ms)
     comm = {"pid": pid, "tid": _comm_tid(row.rank), "cat": "collective"}
     args = {"in_flight_ms": total, "step": row.step}
-    whole = in_flight_span(row)
-    if whole is not None:
-        yield {**comm, "ph": "X", "name": "collectives in flight", "ts": at_us(whole[0]),
-               "dur": round(at_us(whole[1]) - at_us(whole[0]), 3), "args": args}
+    spans = in_flight_spans(row)
+    if spans:
+        for begin, end in spans:
+            yield {**comm, "ph": "X", "name": "collectives in flight", "ts": at_us(begin),
+                   "dur": round(at_us(end) - at_us(begin), 3),
+                   "args": args | {"spans": len(spans)} if len(spans) > 1 else args}
         return
     yield {**comm, "ph": "i", "s": "t", "name": "first collective launched",
            "ts": at_us(at), "args": args}
@@ -240,17 +244,43 @@ def _step_events(row: StepRow, begin_us: float, dur_us: float, cut_ms: float, no
                "ts": at_us(min(max(end, at), row.total_ms)), "args": args}
 
 
-def in_flight_span(row: StepRow) -> tuple[float, float] | None:
-    """Collectives in flight as one span, ms from the step's begin (within the step), when
-    they were in flight all the time from the first launch to the last completion (their
-    union within `IN_FLIGHT_SLACK` of it); None otherwise, or when none was timed."""
+def in_flight_spans(row: StepRow) -> tuple[tuple[float, float], ...]:
+    """When collectives were in flight, ms from the step's begin (within the step): one
+    span from the first launch to the last completion when they were in flight all that
+    time, else the disjoint spans the collector kept (``collective_spans_ms``), each time
+    only when they add up to the step's total in flight (within `IN_FLIGHT_SLACK`, or
+    1 µs) and lie within the first launch and the last completion; none otherwise (gaps
+    whose spans were not kept, a malformed column) or when none was timed."""
     at, end, total = (row.value("collective_at_ms"), row.value("collective_end_ms"),
                       row.collective_ms)
     if at is None or end is None or total is None or end < at:
-        return None
+        return ()
+    spans = [(at, end)]
     if abs((end - at) - total) > max(0.001, IN_FLIGHT_SLACK * (end - at)):
-        return None
-    return min(at, row.total_ms), min(end, row.total_ms)
+        spans = _spans_column(row.value("collective_spans_ms"))
+        if not spans or spans[0][0] < at - 0.001 or spans[-1][1] > end + 0.001 or abs(
+                sum(e - b for b, e in spans) - total) > max(0.001, IN_FLIGHT_SLACK * total):
+            return ()
+    return tuple((min(b, row.total_ms), min(e, row.total_ms)) for b, e in spans)
+
+
+def _spans_column(text: str | None) -> list[tuple[float, float]]:
+    """``collective_spans_ms`` ("begin-end,...", ms) as spans, when ordered and disjoint;
+    none when absent or not that."""
+    if not text:
+        return []
+    spans: list[tuple[float, float]] = []
+    try:
+        for pair in text.split(","):
+            begin, end = map(float, pair.split("-"))
+            if not (math.isfinite(begin) and math.isfinite(end) and 0 <= begin <= end):
+                return []
+            if spans and begin < spans[-1][1]:
+                return []
+            spans.append((begin, end))
+    except ValueError:
+        return []
+    return spans
 
 
 def _metadata(run: RunData, rows: Sequence[StepRow], unaligned: Collection[int]

@@ -11,6 +11,9 @@
   shared    the smaller MLP, even batches; each rank is pinned to its own core
             and ``--slow-rank`` shares its core with a spinning process
   large     the heavy model with 1024 rows per batch: compute dominates the step
+  conv      four 3 x 3 convolutions of 16 channels with BatchNorm on 96 x 96 images:
+            DDP broadcasts the BatchNorm statistics as each forward begins, and
+            all-reduces the gradients in backward (two spans in flight, a gap between)
 
 Each rank writes ``rank<R>.json`` into ``EVIDENCE_DIR`` when set: its step count and,
 per step, the ms its comm hook spent before returning (``hook``: timed by the hook).
@@ -33,13 +36,24 @@ from torch.utils.data import DataLoader, TensorDataset
 
 HEAVY_WIDTH = 2048
 SMALL_WIDTH = 512
-BATCH = {"heavy": 2, "hook": 2, "uneven": 256, "shared": 64, "large": 1024}
+BATCH = {"heavy": 2, "hook": 2, "uneven": 256, "shared": 64, "large": 1024, "conv": 16}
 """Rows per batch of each case (``--slow-rank`` gets twice as many in ``uneven``)."""
 
 
 def mlp(width: int, depth: int = 4) -> nn.Module:
     return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.ReLU())
                            for _ in range(depth - 1)), nn.Linear(width, 1))
+
+
+CONV_CHANNELS, CONV_SIZE = 16, 96
+
+
+def convnet() -> nn.Module:
+    layers: list[nn.Module] = []
+    for i in range(4):
+        layers += [nn.Conv2d(1 if i == 0 else CONV_CHANNELS, CONV_CHANNELS, 3, padding=1),
+                   nn.BatchNorm2d(CONV_CHANNELS), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Flatten(), nn.LazyLinear(1))
 
 
 class Compressor:
@@ -86,7 +100,7 @@ def spin_on(core: int) -> subprocess.Popen[bytes]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", default="heavy",
-                        choices=("heavy", "hook", "uneven", "shared", "large"))
+                        choices=("heavy", "hook", "uneven", "shared", "large", "conv"))
     parser.add_argument("--slow-rank", type=int, default=1)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=0, help="rows per batch (0: the case's)")
@@ -123,7 +137,13 @@ def train(args: argparse.Namespace, rank: int, slowed: bool) -> tuple[int, Compr
     torch.manual_seed(0)
     heavy = args.case in ("heavy", "hook", "large")
     width = HEAVY_WIDTH if heavy else SMALL_WIDTH
-    model = nn.parallel.DistributedDataParallel(mlp(width))
+    shape: tuple[int, ...] = (width,)
+    if args.case == "conv":
+        net, shape = convnet(), (1, CONV_SIZE, CONV_SIZE)
+        net(torch.zeros(2, *shape))  # the lazy layer takes its shape before DDP
+    else:
+        net = mlp(width)
+    model = nn.parallel.DistributedDataParallel(net)
     compressor = Compressor()
     if args.case == "hook":
         model.register_comm_hook(None, compressor)
@@ -132,7 +152,8 @@ def train(args: argparse.Namespace, rank: int, slowed: bool) -> tuple[int, Compr
     if args.case == "uneven" and slowed:
         batch *= 2
     torch.manual_seed(1 + rank)
-    data = TensorDataset(torch.randn(args.steps * batch, width), torch.randn(args.steps * batch, 1))
+    data = TensorDataset(torch.randn(args.steps * batch, *shape),
+                         torch.randn(args.steps * batch, 1))
     steps = 0
     for x, y in DataLoader(data, batch_size=batch):
         opt.zero_grad()

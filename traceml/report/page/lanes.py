@@ -24,7 +24,7 @@ from traceml import phases
 from traceml.diagnosis.window import StepWindow
 from traceml.records import Json, RunData, StepRow, ms_column
 from traceml.report.model import Report
-from traceml.report.timeline import NodeClocks, in_flight_span, placed_phases
+from traceml.report.timeline import NodeClocks, in_flight_spans, placed_phases
 
 MAX_LANES = 16
 """Ranks drawn one lane each; beyond, the chosen ones and a density band."""
@@ -46,7 +46,7 @@ class Lane:
     begin_ms: float
     total_ms: float
     phases: tuple[tuple[str, float, float], ...]  # (phase, begin, end) ms from its begin
-    in_flight: tuple[float, float] | None  # collectives in flight without a gap
+    in_flight: tuple[tuple[float, float], ...]  # spans collectives were in flight
     not_drawn_ms: Mapping[str, float]
 
 
@@ -113,7 +113,7 @@ def _step_lanes(label: str, step: int, rows: Sequence[StepRow], clocks: NodeCloc
 def _lane(row: StepRow, begin_ms: float) -> Lane:
     drawn, _, missing = placed_phases(row)
     return Lane(row.rank, row.node_rank, begin_ms, row.total_ms,
-                tuple((p.name, b, e) for b, e, p in drawn), in_flight_span(row), dict(missing))
+                tuple((p.name, b, e) for b, e, p in drawn), in_flight_spans(row), dict(missing))
 
 
 def _density(lanes: Sequence[Lane], span_ms: float) -> dict[str, tuple[int, ...]]:
@@ -156,8 +156,7 @@ def lanes_to_json(lanes: Sequence[StepLanes]) -> list[Json]:
         "lanes": [{"rank": lane.rank, "node_rank": lane.node_rank,
                    "begin_ms": round(lane.begin_ms, 3), "total_ms": round(lane.total_ms, 3),
                    "phases": [[n, round(b, 3), round(e, 3)] for n, b, e in lane.phases],
-                   "in_flight": None if lane.in_flight is None
-                   else [round(v, 3) for v in lane.in_flight],
+                   "in_flight": [[round(b, 3), round(e, 3)] for b, e in lane.in_flight],
                    "not_drawn_ms": dict(lane.not_drawn_ms)} for lane in s.lanes],
         "density": None if s.density is None else {k: list(v) for k, v in s.density.items()},
     } for s in lanes]

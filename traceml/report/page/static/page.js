@@ -357,12 +357,12 @@
           `from +${fmtMs(b)} ms`));
         g.append(r);
       }
-      if (lane.in_flight) {
-        const [a, e] = lane.in_flight;
+      for (const [a, e] of lane.in_flight || []) {
         const r = sv("rect", { x: x(lane.begin_ms + a), y: y + LANE_H - 3, height: 2,
           width: Math.max(0.5, x(lane.begin_ms + e) - x(lane.begin_ms + a)), fill: "#1f2328",
           "data-phase": "in-flight" });
-        r.append(sv("title", {}, `r${lane.rank} collectives in flight: ${fmtMs(e - a)} ms`));
+        r.append(sv("title", {}, `r${lane.rank} collectives in flight: ${fmtMs(e - a)} ms` +
+          (lane.in_flight.length > 1 ? ` (of ${lane.in_flight.length} spans)` : "")));
         g.append(r);
       }
       body.append(g);
