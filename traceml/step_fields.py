@@ -109,7 +109,8 @@ STEP_FIELDS: tuple[StepField, ...] = (
     # The disjoint spans collectives were in flight, when there was a gap between them:
     # "begin-end,begin-end" in ms from the step's begin (to the µs), at most `MAX_SPANS`;
     # None: no gap (collective_at_ms to collective_end_ms is the span), more spans than
-    # that, a step merged from parts, or none timed (`traceml.report.timeline`)
+    # that, a step merged from micro-batches whose earlier ones had collectives in flight,
+    # or none timed (`traceml.report.timeline`)
     StepField("collective_spans_ms", str, None, optional=True, high=MAX_SPANS * 40),
 )
 """Every column of a stored step, in storage order; identity columns first."""

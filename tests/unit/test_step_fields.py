@@ -138,3 +138,12 @@ def test_a_text_column_longer_than_its_bound_is_refused() -> None:
     assert step_fields.admits_column(spans, [None, longest])
     assert not step_fields.admits(spans, longest + "0" * int(spans.high))
     assert not step_fields.admits_column(spans, [longest, "1-2," * 1000])
+
+
+def test_spans_too_long_to_store_leave_the_step_without_spans_not_refused() -> None:
+    n = len(phases.PHASES)
+    timing = StepTiming(0, 0.0, 0.5, (0.0,) * n, (0,) * n, 0, collective_s=1.0,
+                        collective_spans_s=tuple((1e16 + i, 1e16 + i + 0.5)
+                                                 for i in range(step_fields.MAX_SPANS)))
+    row = step_row(timing, 1000.0, {"rank": 0, "restart": 0, "node_rank": 0})
+    assert row.value("collective_spans_ms") is None and row.collective_ms == 1000.0

@@ -9,7 +9,9 @@ import pytest
 
 from tests.unit.test_steps import Script
 from traceml import phases
+from traceml.collector.rank_steps import step_row
 from traceml.collector.step_parts import InFlight
+from traceml.report.timeline import in_flight_spans
 from traceml.step_fields import MAX_SPANS
 from traceml.wire.events import BACKWARD, CLOSE, END, FORWARD, INPUT, NOGRAD_FORWARD, OPTIMIZER, SPAN
 
@@ -173,6 +175,22 @@ def test_a_span_arriving_late_never_shrinks_the_union() -> None:
     assert flight.total_s() == pytest.approx(10.0)
 
 
+@pytest.mark.parametrize(("late", "union"), [
+    ((0, 1), ((0, 1), (2, 3), (4, 5))),  # before them all
+    ((2.5, 3.5), ((2, 3.5), (4, 5))),  # overlapping the middle one
+    ((3.2, 3.8), ((2, 3), (3.2, 3.8), (4, 5))),  # in the gap
+    ((1, 4.5), ((1, 5),)),  # spanning both
+])
+def test_a_span_logged_late_lands_where_it_ran(late: tuple[float, float],
+                                               union: tuple[tuple[float, float], ...]) -> None:
+    flight = InFlight()
+    flight.add(2, 3)
+    flight.add(4, 5)
+    flight.add(*late)
+    assert flight.total_s() == pytest.approx(sum(e - b for b, e in union))
+    assert flight.gapped(0.0) == (None if len(union) == 1 else union)
+
+
 def test_a_collective_launched_in_the_step_before_counts_from_this_steps_begin() -> None:
     s = CommScript()
     s.ddp_iter()
@@ -182,7 +200,10 @@ def test_a_collective_launched_in_the_step_before_counts_from_this_steps_begin()
     s.ddp_iter()
     s.log(CLOSE)
     second = s.steps[1]
-    assert second.collective_s is not None and second.collective_s <= second.total_s
+    # logged after the step's own two (4-5, 5.5-8), it ran from the step's begin to 1
+    assert second.collective_s == pytest.approx(4.5)
+    assert second.collective_spans_s == tuple(
+        (pytest.approx(b), pytest.approx(e)) for b, e in ((0, 1), (4, 5), (5.5, 8)))
 
 
 def test_many_disjoint_collectives_are_all_counted() -> None:
@@ -319,3 +340,45 @@ def test_a_step_merged_from_parts_keeps_no_spans_but_its_total() -> None:
     flight.add(0, 1)
     flight.add(2, 3)
     assert flight.gapped(0.0) is None and flight.total_s() == pytest.approx(3.0)
+
+
+def _backward_with_spans(s: CommScript, spans: list[tuple[float, float]]) -> None:
+    """A backward of 3 whose collectives ran at ``spans`` after its begin."""
+    start = s.t
+    s.log(BACKWARD)
+    s.gap(3)
+    for launch, done in spans:
+        s.span(start + launch, start + done)
+    s.log(END)
+
+
+def test_accumulation_whose_earlier_micro_batches_ran_no_collective_keeps_its_spans() -> None:
+    s = CommScript()
+    for _ in range(3):  # under no_sync: the first micro-batch's backward all-reduces nothing
+        s.micro_batch()
+        s.phase(INPUT, 1)
+        s.phase(FORWARD, 2)
+        _backward_with_spans(s, [(1, 2), (2.5, 3)])
+        s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    for step in s.steps:  # the second backward begins 6 + 3 after the merged step's begin
+        assert step.counts[phases.code("backward")] == 2
+        assert step.collective_spans_s == ((pytest.approx(10), pytest.approx(11)),
+                                           (pytest.approx(11.5), pytest.approx(12)))
+
+
+def test_microsecond_spans_are_drawn_from_the_stored_row() -> None:
+    """Spans of tens of µs, stored to the µs at each end, still add up to the step's
+    unrounded time in flight, so the export draws them (not two instants)."""
+    s = CommScript()
+    for _ in range(3):
+        s.phase(INPUT, 1e-3)
+        s.phase(FORWARD, 2e-3)
+        _backward_with_spans(s, [(1.0004e-3, 1.0496e-3), (2.0004e-3, 2.0996e-3)])
+        s.phase(OPTIMIZER, 1e-3)
+    s.log(CLOSE)
+    for step in s.steps:
+        row = step_row(step, 0.0, {"rank": 0, "restart": 0, "node_rank": 0})
+        assert row.value("collective_spans_ms") == "4-4.05,5-5.1"
+        assert row.collective_ms == pytest.approx(0.1484)
+        assert in_flight_spans(row) == ((4.0, 4.05), (5.0, 5.1))

@@ -147,8 +147,10 @@ def test_buckets_with_a_gap_between_are_a_slice_each() -> None:
     None,  # not kept (more than a row holds, a merged step, a store before them)
     "4-5,6-8",  # 3 ms: not the step's 2.5 in flight
     "4-5,4.5-6",  # overlapping
-    "3-4,6.5-8",  # before the first launch
-    "4-5,6.5-nan", "4-5;6.5-8", "",  # not the column's form
+    "4-5,5-6.5",  # touching: one span, not two
+    "3-4,6.5-8.5",  # not from the first launch (4) to the last completion (8)
+    "4-4.5,5-5.5,6-6.5,7-7.5,7.6-7.7,7.8-7.9,7.92-7.94,7.96-7.98,7.99-8",  # more than 8
+    "4-5", "4-5,6.5-nan", "4-5;6.5-8", "4-5,6.5-8-9", "",  # not the column's form
 ])
 def test_buckets_with_a_gap_whose_spans_do_not_tell_are_two_instants(spans: str | None) -> None:
     document = trace(run_of([ddp_row(0, 0, collective_ms=2.5, collective_spans_ms=spans)]))

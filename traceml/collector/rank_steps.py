@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from traceml import phases
+from traceml import phases, step_fields
 from traceml.collector.step_parts import StepTiming
 from traceml.collector.steps import StepTracker
 from traceml.errors import ProtocolError
@@ -111,6 +111,7 @@ class RankSteps:
         self._records.append(step_row(t, self._wall_offset_s, self._identity))
 
 
+SPANS_FIELD = step_fields.field("collective_spans_ms")
 _PLACE_FIELDS = ("phase_at_s", "phase_end_s", "phase_last_at_s", "phase_last_end_s")
 _TIMING_FIELDS = tuple(f for f in StepTiming._fields if f not in (
     "phase_s", "counts", "marks", "collective_spans_s", *_PLACE_FIELDS))
@@ -139,7 +140,9 @@ def step_row(t: StepTiming, wall_offset_s: float, identity: dict[str, int]) -> S
                                     for s in getattr(t, field))))
     values.update(zip(DEVICE_MARK_FIELDS, merge_device_marks(t.marks)))
     if t.collective_spans_s is not None:
-        values["collective_spans_ms"] = spans_text(t.collective_spans_s)
+        text = spans_text(t.collective_spans_s)
+        if step_fields.admits(SPANS_FIELD, text):  # else no spans, rather than no row
+            values["collective_spans_ms"] = text
     return StepRow.of(**values)
 
 

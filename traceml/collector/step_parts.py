@@ -284,12 +284,14 @@ class BatchTally:
 
 
 class InFlight:
-    """The union of a step's collective spans, fed in order of completion: the
-    time at least one collective was in flight, however many overlapped."""
+    """The union of a step's collective spans, fed as they complete (mostly in order;
+    one logged late lands where it ran): the time at least one collective was in
+    flight, however many overlapped, and its disjoint spans."""
 
     def __init__(self) -> None:
-        self._blocks: list[list[float]] = []  # disjoint [start, end], by end
+        self._blocks: list[list[float]] = []  # disjoint [start, end], in time order
         self._folded_s = 0.0  # blocks folded away (too many to keep)
+        self._merged = False  # an earlier part's time in flight was added as a total
         self._any = False
         self.first: float | None = None  # the earliest launch
         self.last: float | None = None  # the latest completion
@@ -308,21 +310,25 @@ class InFlight:
         self.launched(launch)
         self.completed(done)
         blocks = self._blocks
+        first = len(blocks)  # the first block it touches: the later ones end after it began
+        while first and blocks[first - 1][1] >= launch:
+            first -= 1
+        last = first  # ...up to the first block that begins after it ended
         start, end = launch, done
-        while blocks and blocks[-1][1] >= launch:  # a late span may end before them
-            popped = blocks.pop()
-            start, end = min(start, popped[0]), max(end, popped[1])
-        blocks.append([start, end])
+        while last < len(blocks) and blocks[last][0] <= done:
+            start, end = min(start, blocks[last][0]), max(end, blocks[last][1])
+            last += 1
+        blocks[first:last] = [[start, end]]
         self._any = True
         if len(blocks) > MAX_DEPTH:
-            first = blocks.pop(0)
-            self._folded_s += first[1] - first[0]
+            oldest = blocks.pop(0)
+            self._folded_s += oldest[1] - oldest[0]
 
     def add_total(self, total_s: float | None) -> None:
         """Add an earlier step's time in flight (a merged step)."""
         if total_s is not None:
             self._folded_s += total_s
-            self._any = True
+            self._merged = self._any = True
 
     def total_s(self) -> float | None:
         """Seconds in flight; None when no collective was timed."""
@@ -334,8 +340,9 @@ class InFlight:
         """The disjoint spans, seconds after ``begin`` (at or after 0), when there was a
         gap between them and all of them are known: None for one span (the first launch
         to the last completion says it), for more than `step_fields.MAX_SPANS`, and for a
-        step merged from parts (their spans were folded into a total)."""
+        step merged from parts that had collectives in flight (their spans were added as
+        a total)."""
         blocks = self._blocks
-        if self._folded_s or not 1 < len(blocks) <= MAX_SPANS:
+        if self._merged or self._folded_s or not 1 < len(blocks) <= MAX_SPANS:
             return None
         return tuple((max(0.0, start - begin), max(0.0, end - begin)) for start, end in blocks)

@@ -37,6 +37,7 @@ from traceml import phases
 from traceml.clocks import REFERENCE, NodeClock, offset_at
 from traceml.diagnosis.outliers import find_outliers
 from traceml.records import RunData, StepRow
+from traceml.step_fields import MAX_SPANS
 from traceml.version import __version__
 
 MAX_RANK_STEPS = 20_000
@@ -245,12 +246,14 @@ def _step_events(row: StepRow, begin_us: float, dur_us: float, cut_ms: float, no
 
 
 def in_flight_spans(row: StepRow) -> tuple[tuple[float, float], ...]:
-    """When collectives were in flight, ms from the step's begin (within the step): one
-    span from the first launch to the last completion when they were in flight all that
-    time, else the disjoint spans the collector kept (``collective_spans_ms``), each time
-    only when they add up to the step's total in flight (within `IN_FLIGHT_SLACK`, or
-    1 µs) and lie within the first launch and the last completion; none otherwise (gaps
-    whose spans were not kept, a malformed column) or when none was timed."""
+    """When collectives were in flight, ms from the step's begin (within the step; a
+    span that would begin at the step's end is left out): one span from the first
+    launch to the last completion when they were in flight all that time, else the
+    disjoint spans the collector kept (``collective_spans_ms``), each time only when they
+    begin at the first launch, end at the last completion and add up to the step's total
+    in flight (within `IN_FLIGHT_SLACK`, or the µs each stored end was rounded to); none
+    otherwise (gaps whose spans were not kept, a malformed column) or when none was
+    timed."""
     at, end, total = (row.value("collective_at_ms"), row.value("collective_end_ms"),
                       row.collective_ms)
     if at is None or end is None or total is None or end < at:
@@ -258,29 +261,32 @@ def in_flight_spans(row: StepRow) -> tuple[tuple[float, float], ...]:
     spans = [(at, end)]
     if abs((end - at) - total) > max(0.001, IN_FLIGHT_SLACK * (end - at)):
         spans = _spans_column(row.value("collective_spans_ms"))
-        if not spans or spans[0][0] < at - 0.001 or spans[-1][1] > end + 0.001 or abs(
-                sum(e - b for b, e in spans) - total) > max(0.001, IN_FLIGHT_SLACK * total):
+        rounding = 0.001 * (len(spans) + 1)  # each end to the µs; the others are not
+        if (not spans or abs(spans[0][0] - at) > rounding or abs(spans[-1][1] - end) > rounding
+                or abs(sum(e - b for b, e in spans) - total)
+                > max(rounding, IN_FLIGHT_SLACK * total)):
             return ()
-    return tuple((min(b, row.total_ms), min(e, row.total_ms)) for b, e in spans)
+    limit = row.total_ms
+    return tuple((min(b, limit), min(e, limit)) for b, e in spans if b < limit or len(spans) == 1)
 
 
 def _spans_column(text: str | None) -> list[tuple[float, float]]:
-    """``collective_spans_ms`` ("begin-end,...", ms) as spans, when ordered and disjoint;
-    none when absent or not that."""
+    """``collective_spans_ms`` ("begin-end,...", ms) as spans: two to `MAX_SPANS`, each
+    after the last with a gap between; none when absent or not that."""
     if not text:
         return []
     spans: list[tuple[float, float]] = []
     try:
-        for pair in text.split(","):
+        for pair in text.split(",", MAX_SPANS):
             begin, end = map(float, pair.split("-"))
             if not (math.isfinite(begin) and math.isfinite(end) and 0 <= begin <= end):
                 return []
-            if spans and begin < spans[-1][1]:
+            if spans and begin <= spans[-1][1]:
                 return []
             spans.append((begin, end))
     except ValueError:
         return []
-    return spans
+    return spans if 1 < len(spans) <= MAX_SPANS else []
 
 
 def _metadata(run: RunData, rows: Sequence[StepRow], unaligned: Collection[int]
