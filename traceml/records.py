@@ -10,6 +10,7 @@ recorded test scenarios store one as JSON (`traceml.records_json`). "Not measure
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -172,6 +173,56 @@ def gpu_column(rows: Sequence[StepRow], with_wait: bool = False) -> list[float]:
     if len(index) == 1:
         return [float(t) for t in map(get, rows) if t is not None]
     return [float(sum(ts)) for ts in map(get, rows) if None not in ts]
+
+
+IN_FLIGHT_SLACK = 0.01
+"""Collectives were in flight the whole time from the first launch to the last completion
+when their union is within this fraction of that time."""
+
+
+def in_flight_spans(row: StepRow) -> tuple[tuple[float, float], ...]:
+    """When collectives were in flight, ms from the step's begin (within the step; a
+    span that would begin at the step's end is left out): one span from the first
+    launch to the last completion when they were in flight all that time, else the
+    disjoint spans the collector kept (``collective_spans_ms``), each time only when they
+    begin at the first launch, end at the last completion and add up to the step's total
+    in flight (within `IN_FLIGHT_SLACK`, or the µs each stored end was rounded to); none
+    otherwise (gaps whose spans were not kept, a malformed column) or when none was
+    timed."""
+    at, end, total = (row.value("collective_at_ms"), row.value("collective_end_ms"),
+                      row.collective_ms)
+    if at is None or end is None or total is None or end < at:
+        return ()
+    spans = [(at, end)]
+    if abs((end - at) - total) > max(0.001, IN_FLIGHT_SLACK * (end - at)):
+        spans = _spans_column(row.value("collective_spans_ms"))
+        rounding = 0.001 * (len(spans) + 1)  # each end to the µs; the others are not
+        if (not spans or abs(spans[0][0] - at) > rounding or abs(spans[-1][1] - end) > rounding
+                or abs(sum(e - b for b, e in spans) - total)
+                > max(rounding, IN_FLIGHT_SLACK * total)):
+            return ()
+    limit = row.total_ms
+    return tuple((min(b, limit), min(e, limit)) for b, e in spans if b < limit or len(spans) == 1)
+
+
+def _spans_column(text: str | None) -> list[tuple[float, float]]:
+    """``collective_spans_ms`` ("begin-end,...", ms) as spans: two to
+    `step_fields.MAX_SPANS`, each after the last with a gap between; none when absent or
+    not that."""
+    if not text:
+        return []
+    spans: list[tuple[float, float]] = []
+    try:
+        for pair in text.split(",", step_fields.MAX_SPANS):
+            begin, end = map(float, pair.split("-"))
+            if not (math.isfinite(begin) and math.isfinite(end) and 0 <= begin <= end):
+                return []
+            if spans and begin <= spans[-1][1]:
+                return []
+            spans.append((begin, end))
+    except ValueError:
+        return []
+    return spans if 1 < len(spans) <= step_fields.MAX_SPANS else []
 
 
 @dataclass(frozen=True)

@@ -178,16 +178,21 @@ def test_perfettos_own_importer_reads_the_export_as_traceml_wrote_it(
 
 def test_collectives_in_flight_with_a_gap_are_drawn_span_by_span(
         tmp_path: Path, browser: Any) -> None:
-    """A real 2-rank DDP convnet with BatchNorm: DDP broadcasts the statistics as each
-    forward begins and all-reduces the gradients in backward, so its collectives are in
-    flight twice a step with a gap between.  The export draws the two spans where they ran
-    (the broadcast inside forward, the all-reduce ending where DDP's wait in backward
-    ends); Perfetto reads them as two slices on the rank's in-flight track, and the HTML
-    report's swimlanes draw them as two segments under each lane."""
+    """A real 2-rank DDP convnet with BatchNorm, r1 given twice the images: DDP
+    broadcasts the statistics as each forward begins and all-reduces the gradients in
+    backward, so its collectives are in flight twice a step with a gap between.  The
+    export draws the two spans where they ran (the broadcast inside forward, the
+    all-reduce ending where DDP's wait in backward ends); Perfetto reads them as two
+    slices on the rank's in-flight track, and the HTML report's swimlanes draw them as
+    two segments under each lane.  The ranks meet together at the broadcast; the
+    summary's arrivals are at backward's first collective, where r1 comes last."""
     steps = 16
     res = run_traceml(tmp_path, "run", "--html", "--nproc-per-node=2", script("ddp_real.py"),
-                      "--case", "conv", "--slow-rank", "-1", "--steps", str(steps), timeout=240)
-    assert res.returncode == 0, res.stderr[-3000:]
+                      "--case", "conv", "--slow-rank", "1", "--steps", str(steps), timeout=240)
+    assert res.returncode == 0 and res.summary is not None, res.stderr[-3000:]
+    arrival = res.summary["step_time"]["arrival"]
+    assert arrival is not None and arrival["last_rank"] == 1, arrival
+    assert arrival["last_pct"] >= 80 and arrival["median_ms"] > 5, arrival
     done = export(res.session_dir, tmp_path / "conv.json.gz")
     assert done.returncode == 0, done.stderr
     events = load(tmp_path / "conv.json.gz")["traceEvents"]

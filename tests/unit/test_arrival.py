@@ -139,5 +139,37 @@ def test_the_straggler_finding_cites_the_arrivals() -> None:
     assert section.arrival is not None and section.arrival.last_rank == 1
     straggler = section.diagnosis
     assert straggler.kind == "COMPUTE_STRAGGLER" and straggler.ranks[0] == 1
-    assert "r1 entered the step's first collective last at 100% of 27 steps" in straggler.why
+    assert "r1 entered the first collective of backward last at 100% of 27 steps" in (
+        straggler.why)
     assert straggler.evidence["arrival_skew_ms"] == pytest.approx(30.0, abs=1e-3)
+
+
+def batchnorm_rows(gradient_ms: Callable[[int], float], spans_kept: bool = True
+                   ) -> list[StepRow]:
+    """Two ranks whose DDP broadcasts BatchNorm's statistics 1-2 ms into every step (they
+    meet there together) and launches its gradient all-reduce in backward (from 20 ms)
+    ``gradient_ms(rank)`` into the step; both all-reduces end at 50 ms."""
+    out = []
+    for r in range(2):
+        for s in range(STEPS):
+            g = gradient_ms(r)
+            out.append(row_of(
+                r, s, {"forward": 20.0, "backward": 30.0}, 100.0, 50.0, t=T0 + s * 0.1 + 0.1,
+                collective_at_ms=1.0, collective_end_ms=50.0, collective_ms=1.0 + 50.0 - g,
+                collective_spans_ms=f"1-2,{g:g}-50" if spans_kept else None,
+                backward_at_ms=20.0, backward_end_ms=50.0))
+    return out
+
+
+def test_the_arrival_is_at_backwards_first_collective_not_the_broadcast_before_forward(
+        ) -> None:
+    window = select_window(batchnorm_rows(lambda r: 30.0 + 12.0 * r), 10_000, 2)
+    found = arrival_skew(window, {})
+    assert found is not None and (found.last_rank, found.last_pct) == (1, 100.0)
+    assert found.median_ms == pytest.approx(12.0, abs=1e-3)  # not 0: the broadcast's
+
+
+def test_a_gap_whose_spans_were_not_kept_leaves_the_arrival_not_measured() -> None:
+    window = select_window(batchnorm_rows(lambda r: 30.0 + 12.0 * r, spans_kept=False),
+                           10_000, 2)
+    assert arrival_skew(window, {}) is None

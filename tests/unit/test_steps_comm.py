@@ -11,7 +11,7 @@ from tests.unit.test_steps import Script
 from traceml import phases
 from traceml.collector.rank_steps import step_row
 from traceml.collector.step_parts import InFlight
-from traceml.report.timeline import in_flight_spans
+from traceml.records import in_flight_spans
 from traceml.step_fields import MAX_SPANS
 from traceml.wire.events import BACKWARD, CLOSE, END, FORWARD, INPUT, NOGRAD_FORWARD, OPTIMIZER, SPAN
 

@@ -1,15 +1,19 @@
-"""Arrival skew at collectives: how late the last rank entered each step's first
-collective (offline analysis).
+"""Arrival skew at collectives: how late the last rank entered the first collective of
+each step's backward (offline analysis).
 
-Runs in the offline-analysis process.  A rank arrives at its step's first collective
-when it launches it (`collective_at_ms` after its step's begin: for DDP, its first
-gradient bucket's all-reduce).  The others wait there for the last one, so the spread
-between the first and the last arrival at one step is the direct evidence for a
-straggler, across nodes too: every rank's times are put on the collector's node's
-clock with its node's measured offset (`traceml.clocks`), and the result carries the
-offsets' uncertainty.  Not measured (None) with fewer than two ranks, without a collective timed
-on every rank, or when a node of the window has no measured clock: then a spread could
-be the clocks.
+Runs in the offline-analysis process.  A rank arrives at its step's first gradient
+collective when it launches the first collective of its backward (`gradient_launch_ms`
+after its step's begin: for DDP, its first bucket's all-reduce; not the broadcast of
+BatchNorm's statistics that DDP begins each forward with, nor a metric's all-reduce in
+forward, where ranks meet before the work of the step that differs).  The others wait
+there for the last one, so the spread between the first and the last arrival at one
+step is the direct evidence for a straggler, across nodes too: every rank's times are
+put on the collector's node's clock with its node's measured offset
+(`traceml.clocks`), and the result carries the offsets' uncertainty.  Not measured
+(None) with fewer than two ranks, without a collective timed on every rank, or when a
+node of the window has no measured clock: then a spread could be the clocks.  A step
+whose collectives were in flight from before its backward without the spans that say
+where backward's first began (`traceml.records.in_flight_spans`) is left out.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from traceml import phases
 from traceml.clocks import NodeClock, offset_at
 from traceml.diagnosis.window import StepWindow
-from traceml.records import column, ms_column
+from traceml.records import StepRow, column, in_flight_spans, ms_column
 
 LAST_CITED_PCT = 50.0
 """A straggler finding cites the arrivals when its rank came last at this % of the steps
@@ -32,10 +37,26 @@ MIN_STEPS = 5
 
 
 
+_BACKWARD_AT = phases.PHASES[phases.code("backward")].place_columns[0]
+
+
+def gradient_launch_ms(row: StepRow) -> float | None:
+    """When ``row``'s rank launched the first collective of its backward, ms after its
+    step's begin: the first collective's launch when it came in backward or after, or
+    backward was not placed (a store from before placements); else the first span of
+    collectives in flight that began in backward; None when no collective was timed, or
+    collectives were in flight from before backward and their spans were not kept."""
+    at = row.value("collective_at_ms")
+    backward = row.value(_BACKWARD_AT)
+    if at is None or backward is None or at >= backward - 0.001:
+        return at
+    return next((b for b, _ in in_flight_spans(row) if b >= backward - 0.001), None)
+
+
 @dataclass(frozen=True)
 class ArrivalSkew:
-    """The last rank's arrival at each step's first collective after the first rank's,
-    over the window's steps where every rank timed one."""
+    """The last rank's arrival at each step's first collective of backward after the
+    first rank's, over the window's steps where every rank timed one."""
 
     median_ms: float
     worst_ms: float
@@ -81,7 +102,7 @@ def arrival_skew(window: StepWindow, clocks: Mapping[int, NodeClock | None]) -> 
         offset = [offsets[n] for n in column(rows, "node_rank")]
         begins = column(rows, "t_begin")
         arrivals.append([None if b is None or at is None else b + at / 1e3 - o
-                         for b, at, o in zip(begins, column(rows, "collective_at_ms"), offset)])
+                         for b, at, o in zip(begins, map(gradient_launch_ms, rows), offset)])
         ends.append([None if b is None else b + ms / 1e3 - o
                      for b, ms, o in zip(begins, ms_column(rows, "total"), offset)])
     slack = uncertainty / 1e3 + END_SLACK_S
@@ -128,5 +149,5 @@ def arrival_line(skew: ArrivalSkew) -> str:
     if skew.last_rank is None:
         return (f"no rank came last by more than the clocks' uncertainty over "
                 f"{skew.num_steps} steps; {spread}{clocks}.")
-    return (f"r{skew.last_rank} entered the step's first collective last at "
+    return (f"r{skew.last_rank} entered the first collective of backward last at "
             f"{skew.last_pct:.0f}% of {skew.num_steps} steps; {spread}{clocks}.")

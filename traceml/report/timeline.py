@@ -36,8 +36,7 @@ import orjson
 from traceml import phases
 from traceml.clocks import REFERENCE, NodeClock, offset_at
 from traceml.diagnosis.outliers import find_outliers
-from traceml.records import RunData, StepRow
-from traceml.step_fields import MAX_SPANS
+from traceml.records import RunData, StepRow, in_flight_spans
 from traceml.version import __version__
 
 MAX_RANK_STEPS = 20_000
@@ -46,11 +45,6 @@ beyond it the latest steps are kept."""
 
 PROGRESS_INCIDENTS = {"stall": "stall", "exception": "crash", "exit": "exit"}
 """Incident kinds (`traceml.wire.incidents`) by the name their instant takes."""
-
-IN_FLIGHT_SLACK = 0.01
-"""Collectives were in flight the whole time from the first launch to the last completion
-when their union is within this fraction of that time."""
-
 
 @dataclass(frozen=True)
 class StepRange:
@@ -243,50 +237,6 @@ def _step_events(row: StepRow, begin_us: float, dur_us: float, cut_ms: float, no
     if end is not None:
         yield {**comm, "ph": "i", "s": "t", "name": "last collective completed",
                "ts": at_us(min(max(end, at), row.total_ms)), "args": args}
-
-
-def in_flight_spans(row: StepRow) -> tuple[tuple[float, float], ...]:
-    """When collectives were in flight, ms from the step's begin (within the step; a
-    span that would begin at the step's end is left out): one span from the first
-    launch to the last completion when they were in flight all that time, else the
-    disjoint spans the collector kept (``collective_spans_ms``), each time only when they
-    begin at the first launch, end at the last completion and add up to the step's total
-    in flight (within `IN_FLIGHT_SLACK`, or the µs each stored end was rounded to); none
-    otherwise (gaps whose spans were not kept, a malformed column) or when none was
-    timed."""
-    at, end, total = (row.value("collective_at_ms"), row.value("collective_end_ms"),
-                      row.collective_ms)
-    if at is None or end is None or total is None or end < at:
-        return ()
-    spans = [(at, end)]
-    if abs((end - at) - total) > max(0.001, IN_FLIGHT_SLACK * (end - at)):
-        spans = _spans_column(row.value("collective_spans_ms"))
-        rounding = 0.001 * (len(spans) + 1)  # each end to the µs; the others are not
-        if (not spans or abs(spans[0][0] - at) > rounding or abs(spans[-1][1] - end) > rounding
-                or abs(sum(e - b for b, e in spans) - total)
-                > max(rounding, IN_FLIGHT_SLACK * total)):
-            return ()
-    limit = row.total_ms
-    return tuple((min(b, limit), min(e, limit)) for b, e in spans if b < limit or len(spans) == 1)
-
-
-def _spans_column(text: str | None) -> list[tuple[float, float]]:
-    """``collective_spans_ms`` ("begin-end,...", ms) as spans: two to `MAX_SPANS`, each
-    after the last with a gap between; none when absent or not that."""
-    if not text:
-        return []
-    spans: list[tuple[float, float]] = []
-    try:
-        for pair in text.split(",", MAX_SPANS):
-            begin, end = map(float, pair.split("-"))
-            if not (math.isfinite(begin) and math.isfinite(end) and 0 <= begin <= end):
-                return []
-            if spans and begin <= spans[-1][1]:
-                return []
-            spans.append((begin, end))
-    except ValueError:
-        return []
-    return spans if 1 < len(spans) <= MAX_SPANS else []
 
 
 def _metadata(run: RunData, rows: Sequence[StepRow], unaligned: Collection[int]

@@ -13,7 +13,8 @@
   large     the heavy model with 1024 rows per batch: compute dominates the step
   conv      four 3 x 3 convolutions of 16 channels with BatchNorm on 96 x 96 images:
             DDP broadcasts the BatchNorm statistics as each forward begins, and
-            all-reduces the gradients in backward (two spans in flight, a gap between)
+            all-reduces the gradients in backward (two spans in flight, a gap
+            between); ``--slow-rank`` gets twice the images, as in ``uneven``
 
 Each rank writes ``rank<R>.json`` into ``EVIDENCE_DIR`` when set: its step count and,
 per step, the ms its comm hook spent before returning (``hook``: timed by the hook).
@@ -37,7 +38,8 @@ from torch.utils.data import DataLoader, TensorDataset
 HEAVY_WIDTH = 2048
 SMALL_WIDTH = 512
 BATCH = {"heavy": 2, "hook": 2, "uneven": 256, "shared": 64, "large": 1024, "conv": 16}
-"""Rows per batch of each case (``--slow-rank`` gets twice as many in ``uneven``)."""
+"""Rows per batch of each case (``--slow-rank`` gets twice as many in ``uneven`` and
+``conv``)."""
 
 
 def mlp(width: int, depth: int = 4) -> nn.Module:
@@ -149,7 +151,7 @@ def train(args: argparse.Namespace, rank: int, slowed: bool) -> tuple[int, Compr
         model.register_comm_hook(None, compressor)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     batch = args.batch or BATCH[args.case]
-    if args.case == "uneven" and slowed:
+    if args.case in ("uneven", "conv") and slowed:
         batch *= 2
     torch.manual_seed(1 + rank)
     data = TensorDataset(torch.randn(args.steps * batch, *shape),

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from traceml import phases
 from traceml.diagnosis.window import StepWindow
-from traceml.records import Json, RunData, StepRow, ms_column
+from traceml.records import Json, RunData, StepRow, in_flight_spans, ms_column
 from traceml.report.model import Report
-from traceml.report.timeline import NodeClocks, in_flight_spans, placed_phases
+from traceml.report.timeline import NodeClocks, placed_phases
 
 MAX_LANES = 16
 """Ranks drawn one lane each; beyond, the chosen ones and a density band."""
