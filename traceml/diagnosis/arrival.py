@@ -46,7 +46,7 @@ def gradient_launch_ms(row: StepRow) -> float | None:
     backward was not placed (a store from before placements); else the first span of
     collectives in flight that began in backward; None when no collective was timed, or
     collectives were in flight from before backward and their spans were not kept."""
-    at = row.value("collective_at_ms")
+    at: float | None = row.value("collective_at_ms")
     backward = row.value(_BACKWARD_AT)
     if at is None or backward is None or at >= backward - 0.001:
         return at
