@@ -28,6 +28,10 @@ From real causes, no sleep anywhere (tests/e2e/scripts/ddp_real.py):
              naming r1 alone
   large      the heavy model with 1024 rows per batch -> COMPUTE-BOUND
              diagnosis, no rank named
+  conv       a convnet with BatchNorm (DDP broadcasts its statistics as forward
+             begins), r1 gets twice the images -> COMPUTE STRAGGLER naming r1,
+             forward and backward, and the arrivals at backward's first
+             collective name r1 last (not the broadcast, where the ranks meet)
 
 For the injected straggler cases it also checks the measured excess against the
 injected delay: within +-(1 ms + 15 %).  For ``network`` the excess is the
@@ -59,7 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SLEEPS = ROOT / "tests" / "e2e" / "scripts" / "ddp_cases.py"
 REAL = ROOT / "tests" / "e2e" / "scripts" / "ddp_real.py"
 INJECTED = ("backward", "between", "network", "balanced")
-REAL_STEPS = {"heavy": 30, "hook": 20, "uneven": 40, "shared": 40, "large": 16}
+REAL_STEPS = {"heavy": 30, "hook": 20, "uneven": 40, "shared": 40, "large": 16, "conv": 30}
 CASES = (*INJECTED, *REAL_STEPS)
 
 Summary = dict[str, Any]
@@ -112,6 +116,17 @@ def straggler_check(kind: str, why_prefix: str) -> Check:
         why = next(f["why"] for f in stragglers(summary) if f["ranks"])
         return "" if why.startswith(why_prefix) else f"why {why!r}"
     return check
+
+
+def arrival_check(check: Check) -> Check:
+    """``check``, and the arrivals name r1 last at most steps, cited by its finding."""
+    def checked(summary: Summary, evidence: Evidence, session: Path) -> str:
+        miss = check(summary, evidence, session)
+        arrival = summary["step_time"]["arrival"]
+        if not miss and (arrival is None or arrival["last_rank"] != 1):
+            return f"arrival {arrival}"
+        return miss
+    return checked
 
 
 def diagnosis_check(kind: str) -> Check:
@@ -181,6 +196,7 @@ CHECKS: dict[str, Check] = {
     "uneven": straggler_check("COMPUTE_STRAGGLER", "r1 forward and backward"),
     "shared": straggler_check("COMPUTE_STRAGGLER", "r1 "),
     "large": diagnosis_check("COMPUTE_BOUND"),
+    "conv": arrival_check(straggler_check("COMPUTE_STRAGGLER", "r1 forward and backward")),
 }
 
 
@@ -188,9 +204,11 @@ def figure(case: str, summary: Summary) -> str:
     """What one run measured, for the case's line: the excess, or the diagnosis's share."""
     step = summary["step_time"]
     diagnosis = step["diagnosis"]
-    if case in ("uneven", "shared") and named(summary):
+    if case in ("uneven", "shared", "conv") and named(summary):
         found = next(f for f in stragglers(summary) if f["ranks"])
-        return f"+{found['evidence']['excess_ms']:.1f} ms"
+        arrival = step["arrival"] if case == "conv" else None
+        return f"+{found['evidence']['excess_ms']:.1f} ms" + (
+            f" (last {arrival['median_ms']:.0f} ms)" if arrival else "")
     share = diagnosis["evidence"].get("communication_share_pct") or diagnosis["evidence"].get(
         "compute_share_pct")
     return f"{share:.0f}%" if share is not None else diagnosis["kind"]
