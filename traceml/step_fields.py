@@ -110,8 +110,12 @@ STEP_FIELDS: tuple[StepField, ...] = (
     # "begin-end,begin-end" in ms from the step's begin (to the µs), at most `MAX_SPANS`;
     # None: no gap (collective_at_ms to collective_end_ms is the span), more spans than
     # that, a step merged from micro-batches whose earlier ones had collectives in flight,
-    # or none timed (`traceml.report.timeline`)
+    # or none timed (`traceml.records.in_flight_spans`)
     StepField("collective_spans_ms", str, None, optional=True, high=MAX_SPANS * 40),
+    # the first collective launched at or after the last backward call began (the rank's
+    # arrival at backward's first collective: DDP's first gradient bucket; with gradient
+    # accumulation, the last micro-batch's); None: no collective there, or none timed
+    _time("gradient_at_ms", default=None, optional=True),
 )
 """Every column of a stored step, in storage order; identity columns first."""
 

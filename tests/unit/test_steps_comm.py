@@ -13,7 +13,17 @@ from traceml.collector.rank_steps import step_row
 from traceml.collector.step_parts import InFlight
 from traceml.records import in_flight_spans
 from traceml.step_fields import MAX_SPANS
-from traceml.wire.events import BACKWARD, CLOSE, END, FORWARD, INPUT, NOGRAD_FORWARD, OPTIMIZER, SPAN
+from traceml.wire.events import (
+    BACKWARD,
+    CLOSE,
+    END,
+    FORWARD,
+    INPUT,
+    NOGRAD_FORWARD,
+    OPTIMIZER,
+    OPTIMIZER_END,
+    SPAN,
+)
 
 COMM = phases.code("communication")
 
@@ -382,3 +392,67 @@ def test_microsecond_spans_are_drawn_from_the_stored_row() -> None:
         assert row.value("collective_spans_ms") == "4-4.05,5-5.1"
         assert row.collective_ms == pytest.approx(0.1484)
         assert in_flight_spans(row) == ((4.0, 4.05), (5.0, 5.1))
+
+
+def test_backwards_arrival_is_its_first_bucket_not_a_broadcast_before_forward() -> None:
+    s = CommScript()
+    for _ in range(3):
+        s.phase(INPUT, 1)
+        start = s.t
+        s.phase(FORWARD, 2)
+        s.span(start, start + 0.5)  # DDP's broadcast of BatchNorm's statistics
+        _backward_with_spans(s, [(1, 2), (2.5, 3)])
+        s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    for step in s.steps:  # fetch 1, forward 2, then bucket 0 1 s into backward
+        assert step.collective_at_s == pytest.approx(1.0)  # the broadcast
+        assert step.gradient_at_s == pytest.approx(4.0)
+
+
+def test_accumulation_arrives_at_the_last_backwards_collective() -> None:
+    """no_sync micro-batches, each forward broadcasting BatchNorm's statistics, the
+    gradients all-reduced in the last backward only: backward's arrival is there."""
+    s = CommScript()
+    for _ in range(3):
+        for last in (False, True):
+            s.phase(INPUT, 1)
+            start = s.t
+            s.phase(FORWARD, 2)
+            s.span(start, start + 0.5)
+            _backward_with_spans(s, [(1, 2), (2.5, 3)] if last else [])
+        s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    for step in s.steps:  # the second micro-batch begins 6 s in; its backward 3 s later
+        assert step.collective_at_s == pytest.approx(1.0)
+        assert step.gradient_at_s == pytest.approx(10.0)
+
+
+def test_a_closure_optimizer_arrives_at_its_last_backwards_collective() -> None:
+    """LBFGS: optimizer.step(closure) runs forward and backward twice, each backward
+    all-reducing; the step's backward arrival is the last one's."""
+    s = CommScript()
+    for _ in range(3):
+        s.phase(INPUT, 1)
+        s.log(OPTIMIZER)
+        for _ in range(2):
+            s.phase(FORWARD, 2)
+            _backward_with_spans(s, [(1, 2)])
+        s.log(OPTIMIZER_END)
+    s.log(CLOSE)
+    for step in s.steps:  # fetch 1, forward 2 + backward 3, forward 2, bucket 1 s in
+        assert step.collective_at_s == pytest.approx(4.0)
+        assert step.gradient_at_s == pytest.approx(9.0)
+
+
+def test_no_backward_or_no_collective_after_it_arrives_nowhere() -> None:
+    s = CommScript()
+    for _ in range(3):
+        s.phase(INPUT, 1)
+        start = s.t
+        s.phase(FORWARD, 2)
+        s.span(start, start + 0.5)  # a collective in forward only
+        s.phase(BACKWARD, 3)
+        s.phase(OPTIMIZER, 1)
+    s.log(CLOSE)
+    assert [(t.collective_at_s, t.gradient_at_s) for t in s.steps] == [
+        (pytest.approx(1.0), None)] * 3

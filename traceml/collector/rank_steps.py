@@ -148,7 +148,7 @@ def step_row(t: StepTiming, wall_offset_s: float, identity: dict[str, int]) -> S
 
 def spans_text(spans_s: Sequence[tuple[float, float]]) -> str:
     """Spans in seconds as the ``collective_spans_ms`` column holds them: "begin-end,..." in
-    ms, to the µs (`traceml.report.timeline.in_flight_spans` reads them back)."""
+    ms, to the µs (`traceml.records.in_flight_spans` reads them back)."""
     def ms(s: float) -> str:
         return f"{s * 1e3:.3f}".rstrip("0").rstrip(".")
 

@@ -47,6 +47,10 @@ class StepTiming(NamedTuple):
     # The disjoint spans collectives were in flight, seconds from the step's begin, when
     # there was a gap between them (`InFlight.gapped`); None: no gap, or not known
     collective_spans_s: tuple[tuple[float, float], ...] | None = None
+    # The first collective launched at or after the last backward call began, seconds
+    # from the step's begin (the rank's arrival at backward's first collective: DDP's
+    # first bucket); None: no backward, or no collective launched in or after it
+    gradient_at_s: float | None = None
     # Where each phase ran, in seconds from the step's begin (`Placement`): its first
     # call's begin and end, and its last call's when it ran more than once (None: the
     # phase did not run)
@@ -130,6 +134,10 @@ class Placement:
 
     def placed_any(self) -> bool:
         return any(at != _NEVER for at in self.first_at)
+
+    def last_begin(self, phase: int) -> float | None:
+        """When the last call of ``phase`` began; None when it did not run."""
+        return None if self.first_at[phase] == _NEVER else self.last_at[phase]
 
     def absorb(self, other: Placement) -> None:
         """The calls ``other`` placed (pending time that turned out to be this step's)."""
@@ -292,6 +300,7 @@ class InFlight:
         self._blocks: list[list[float]] = []  # disjoint [start, end], in time order
         self._folded_s = 0.0  # blocks folded away (too many to keep)
         self._merged = False  # an earlier part's time in flight was added as a total
+        self._launches: list[float] = []  # the latest `MAX_DEPTH` launches, as logged
         self._any = False
         self.first: float | None = None  # the earliest launch
         self.last: float | None = None  # the latest completion
@@ -309,6 +318,10 @@ class InFlight:
     def add(self, launch: float, done: float) -> None:
         self.launched(launch)
         self.completed(done)
+        launches = self._launches
+        launches.append(launch)
+        if len(launches) > MAX_DEPTH:
+            del launches[0]
         blocks = self._blocks
         first = len(blocks)  # the first block it touches: the later ones end after it began
         while first and blocks[first - 1][1] >= launch:
@@ -335,6 +348,11 @@ class InFlight:
         if not self._any:
             return None
         return self._folded_s + sum(end - start for start, end in self._blocks)
+
+    def first_launch_from(self, t: float) -> float | None:
+        """The earliest launch at or after ``t`` of the collectives added (not of an
+        earlier part's, added as a total); None when none was."""
+        return min((launch for launch in self._launches if launch >= t), default=None)
 
     def gapped(self, begin: float) -> tuple[tuple[float, float], ...] | None:
         """The disjoint spans, seconds after ``begin`` (at or after 0), when there was a

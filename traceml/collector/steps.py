@@ -58,6 +58,7 @@ HOLD_BACKWARD_STEPS = 32
 an optimizer step after fewer backward passes merges them into one step."""
 
 _COPY_PHASE = -1  # a host-to-device copy on the phase stack (input, not a phase of its own)
+_BACKWARD = phases.code("backward")
 
 
 class StepTracker:
@@ -428,6 +429,8 @@ class StepTracker:
                     BACKWARD_RULE if self._by_backward else OPTIMIZER_RULE)
         step = self._step
         at_s, end_s, last_at_s, last_end_s = step.where.offsets(step.begin, end)
+        backward = step.where.last_begin(_BACKWARD)
+        gradient = None if backward is None else step.in_flight.first_launch_from(backward)
         timing = StepTiming(-1, step.begin, max(0.0, end - step.begin), tuple(step.acc),
                             tuple(step.counts), step.num_skipped, tuple(step.marks), self._rss,
                             step.in_flight.total_s(), *step.tally.result(), self._flops,
@@ -437,6 +440,8 @@ class StepTracker:
                             collective_end_s=(None if step.in_flight.last is None
                                               else max(0.0, step.in_flight.last - step.begin)),
                             collective_spans_s=step.in_flight.gapped(step.begin),
+                            gradient_at_s=(None if gradient is None
+                                           else max(0.0, gradient - step.begin)),
                             phase_at_s=at_s, phase_end_s=end_s, phase_last_at_s=last_at_s,
                             phase_last_end_s=last_end_s)
         if boundary == BACKWARD_RULE and not self._backward_committed:

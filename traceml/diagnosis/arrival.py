@@ -1,32 +1,33 @@
-"""Arrival skew at collectives: how late the last rank entered the first collective of
-each step's backward (offline analysis).
+"""Arrival skew at collectives: how late the last rank entered each step's collectives
+(offline analysis).
 
-Runs in the offline-analysis process.  A rank arrives at its step's first gradient
-collective when it launches the first collective of its backward (`gradient_launch_ms`
-after its step's begin: for DDP, its first bucket's all-reduce; not the broadcast of
-BatchNorm's statistics that DDP begins each forward with, nor a metric's all-reduce in
-forward, where ranks meet before the work of the step that differs).  The others wait
-there for the last one, so the spread between the first and the last arrival at one
-step is the direct evidence for a straggler, across nodes too: every rank's times are
-put on the collector's node's clock with its node's measured offset
+Runs in the offline-analysis process.  A rank arrives at a collective when it launches
+it; the others wait there for the last one, so the spread between the first and the last
+arrival at one step is the direct evidence for a straggler, across nodes too.  A step has
+two meeting points: its first collective (`collective_at_ms` after the step's begin) and
+backward's first (`gradient_at_ms`: the first launched at or after the last backward call
+began, for DDP its first gradient bucket).  They differ where the step meets before
+backward: DDP's broadcast of BatchNorm's statistics as forward begins (the ranks meet
+there before the work that differs: the lateness shows at backward's), or a metric's
+all-reduce after forward (the lateness of forward shows there, and backward's is then
+even).  Each step's spread is the larger of the two, with the rank last there.  Every
+rank's times are put on the collector's node's clock with its node's measured offset
 (`traceml.clocks`), and the result carries the offsets' uncertainty.  Not measured
 (None) with fewer than two ranks, without a collective timed on every rank, or when a
-node of the window has no measured clock: then a spread could be the clocks.  A step
-whose collectives were in flight from before its backward without the spans that say
-where backward's first began (`traceml.records.in_flight_spans`) is left out.
+node of the window has no measured clock: then a spread could be the clocks.
 """
 
 from __future__ import annotations
 
 import statistics
+import typing
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from traceml import phases
 from traceml.clocks import NodeClock, offset_at
 from traceml.diagnosis.window import StepWindow
-from traceml.records import StepRow, column, in_flight_spans, ms_column
+from traceml.records import column, ms_column
 
 LAST_CITED_PCT = 50.0
 """A straggler finding cites the arrivals when its rank came last at this % of the steps
@@ -36,27 +37,15 @@ MIN_STEPS = 5
 """Arrivals over fewer steps (where every rank timed a collective) are not measured."""
 
 
-
-_BACKWARD_AT = phases.PHASES[phases.code("backward")].place_columns[0]
-
-
-def gradient_launch_ms(row: StepRow) -> float | None:
-    """When ``row``'s rank launched the first collective of its backward, ms after its
-    step's begin: the first collective's launch when it came in backward or after, or
-    backward was not placed (a store from before placements); else the first span of
-    collectives in flight that began in backward; None when no collective was timed, or
-    collectives were in flight from before backward and their spans were not kept."""
-    at: float | None = row.value("collective_at_ms")
-    backward = row.value(_BACKWARD_AT)
-    if at is None or backward is None or at >= backward - 0.001:
-        return at
-    return next((b for b, _ in in_flight_spans(row) if b >= backward - 0.001), None)
+ARRIVAL_COLUMNS = ("collective_at_ms", "gradient_at_ms")
+"""The step's meeting points: its first collective's launch, and backward's first."""
 
 
 @dataclass(frozen=True)
 class ArrivalSkew:
-    """The last rank's arrival at each step's first collective of backward after the
-    first rank's, over the window's steps where every rank timed one."""
+    """The last rank's arrival after the first rank's at each step's collectives (the
+    larger of its first collective's and backward's first), over the window's steps
+    where every rank timed one."""
 
     median_ms: float
     worst_ms: float
@@ -97,26 +86,29 @@ def arrival_skew(window: StepWindow, clocks: Mapping[int, NodeClock | None]) -> 
             return None
         offsets[node], uncertainties[node] = offset_at(clock, middle)
     uncertainty = sum(sorted(uncertainties.values())[-2:])
-    arrivals, ends = [], []
+    points: list[list[list[float | None]]] = [[] for _ in ARRIVAL_COLUMNS]
+    ends = []
     for rows in rows_of:
         offset = [offsets[n] for n in column(rows, "node_rank")]
         begins = column(rows, "t_begin")
-        arrivals.append([None if b is None or at is None else b + at / 1e3 - o
-                         for b, at, o in zip(begins, map(gradient_launch_ms, rows), offset)])
+        for arrivals, name in zip(points, ARRIVAL_COLUMNS):
+            arrivals.append([None if b is None or at is None else b + at / 1e3 - o
+                             for b, at, o in zip(begins, column(rows, name), offset)])
         ends.append([None if b is None else b + ms / 1e3 - o
                      for b, ms, o in zip(begins, ms_column(rows, "total"), offset)])
     slack = uncertainty / 1e3 + END_SLACK_S
     spreads, lasts = [], Counter[int]()
     worst: tuple[float, int, int | None] | None = None
-    for step, at_step, end_step in zip(window.steps, zip(*arrivals), zip(*ends)):
-        if None in at_step or None in end_step:
+    by_step = zip(window.steps, zip(*ends), *(zip(*arrivals) for arrivals in points))
+    for step, end_step, *at_points in by_step:
+        if None in end_step:
             continue
-        first, last = min(at_step), max(at_step)
-        if last > min(end_step) + slack:  # not one iteration's collective
+        met = [m for at_step in at_points
+               if (m := _spread(at_step, min(end_step) + slack, uncertainty)) is not None]
+        if not met:
             continue
-        runner_up = sorted(at_step)[-2]
-        spread = (last - first) * 1e3
-        rank = ranks[at_step.index(last)] if (last - runner_up) * 1e3 > uncertainty else None
+        spread, last_index = max(met, key=lambda m: m[0])
+        rank = None if last_index is None else ranks[last_index]
         spreads.append(spread)
         if rank is not None:
             lasts[rank] += 1
@@ -131,6 +123,23 @@ def arrival_skew(window: StepWindow, clocks: Mapping[int, NodeClock | None]) -> 
 
 
 END_SLACK_S = 0.001  # a step's end and the next arrival read on one clock within this
+
+
+def _spread(at_step: tuple[float | None, ...], latest_s: float, uncertainty_ms: float
+            ) -> tuple[float, int | None] | None:
+    """The ms from the first rank's arrival to the last's, and the last one's index when
+    it came after the next by more than ``uncertainty_ms``; None when a rank has no
+    arrival, or the last came after ``latest_s`` (a rank's step had ended: not one
+    iteration's collective)."""
+    if None in at_step:
+        return None
+    times = typing.cast(tuple[float, ...], at_step)
+    first, last = min(times), max(times)
+    if last > latest_s:
+        return None
+    runner_up = sorted(times)[-2]
+    return ((last - first) * 1e3,
+            times.index(last) if (last - runner_up) * 1e3 > uncertainty_ms else None)
 
 
 def cited(skew: ArrivalSkew | None, rank: int) -> bool:
@@ -149,5 +158,5 @@ def arrival_line(skew: ArrivalSkew) -> str:
     if skew.last_rank is None:
         return (f"no rank came last by more than the clocks' uncertainty over "
                 f"{skew.num_steps} steps; {spread}{clocks}.")
-    return (f"r{skew.last_rank} entered the first collective of backward last at "
+    return (f"r{skew.last_rank} entered the step's collectives last at "
             f"{skew.last_pct:.0f}% of {skew.num_steps} steps; {spread}{clocks}.")

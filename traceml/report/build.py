@@ -150,7 +150,7 @@ def step_time_section(run: RunData, window: StepWindow, node_of: Mapping[int, in
 
 
 def cite_arrival(findings: Iterable[Finding], arrival: ArrivalSkew | None) -> tuple[Finding, ...]:
-    """A straggler finding whose rank came last into backward's first collective at most steps
+    """A straggler finding whose rank came last into the step's collectives at most steps
     says so, with the arrivals in its evidence."""
     out = []
     for f in findings:

@@ -52,8 +52,7 @@ class Section:
     stats: Mapping[str, MetricStat | None]  # fixed keys per section; None = not measured
     ranks: tuple[RankRow, ...]  # per rank, ascending (System: per node)
     job: JobThroughput | None = None  # Throughput only: the job's sums and sources
-    # Step Time only: the arrivals at each step's first collective of backward (None: not
-    # measured)
+    # Step Time only: the arrivals at each step's collectives (None: not measured)
     arrival: ArrivalSkew | None = None
 
     def __post_init__(self) -> None:
