@@ -183,3 +183,31 @@ def test_a_step_without_backwards_arrival_on_a_rank_is_read_at_its_first_collect
     # 14 odd steps (3-29) read 3 ms at the first collective, 13 even ones 12 ms at backward's
     assert found.worst_ms == pytest.approx(12.0, abs=1e-3)
     assert found.median_ms == pytest.approx(3.0, abs=1e-3)
+
+
+def test_steps_renumbered_are_not_compared_at_a_collective_right_after_the_begin() -> None:
+    """As above, with a broadcast 0.3 ms into every step: r1's (shifted) arrival there
+    falls within the slack of r0's step end, but backward's does not, so the step is not
+    one iteration and is left out, not read as a 100 ms straggler."""
+    steps = met_rows(lambda r: 0.3, lambda r, s: 30.0 + 2.0 * r)
+    shifted = [r.replace(step=r.step - 1) if r.rank == 1 else r for r in steps
+               if not (r.rank == 1 and r.step == 0)]
+    assert arrival_skew(select_window(shifted, 10_000, 2), {}) is None
+
+
+def test_the_window_is_read_at_one_point_not_at_each_steps_larger_noise() -> None:
+    """Balanced ranks whose arrivals at both points differ by noise alone: reading each
+    step at the larger of the two would double the median; one point per window keeps
+    it at that point's own."""
+    first = [0.4, 0.1, 0.3, 0.2, 0.5, 0.1, 0.2, 0.4, 0.3, 0.1]
+    second = [0.1, 0.5, 0.2, 0.4, 0.1, 0.3, 0.5, 0.1, 0.2, 0.4]
+    found = arrival_skew(select_window(met_rows(
+        lambda r: 1.0, lambda r, s: 30.0 + (second[s % 10] if r else 0.0)), 10_000, 2), {})
+    assert found is not None and found.median_ms == pytest.approx(
+        sorted(second[s % 10] for s in range(3, STEPS))[13], abs=1e-3)
+    both = met_rows(lambda r: 1.0, lambda r, s: 30.0 + (second[s % 10] if r else 0.0))
+    both = [row.replace(collective_at_ms=1.0 + (first[row.step % 10] if row.rank else 0.0))
+            for row in both]
+    found = arrival_skew(select_window(both, 10_000, 2), {})
+    per_step_larger = sorted(max(first[s % 10], second[s % 10]) for s in range(3, STEPS))[13]
+    assert found is not None and found.median_ms < per_step_larger

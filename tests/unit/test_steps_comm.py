@@ -10,7 +10,7 @@ import pytest
 from tests.unit.test_steps import Script
 from traceml import phases
 from traceml.collector.rank_steps import step_row
-from traceml.collector.step_parts import InFlight
+from traceml.collector.step_parts import MAX_DEPTH, InFlight
 from traceml.records import in_flight_spans
 from traceml.step_fields import MAX_SPANS
 from traceml.wire.events import (
@@ -456,3 +456,23 @@ def test_no_backward_or_no_collective_after_it_arrives_nowhere() -> None:
     s.log(CLOSE)
     assert [(t.collective_at_s, t.gradient_at_s) for t in s.steps] == [
         (pytest.approx(1.0), None)] * 3
+
+
+def test_backwards_arrival_is_not_guessed_once_its_launch_is_no_longer_kept() -> None:
+    """More collectives in a step than the tracker keeps launches of (FSDP on a deep
+    model): when backward's first may be among those dropped, none is given."""
+    flight = InFlight()
+    flight.add(0.5, 0.6)  # in forward
+    for i in range(MAX_DEPTH + 44):  # backward's, from 1.0
+        flight.add(1.0 + i * 1e-3, 1.0005 + i * 1e-3)
+    assert flight.first_launch_from(0.9) is None
+    assert flight.first_launch_from(1.2) == pytest.approx(1.2)  # still kept: exact
+
+
+def test_backwards_arrival_reaches_its_column() -> None:
+    s = CommScript()
+    for _ in range(3):
+        s.ddp_iter()
+    s.log(CLOSE)
+    row = step_row(s.steps[1], 0.0, {"rank": 0, "restart": 0, "node_rank": 0})
+    assert row.value("gradient_at_ms") == pytest.approx(4000.0)

@@ -301,6 +301,7 @@ class InFlight:
         self._folded_s = 0.0  # blocks folded away (too many to keep)
         self._merged = False  # an earlier part's time in flight was added as a total
         self._launches: list[float] = []  # the latest `MAX_DEPTH` launches, as logged
+        self._dropped_launch = -_NEVER  # the latest of the launches dropped from them
         self._any = False
         self.first: float | None = None  # the earliest launch
         self.last: float | None = None  # the latest completion
@@ -321,7 +322,7 @@ class InFlight:
         launches = self._launches
         launches.append(launch)
         if len(launches) > MAX_DEPTH:
-            del launches[0]
+            self._dropped_launch = max(self._dropped_launch, launches.pop(0))
         blocks = self._blocks
         first = len(blocks)  # the first block it touches: the later ones end after it began
         while first and blocks[first - 1][1] >= launch:
@@ -351,7 +352,10 @@ class InFlight:
 
     def first_launch_from(self, t: float) -> float | None:
         """The earliest launch at or after ``t`` of the collectives added (not of an
-        earlier part's, added as a total); None when none was."""
+        earlier part's, added as a total); None when none was, or when one of the
+        launches no longer kept (more than `MAX_DEPTH` in the step) came at or after it."""
+        if self._dropped_launch >= t:
+            return None
         return min((launch for launch in self._launches if launch >= t), default=None)
 
     def gapped(self, begin: float) -> tuple[tuple[float, float], ...] | None:

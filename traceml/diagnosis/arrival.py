@@ -8,11 +8,14 @@ two meeting points: its first collective (`collective_at_ms` after the step's be
 backward's first (`gradient_at_ms`: the first launched at or after the last backward call
 began, for DDP its first gradient bucket).  They differ where the step meets before
 backward: DDP's broadcast of BatchNorm's statistics as forward begins (the ranks meet
-there before the work that differs: the lateness shows at backward's), or a metric's
-all-reduce after forward (the lateness of forward shows there, and backward's is then
-even).  Each step's spread is the larger of the two, with the rank last there.  Every
-rank's times are put on the collector's node's clock with its node's measured offset
-(`traceml.clocks`), and the result carries the offsets' uncertainty.  Not measured
+there before the work that differs: the lateness shows at backward's), or a metric
+all-reduced after forward as the step's first collective (a slow forward shows there,
+and backward's is then even).  The window is read at the point whose median spread is
+the larger (a choice per step would take the larger of two noises); a step that lacks
+it on some rank is read at the other.  A step where either point's last arrival comes
+after some rank's step ended is left out.  Every rank's times are put on the
+collector's node's clock with its node's measured offset (`traceml.clocks`), and the
+result carries the offsets' uncertainty.  Not measured
 (None) with fewer than two ranks, without a collective timed on every rank, or when a
 node of the window has no measured clock: then a spread could be the clocks.
 """
@@ -97,17 +100,29 @@ def arrival_skew(window: StepWindow, clocks: Mapping[int, NodeClock | None]) -> 
         ends.append([None if b is None else b + ms / 1e3 - o
                      for b, ms, o in zip(begins, ms_column(rows, "total"), offset)])
     slack = uncertainty / 1e3 + END_SLACK_S
-    spreads, lasts = [], Counter[int]()
-    worst: tuple[float, int, int | None] | None = None
+    met: list[tuple[int, list[tuple[float, int | None] | None]]] = []  # (step, per point)
     by_step = zip(window.steps, zip(*ends), *(zip(*arrivals) for arrivals in points))
     for step, end_step, *at_points in by_step:
         if None in end_step:
             continue
-        met = [m for at_step in at_points
-               if (m := _spread(at_step, min(end_step) + slack, uncertainty)) is not None]
-        if not met:
+        latest = min(end_step) + slack
+        if any(None not in at and max(typing.cast(tuple[float, ...], at)) > latest
+               for at in at_points):
+            continue  # a rank's step had ended: not one iteration (steps renumbered)
+        met.append((step, [_spread(at, uncertainty) for at in at_points]))
+
+    def median_at(i: int) -> float:
+        values = [read[0] for _, at_points in met if (read := at_points[i]) is not None]
+        return statistics.median(values) if values else -1.0
+
+    order = sorted(range(len(points)), key=lambda i: -median_at(i))  # the larger first
+    spreads, lasts = [], Counter[int]()
+    worst: tuple[float, int, int | None] | None = None
+    for step, at_points in met:
+        read = next((at_points[i] for i in order if at_points[i] is not None), None)
+        if read is None:
             continue
-        spread, last_index = max(met, key=lambda m: m[0])
+        spread, last_index = read
         rank = None if last_index is None else ranks[last_index]
         spreads.append(spread)
         if rank is not None:
@@ -125,18 +140,15 @@ def arrival_skew(window: StepWindow, clocks: Mapping[int, NodeClock | None]) -> 
 END_SLACK_S = 0.001  # a step's end and the next arrival read on one clock within this
 
 
-def _spread(at_step: tuple[float | None, ...], latest_s: float, uncertainty_ms: float
+def _spread(at_step: tuple[float | None, ...], uncertainty_ms: float
             ) -> tuple[float, int | None] | None:
     """The ms from the first rank's arrival to the last's, and the last one's index when
     it came after the next by more than ``uncertainty_ms``; None when a rank has no
-    arrival, or the last came after ``latest_s`` (a rank's step had ended: not one
-    iteration's collective)."""
+    arrival."""
     if None in at_step:
         return None
     times = typing.cast(tuple[float, ...], at_step)
     first, last = min(times), max(times)
-    if last > latest_s:
-        return None
     runner_up = sorted(times)[-2]
     return ((last - first) * 1e3,
             times.index(last) if (last - runner_up) * 1e3 > uncertainty_ms else None)
