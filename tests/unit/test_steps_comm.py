@@ -394,13 +394,19 @@ def test_microsecond_spans_are_drawn_from_the_stored_row() -> None:
         assert in_flight_spans(row) == ((4.0, 4.05), (5.0, 5.1))
 
 
+def _fetch_and_broadcasting_forward(s: CommScript) -> None:
+    """A fetch of 1, then a forward of 2 that begins with DDP's broadcast of BatchNorm's
+    statistics (0.5 in flight)."""
+    s.phase(INPUT, 1)
+    start = s.t
+    s.phase(FORWARD, 2)
+    s.span(start, start + 0.5)
+
+
 def test_backwards_arrival_is_its_first_bucket_not_a_broadcast_before_forward() -> None:
     s = CommScript()
     for _ in range(3):
-        s.phase(INPUT, 1)
-        start = s.t
-        s.phase(FORWARD, 2)
-        s.span(start, start + 0.5)  # DDP's broadcast of BatchNorm's statistics
+        _fetch_and_broadcasting_forward(s)
         _backward_with_spans(s, [(1, 2), (2.5, 3)])
         s.phase(OPTIMIZER, 1)
     s.log(CLOSE)
@@ -415,10 +421,7 @@ def test_accumulation_arrives_at_the_last_backwards_collective() -> None:
     s = CommScript()
     for _ in range(3):
         for last in (False, True):
-            s.phase(INPUT, 1)
-            start = s.t
-            s.phase(FORWARD, 2)
-            s.span(start, start + 0.5)
+            _fetch_and_broadcasting_forward(s)
             _backward_with_spans(s, [(1, 2), (2.5, 3)] if last else [])
         s.phase(OPTIMIZER, 1)
     s.log(CLOSE)
@@ -447,10 +450,7 @@ def test_a_closure_optimizer_arrives_at_its_last_backwards_collective() -> None:
 def test_no_backward_or_no_collective_after_it_arrives_nowhere() -> None:
     s = CommScript()
     for _ in range(3):
-        s.phase(INPUT, 1)
-        start = s.t
-        s.phase(FORWARD, 2)
-        s.span(start, start + 0.5)  # a collective in forward only
+        _fetch_and_broadcasting_forward(s)  # a collective in forward only
         s.phase(BACKWARD, 3)
         s.phase(OPTIMIZER, 1)
     s.log(CLOSE)

@@ -111,7 +111,7 @@ class RankSteps:
         self._records.append(step_row(t, self._wall_offset_s, self._identity))
 
 
-SPANS_FIELD = step_fields.field("collective_spans_ms")
+_SPANS_FIELD = step_fields.field("collective_spans_ms")
 _PLACE_FIELDS = ("phase_at_s", "phase_end_s", "phase_last_at_s", "phase_last_end_s")
 _TIMING_FIELDS = tuple(f for f in StepTiming._fields if f not in (
     "phase_s", "counts", "marks", "collective_spans_s", *_PLACE_FIELDS))
@@ -141,7 +141,7 @@ def step_row(t: StepTiming, wall_offset_s: float, identity: dict[str, int]) -> S
     values.update(zip(DEVICE_MARK_FIELDS, merge_device_marks(t.marks)))
     if t.collective_spans_s is not None:
         text = spans_text(t.collective_spans_s)
-        if step_fields.admits(SPANS_FIELD, text):  # else no spans, rather than no row
+        if step_fields.admits(_SPANS_FIELD, text):  # else no spans, rather than no row
             values["collective_spans_ms"] = text
     return StepRow.of(**values)
 

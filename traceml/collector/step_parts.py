@@ -299,7 +299,6 @@ class InFlight:
     def __init__(self) -> None:
         self._blocks: list[list[float]] = []  # disjoint [start, end], in time order
         self._folded_s = 0.0  # blocks folded away (too many to keep)
-        self._merged = False  # an earlier part's time in flight was added as a total
         self._launches: list[float] = []  # the latest `MAX_DEPTH` launches, as logged
         self._dropped_launch = -_NEVER  # the latest of the launches dropped from them
         self._any = False
@@ -342,7 +341,7 @@ class InFlight:
         """Add an earlier step's time in flight (a merged step)."""
         if total_s is not None:
             self._folded_s += total_s
-            self._merged = self._any = True
+            self._any = True
 
     def total_s(self) -> float | None:
         """Seconds in flight; None when no collective was timed."""
@@ -365,6 +364,6 @@ class InFlight:
         step merged from parts that had collectives in flight (their spans were added as
         a total)."""
         blocks = self._blocks
-        if self._merged or self._folded_s or not 1 < len(blocks) <= MAX_SPANS:
+        if self._folded_s or not 1 < len(blocks) <= MAX_SPANS:  # a part's, or too many
             return None
         return tuple((max(0.0, start - begin), max(0.0, end - begin)) for start, end in blocks)
