@@ -7,6 +7,7 @@ the recorded-scenario JSON and the summary."""
 from __future__ import annotations
 
 import json
+import random
 import sqlite3
 import subprocess
 import sys
@@ -147,3 +148,22 @@ def test_spans_too_long_to_store_leave_the_step_without_spans_not_refused() -> N
                                                  for i in range(step_fields.MAX_SPANS)))
     row = step_row(timing, 1000.0, {"rank": 0, "restart": 0, "node_rank": 0})
     assert row.value("collective_spans_ms") is None and row.collective_ms == 1000.0
+
+
+_ODD_VALUES: tuple[typing.Any, ...] = (
+    None, 0, 1, -1, 2, True, False, 0.0, 0.5, -0.5, 1e11, 1e11 + 1, step_fields.MAX_STEP_MS,
+    step_fields.MAX_STEP_MS * 1.01, 2**62, 2**62 + 1, 2**70, 10**400, float(2**62), "backward",
+    "forward", "x", "1-2", "a" * 400, [1], {}, [])
+
+
+@pytest.mark.parametrize("f", step_fields.STEP_FIELDS, ids=lambda f: f.name)
+def test_a_column_is_admitted_exactly_when_each_of_its_values_is(f: step_fields.StepField) -> None:
+    """The summary checks its window a column at a time (sums, counts, least and greatest
+    values): on every mix of wrong types, bounds and Nones it decides as the row check."""
+    rng = random.Random(f.name)
+    for _ in range(2000):
+        column = [rng.choice(_ODD_VALUES) for _ in range(rng.randint(0, 5))]
+        if rng.random() < 0.5:  # mostly the column's default, then the odd values
+            column = [f.default] * rng.randint(1, 3) + column
+        assert step_fields.admits_column(f, column) == all(
+            step_fields.admits(f, v) for v in column), column

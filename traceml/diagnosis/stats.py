@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import operator
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -92,16 +92,23 @@ _QUANTILES = (0.10, 0.25, 0.50, 0.75, 0.90)  # Distribution's p10 ... p90
 
 def metric_stat(values: Sequence[Located], worst: Worst = "max") -> MetricStat | None:
     """Median and worst of located values; None when there are none (not measured)."""
+    return located_stat([v.value for v in values], values.__getitem__, worst)
+
+
+def located_stat(values: Sequence[float], where: Callable[[int], Located],
+                 worst: Worst = "max") -> MetricStat | None:
+    """:func:`metric_stat` of ``values``, the ``i``-th located by ``where(i)``: only the
+    median's and the worst's (a wide job's summary has a value per rank and statistic).
+    The median's is the lower median's; ties in the worst go to the first given."""
     if not values:
         return None
-    ordered = sorted(values, key=lambda v: v.value)
-    middle = ordered[(len(ordered) - 1) // 2]
+    order = sorted(range(len(values)), key=values.__getitem__)
     pick = max if worst == "max" else min
-    bad = pick(values, key=lambda v: v.value)  # ties: the first given (lowest rank)
+    bad = where(pick(range(len(values)), key=values.__getitem__))
     return MetricStat(
-        median=statistics.median(v.value for v in ordered),
+        median=statistics.median(values),
         worst=bad.value,
-        median_rank=middle.rank,
+        median_rank=where(order[(len(order) - 1) // 2]).rank,
         worst_rank=bad.rank,
         worst_node=bad.node,
         worst_gpu=bad.gpu,

@@ -17,6 +17,7 @@ collective for another rank (`traceml.diagnosis.stragglers`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -81,8 +82,17 @@ class RankStepTimes:
         return self.dists[phase].mean
 
     def per_step(self, phase: str) -> dict[int, float]:
-        """Ms of one of PHASES at each typical step, by step index."""
-        return dict(zip(column(self.rows, "step"), ms_column(self.rows, phase)))
+        """Ms of one of PHASES at each typical step, by step index (made once per phase:
+        the straggler and communication rules ask each rank's again and again)."""
+        by_step = self._per_step.get(phase)
+        if by_step is None:
+            by_step = self._per_step[phase] = dict(zip(column(self.rows, "step"),
+                                                       ms_column(self.rows, phase)))
+        return by_step
+
+    @functools.cached_property  # a frozen instance's __dict__ takes it all the same
+    def _per_step(self) -> dict[str, dict[int, float]]:
+        return {}
 
     @property
     def communication_ms(self) -> float:

@@ -16,7 +16,7 @@ from traceml.diagnosis.ending import diagnose_ending
 from traceml.diagnosis.finding import Finding, severity_rank
 from traceml.diagnosis.operators import capture_results
 from traceml.diagnosis.process import diagnose_process, rank_process
-from traceml.diagnosis.stats import Located, MetricStat, Worst, metric_stat
+from traceml.diagnosis.stats import Located, MetricStat, Worst, located_stat, metric_stat
 from traceml.diagnosis.step_loop import boundary_rule, evaluation_by_rank, input_source
 from traceml.diagnosis.step_memory import diagnose_step_memory, rank_memory
 from traceml.diagnosis.step_time import (
@@ -292,8 +292,9 @@ def _rank_stat(rows: Sequence[_Row], value: Callable[[_Row], float | None],
                worst: Worst = "max") -> MetricStat | None:
     """Median and worst (highest, or lowest) of a per-rank value; None when no rank
     measured it."""
-    located = [Located(v, row.rank, row.node_rank) for row in rows if (v := value(row)) is not None]
-    return metric_stat(located, worst)
+    kept = [(v, row) for row in rows if (v := value(row)) is not None]
+    return located_stat([v for v, _ in kept],
+                        lambda i: Located(kept[i][0], kept[i][1].rank, kept[i][1].node_rank), worst)
 
 
 def _node_stat(

@@ -96,12 +96,17 @@ def build_summary(session_dir: Path, window_rows: int | None = None,
 def _paused_gc() -> Iterator[None]:
     """Python's cycle collector off while a summary is built: a wide job's summary
     makes a million step rows (none in a cycle), and every collection would walk
-    them all again (a third of its time at 8192 ranks)."""
+    them all again (a third of its time at 8192 ranks).  After it, what it made goes
+    straight to the oldest generation (frozen, then thawed there): the first young
+    collection would otherwise walk them all once more, only for them to be freed
+    by their counts (the summary's rows are not kept)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        gc.freeze()
+        gc.unfreeze()
         if enabled:
             gc.enable()
 

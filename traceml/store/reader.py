@@ -63,6 +63,8 @@ from traceml.wire.identity import MAX_WORLD_SIZE
 from traceml.wire.records import RunEnd, RunStart, record_from_json
 
 _T = TypeVar("_T")
+_Block = tuple[Any, Any, Any, "list[StepRow] | None"]
+"""A decoded step block: rank, restart, row count, its steps (None: bad rows)."""
 _Run = TypeVar("_Run", RunStart, RunEnd)
 
 
@@ -323,61 +325,70 @@ class StoreReader:
                   upper: float = math.inf, count: bool = True) -> tuple[StepRow, ...]:
         """The stored steps after ``low`` and up to ``upper`` of the blocks ``where``
         says (SQL on the blocks' columns), by rank, attempt and step; a row that will
-        not convert is skipped (and counted, with ``count``)."""
+        not convert is skipped (and counted, with ``count``).  SQL orders the blocks'
+        ids, not the blocks: sorting the rows themselves would copy every block read
+        into a temporary tree first (a third of the read of a wide job's window)."""
         layout = self._layout()
         with sqlite_errors():
             cursor = self._db.cursor()
             cursor.row_factory = None  # tuples: a dict per block costs more than the block
-            blocks = cursor.execute(
-                f"SELECT {layout.read} FROM {layout.source} WHERE {where} "
-                "ORDER BY rank, restart, first_step", params)
-            return self._block_steps(map(layout.block, blocks), low, upper, count)
+            order = [i for (i,) in cursor.execute(
+                f"SELECT row_id FROM {layout.source} WHERE {where} "
+                "ORDER BY rank, restart, first_step", params)]
+            decoded = {b[0]: self._decoded(layout.block(b[1:])) for b in cursor.execute(
+                f"SELECT row_id, {layout.read} FROM {layout.source} WHERE {where}", params)}
+        # a block stored between the two reads is not in the first: left for the next read
+        return self._block_steps((decoded[i] for i in order if i in decoded), low, upper, count)
 
-    def _block_steps(self, blocks: Iterable[tuple[Any, ...]], low: int = -1,
-                     upper: float = math.inf, count: bool = True) -> tuple[StepRow, ...]:
-        """The steps of these blocks (rank, restart, node rank, row count and the rows:
-        JSON, or already lists), those after ``low`` and up to ``upper``.  A block is
-        read whole or not at all: its rows arrays of the store's measured columns, its
-        steps integers, ascending and after those of its attempt's block before (a store
-        whose file was edited may hold anything).  The values are checked a column at a
-        time (`step_fields.admits_column`), row by row only where a column fails."""
+    def _decoded(self, block: tuple[Any, ...]) -> _Block:
+        """One block (rank, restart, node rank, row count and its rows: JSON, or already
+        a list) as its rank, restart, row count and steps (not checked yet); None for
+        steps when its rows are not arrays of the store's measured columns with integer
+        steps, ascending (a store whose file was edited may hold anything)."""
+        rank, restart, node_rank, num_rows, blob = block
         layout = self._layout()
-        out: list[list[Any]] = []
+        try:
+            rows = blob if type(blob) is list else orjson.loads(blob)
+            if type(rows) is not list or not rows or set(map(len, rows)) != {layout.width}:
+                raise ValueError("not a block of rows")
+            if layout.mapped is not None:
+                rows = list(map(layout.mapped, rows))
+            steps = [r[0] for r in rows]
+            if set(map(type, steps)) != {int} or not all(map(operator.lt, steps, steps[1:])):
+                raise ValueError("not a block of ascending steps")
+        except (orjson.JSONDecodeError, TypeError, ValueError, KeyError, IndexError):
+            return rank, restart, num_rows, None
+        return rank, restart, num_rows, [StepRow((rank, restart, node_rank, *r)) for r in rows]
+
+    def _block_steps(self, blocks: Iterable[_Block], low: int = -1, upper: float = math.inf,
+                     count: bool = True) -> tuple[StepRow, ...]:
+        """The steps of these decoded blocks (`_decoded`), those after ``low`` and up to
+        ``upper``.  A block is read whole or not at all: its rows decoded, its steps after
+        those of its attempt's block before.  The values are checked a column at a time
+        (`step_fields.admits_column`), row by row only where a column fails."""
+        out: list[StepRow] = []
         previous: tuple[Any, Any, Any] = (None, None, -1)  # rank, restart, its last step
-        for rank, restart, node_rank, num_rows, blob in blocks:
-            try:
-                rows = blob if type(blob) is list else orjson.loads(blob)
-                if (type(rows) is not list or not rows
-                        or set(map(len, rows)) != {layout.width}):
-                    raise ValueError("not a block of rows")
-                if layout.mapped is not None:
-                    rows = list(map(layout.mapped, rows))
-                steps = [r[0] for r in rows]
-                if (set(map(type, steps)) != {int}
-                        or not all(map(operator.lt, steps, steps[1:]))
-                        or ((rank, restart) == previous[:2] and steps[0] <= previous[2])):
-                    raise ValueError("not a block of ascending steps")
-            except (orjson.JSONDecodeError, TypeError, ValueError, KeyError, IndexError):
+        for rank, restart, num_rows, rows in blocks:
+            if rows is None or ((rank, restart) == previous[:2] and rows[0].step <= previous[2]):
                 if count:
                     self._skip("stored step row with bad values", _count(num_rows))
                 continue
-            previous = (rank, restart, steps[-1])
-            prefix = [rank, restart, node_rank]
-            if low < steps[0] and steps[-1] <= upper:
-                out += [prefix + r for r in rows]
+            previous = (rank, restart, rows[-1].step)
+            if low < rows[0].step and rows[-1].step <= upper:
+                out += rows
             else:
-                out += [prefix + r for r, step in zip(rows, steps) if low < step <= upper]
+                out += [r for r in rows if low < r.step <= upper]
         return self._checked_steps(out, count)
 
-    def _checked_steps(self, rows: list[list[Any]], count: bool) -> tuple[StepRow, ...]:
-        """``rows`` (every step column's value, in table order) as step rows, a chunk's
-        columns checked at once; a chunk with a bad value is checked row by row and
-        its bad rows skipped (and counted, with ``count``)."""
+    def _checked_steps(self, rows: list[StepRow], count: bool) -> tuple[StepRow, ...]:
+        """``rows`` (every step column's value, in table order, not checked yet), a
+        chunk's columns checked at once; a chunk with a bad value is checked row by row
+        and its bad rows skipped (and counted, with ``count``)."""
         out: list[StepRow] = []
         for at in range(0, len(rows), _CHECKED_ROWS):
             chunk = rows[at:at + _CHECKED_ROWS]
             if all(map(step_fields.admits_column, step_fields.STEP_FIELDS, zip(*chunk))):
-                out += map(StepRow, chunk)
+                out += chunk
                 continue
             for row in chunk:
                 try:
@@ -507,7 +518,7 @@ class StoreReader:
                     break
                 newest.append(block)
                 num_rows += _count(block[4])
-        steps = self._block_steps(layout.block(b[1:]) for b in reversed(newest))
+        steps = self._block_steps(self._decoded(layout.block(b[1:])) for b in reversed(newest))
         return NewRows(steps[max(0, len(steps) - limit):],
                        int(newest[0][0]) if newest else row_id)
 
