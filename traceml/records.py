@@ -139,22 +139,14 @@ def ms_column(rows: Sequence[StepRow], name: str) -> list[float]:
     """``[row.ms(name) for row in rows]``, without a call per row (a wide job has
     millions)."""
     if name == "compute":
-        get = operator.itemgetter(*_COMPUTE_INDEX)
-        return [float(sum(get(r))) for r in rows] if len(_COMPUTE_INDEX) > 1 else [
-            float(get(r)) for r in rows]
+        parts = (map(operator.itemgetter(i), rows) for i in _COMPUTE_INDEX)
+        return list(map(float, map(sum, zip(*parts))))
     return list(map(operator.itemgetter(_MS_INDEX[name]), rows))
 
 
 def ms_columns(rows: Sequence[StepRow], names: Iterable[str]) -> dict[str, Sequence[float]]:
-    """``{name: ms_column(rows, name)}`` for several names, the rows transposed once."""
-    columns: list[Sequence[Any]] = list(zip(*rows)) if rows else [()] * len(_INDEX)
-    out: dict[str, Sequence[float]] = {}
-    for name in names:
-        if name == "compute":
-            out[name] = [float(sum(v)) for v in zip(*(columns[i] for i in _COMPUTE_INDEX))]
-        else:
-            out[name] = columns[_MS_INDEX[name]]
-    return out
+    """``{name: ms_column(rows, name)}`` for several names."""
+    return {name: ms_column(rows, name) for name in names}
 
 
 def column(rows: Iterable[StepRow], name: str) -> list[Any]:

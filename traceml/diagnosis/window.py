@@ -91,12 +91,14 @@ class StepWindow:
 
     @functools.cached_property  # a frozen instance's __dict__ takes it all the same
     def _time_span(self) -> tuple[float, float] | None:
-        rows = [row for rank_rows in self.by_rank.values() for row in rank_rows]
+        rows = list(itertools.chain.from_iterable(self.by_rank.values()))
         begins = column(rows, "t_begin")
         if not rows or None in begins:
             return None
         known = typing.cast(list[float], begins)
-        return min(known), max(b + ms / 1e3 for b, ms in zip(known, ms_column(rows, "total")))
+        ends = map(operator.add, known,
+                   map(operator.truediv, ms_column(rows, "total"), itertools.repeat(1e3)))
+        return min(known), max(ends)
 
     def time_span(self) -> tuple[float, float] | None:
         """Unix seconds from the first window step's start to the last one's end,
