@@ -63,8 +63,9 @@ from traceml.wire.identity import MAX_WORLD_SIZE
 from traceml.wire.records import RunEnd, RunStart, record_from_json
 
 _T = TypeVar("_T")
-_Block = tuple[Any, Any, Any, "list[StepRow] | None"]
-"""A decoded step block: rank, restart, row count, its steps (None: bad rows)."""
+_Block = tuple[Any, Any, Any, "tuple[int, int] | None", "list[StepRow]"]
+"""A decoded step block: rank, restart, row count, its first and last step (None: its
+rows are bad) and its steps read (`StoreReader._decoded`)."""
 _Run = TypeVar("_Run", RunStart, RunEnd)
 
 
@@ -335,16 +336,18 @@ class StoreReader:
             order = [i for (i,) in cursor.execute(
                 f"SELECT row_id FROM {layout.source} WHERE {where} "
                 "ORDER BY rank, restart, first_step", params)]
-            decoded = {b[0]: self._decoded(layout.block(b[1:])) for b in cursor.execute(
+            decoded = {b[0]: self._decoded(layout.block(b[1:]), low, upper) for b in cursor.execute(
                 f"SELECT row_id, {layout.read} FROM {layout.source} WHERE {where}", params)}
         # a block stored between the two reads is not in the first: left for the next read
-        return self._block_steps((decoded[i] for i in order if i in decoded), low, upper, count)
+        return self._block_steps((decoded[i] for i in order if i in decoded), count)
 
-    def _decoded(self, block: tuple[Any, ...]) -> _Block:
+    def _decoded(self, block: tuple[Any, ...], low: int = -1,
+                 upper: float = math.inf) -> _Block:
         """One block (rank, restart, node rank, row count and its rows: JSON, or already
-        a list) as its rank, restart, row count and steps (not checked yet); None for
-        steps when its rows are not arrays of the store's measured columns with integer
-        steps, ascending (a store whose file was edited may hold anything)."""
+        a list) as its rank, restart, row count, first and last step and its steps after
+        ``low`` and up to ``upper`` (not checked yet); None for those when its rows are
+        not arrays of the store's measured columns with integer steps, ascending (a store
+        whose file was edited may hold anything)."""
         rank, restart, node_rank, num_rows, blob = block
         layout = self._layout()
         try:
@@ -357,27 +360,27 @@ class StoreReader:
             if set(map(type, steps)) != {int} or not all(map(operator.lt, steps, steps[1:])):
                 raise ValueError("not a block of ascending steps")
         except (orjson.JSONDecodeError, TypeError, ValueError, KeyError, IndexError):
-            return rank, restart, num_rows, None
-        return rank, restart, num_rows, [StepRow((rank, restart, node_rank, *r)) for r in rows]
+            return rank, restart, num_rows, None, []
+        if not (low < steps[0] and steps[-1] <= upper):
+            rows = [r for r, step in zip(rows, steps) if low < step <= upper]
+        return (rank, restart, num_rows, (steps[0], steps[-1]),
+                [StepRow((rank, restart, node_rank, *r)) for r in rows])
 
-    def _block_steps(self, blocks: Iterable[_Block], low: int = -1, upper: float = math.inf,
-                     count: bool = True) -> tuple[StepRow, ...]:
-        """The steps of these decoded blocks (`_decoded`), those after ``low`` and up to
-        ``upper``.  A block is read whole or not at all: its rows decoded, its steps after
-        those of its attempt's block before.  The values are checked a column at a time
-        (`step_fields.admits_column`), row by row only where a column fails."""
+    def _block_steps(self, blocks: Iterable[_Block], count: bool = True) -> tuple[StepRow, ...]:
+        """The steps of these decoded blocks (`_decoded`).  A block is read whole or not
+        at all: its rows decoded, its steps after those of its attempt's block before.
+        The values are checked a column at a time (`step_fields.admits_column`), row by
+        row only where a column fails."""
         out: list[StepRow] = []
         previous: tuple[Any, Any, Any] = (None, None, -1)  # rank, restart, its last step
-        for rank, restart, num_rows, rows in blocks:
-            if rows is None or ((rank, restart) == previous[:2] and rows[0].step <= previous[2]):
+        for rank, restart, num_rows, first_last, rows in blocks:
+            if first_last is None or ((rank, restart) == previous[:2]
+                                      and first_last[0] <= previous[2]):
                 if count:
                     self._skip("stored step row with bad values", _count(num_rows))
                 continue
-            previous = (rank, restart, rows[-1].step)
-            if low < rows[0].step and rows[-1].step <= upper:
-                out += rows
-            else:
-                out += [r for r in rows if low < r.step <= upper]
+            previous = (rank, restart, first_last[1])
+            out += rows
         return self._checked_steps(out, count)
 
     def _checked_steps(self, rows: list[StepRow], count: bool) -> tuple[StepRow, ...]:
