@@ -159,9 +159,19 @@ def admits(f: StepField, value: object) -> bool:
 def admits_column(f: StepField, column: Sequence[Value]) -> bool:
     """``all(admits(f, v) for v in column)`` for a column parsed from JSON (so no NaN),
     checked as a column, a few passes in C, so a summary's window costs no loop per
-    value: a count of its Nones; of a number column, its sum (which fails on anything
-    but numbers, and is an integer only when every value is one or a bool), its least
-    value and, unless the sum already bounds every value, its greatest."""
+    value: of a number column, its sum (which fails on a None, a text or a list, and
+    is an integer only when every value is one or a bool), its least value and,
+    unless the sum already bounds every value, its greatest; where the sum fails,
+    the same of the values that are not None."""
+    if f.kind is not str:
+        try:
+            total = sum(column)  # type: ignore[arg-type]
+        except TypeError:  # a None (or worse): the values that are not None, below
+            pass
+        except OverflowError:  # an integer past floats
+            return False
+        else:
+            return _admits_numbers(f, column, total)
     present: Sequence[Value] = column
     num_none = column.count(None)
     if num_none:
@@ -181,9 +191,16 @@ def admits_column(f: StepField, column: Sequence[Value]) -> bool:
         total = sum(present)  # type: ignore[arg-type]
     except (TypeError, OverflowError):  # a text, a list, an object; an integer past floats
         return False
+    return _admits_numbers(f, present, total)
+
+
+def _admits_numbers(f: StepField, values: Sequence[Value], total: float) -> bool:
+    """Whether numbers that sum to ``total`` are all ones ``f`` admits."""
+    if not values:
+        return True
     if f.kind is not float and type(total) is not int:  # a float in an integer column
         return False
-    if not f.low <= min(present) <= f.high:  # type: ignore[type-var,operator]
+    if not f.low <= min(values) <= f.high:  # type: ignore[type-var,operator]
         return False
     # values at or above 0 sum to at least the greatest (the margin: the sum's rounding)
-    return (f.low >= 0 and total <= f.high / 2) or max(present) <= f.high  # type: ignore[type-var,operator]
+    return (f.low >= 0 and total <= f.high / 2) or max(values) <= f.high  # type: ignore[type-var,operator]

@@ -197,6 +197,8 @@ def group_totals(rank: int, g: Mapping[str, Any]) -> RankTotals:
 
 def merged_totals(parts: Sequence[RankTotals]) -> RankTotals:
     """One rank's totals from those of its attempts."""
+    if len(parts) == 1:
+        return parts[0]
     return RankTotals(
         rank=parts[0].rank, num_rows=sum(p.num_rows for p in parts),
         last_step=max(p.last_step for p in parts),
