@@ -99,15 +99,17 @@ def _paused_gc() -> Iterator[None]:
     them all again (a third of its time at 8192 ranks).  After it, what it made goes
     straight to the oldest generation (frozen, then thawed there): the first young
     collection would otherwise walk them all once more, only for them to be freed
-    by their counts (the summary's rows are not kept)."""
+    by their counts (the summary's rows are not kept).  Not when the process froze
+    objects of its own: thawing would thaw those too."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
-        gc.unfreeze()
         if enabled:
+            if not gc.get_freeze_count():
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 

@@ -333,13 +333,17 @@ class StoreReader:
         with sqlite_errors():
             cursor = self._db.cursor()
             cursor.row_factory = None  # tuples: a dict per block costs more than the block
-            order = [i for (i,) in cursor.execute(
-                f"SELECT row_id FROM {layout.source} WHERE {where} "
-                "ORDER BY rank, restart, first_step", params)]
-            decoded = {b[0]: self._decoded(layout.block(b[1:]), low, upper) for b in cursor.execute(
-                f"SELECT row_id, {layout.read} FROM {layout.source} WHERE {where}", params)}
-        # a block stored between the two reads is not in the first: left for the next read
-        return self._block_steps((decoded[i] for i in order if i in decoded), count)
+            cursor.execute("BEGIN")  # both reads see the store as it was at the first
+            try:
+                order = [i for (i,) in cursor.execute(
+                    f"SELECT row_id FROM {layout.source} WHERE {where} "
+                    "ORDER BY rank, restart, first_step", params)]
+                decoded = {b[0]: self._decoded(layout.block(b[1:]), low, upper)
+                           for b in cursor.execute(f"SELECT row_id, {layout.read} FROM "
+                                                   f"{layout.source} WHERE {where}", params)}
+            finally:
+                self._db.rollback()  # a read-only transaction: nothing to keep
+        return self._block_steps(map(decoded.__getitem__, order), count)
 
     def _decoded(self, block: tuple[Any, ...], low: int = -1,
                  upper: float = math.inf) -> _Block:
