@@ -144,11 +144,6 @@ def ms_column(rows: Sequence[StepRow], name: str) -> list[float]:
     return list(map(operator.itemgetter(_MS_INDEX[name]), rows))
 
 
-def ms_columns(rows: Sequence[StepRow], names: Iterable[str]) -> dict[str, Sequence[float]]:
-    """``{name: ms_column(rows, name)}`` for several names."""
-    return {name: ms_column(rows, name) for name in names}
-
-
 def column(rows: Iterable[StepRow], name: str) -> list[Any]:
     """``[row.value(name) for row in rows]``, without a call per row."""
     return list(map(operator.itemgetter(_INDEX[name]), rows))

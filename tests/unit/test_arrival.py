@@ -143,7 +143,6 @@ def test_the_straggler_finding_cites_the_arrivals() -> None:
     assert straggler.evidence["arrival_skew_ms"] == pytest.approx(30.0, abs=1e-3)
 
 
-
 def met_rows(first_ms: Callable[[int], float], gradient_ms: Callable[[int, int], float | None]
              ) -> list[StepRow]:
     """Two ranks that launch their step's first collective ``first_ms(rank)`` into every

@@ -46,9 +46,9 @@ ARRIVAL_COLUMNS = ("collective_at_ms", "gradient_at_ms")
 
 @dataclass(frozen=True)
 class ArrivalSkew:
-    """The last rank's arrival after the first rank's at each step's collectives (the
-    larger of its first collective's and backward's first), over the window's steps
-    where every rank timed one."""
+    """The last rank's arrival after the first rank's at each step's collectives (at the
+    meeting point whose median spread over the window is the larger: the step's first
+    collective or backward's first), over the window's steps where every rank timed one."""
 
     median_ms: float
     worst_ms: float

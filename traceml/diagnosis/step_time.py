@@ -43,7 +43,7 @@ from traceml.diagnosis.finding import (
 from traceml.diagnosis.outliers import RankOutliers, find_outliers, outlier_steps
 from traceml.diagnosis.stats import Distribution, distribution
 from traceml.diagnosis.window import StepWindow
-from traceml.records import StepRow, column, gpu_column, ms_column, ms_columns
+from traceml.records import StepRow, column, gpu_column, ms_column
 
 PHASES = tuple(p.name for p in phases.step_metrics())
 """What each rank row holds a distribution of: total, every phase, compute, wait."""
@@ -137,7 +137,7 @@ def rank_step_times(window: StepWindow, node_of: Mapping[int, int]) -> dict[int,
         outliers = find_outliers(rank, every)
         slow = set(outliers.steps)
         rows = [r for r in every if r.step not in slow] if slow else list(every)
-        dists = {p: distribution(ms) for p, ms in ms_columns(rows, PHASES).items()}
+        dists = {p: distribution(ms_column(rows, p)) for p in PHASES}
         reported = {f.name: reported_distribution(rows, f) for f in step_fields.reported()}
         gpu = gpu_column(every)
         on_cuda = bool(gpu) or column(every, "peak_allocated_bytes").count(None) < len(every)
