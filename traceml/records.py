@@ -133,6 +133,7 @@ class StepRow(tuple[Any, ...]):
 
 
 _FLOPS_COUNTED, _T_BEGIN, _TOTAL = _INDEX["flops_counted"], _INDEX["t_begin"], _INDEX["total_ms"]
+_RANK = _INDEX["rank"]
 
 
 def ms_column(rows: Sequence[StepRow], name: str) -> list[float]:
@@ -410,26 +411,21 @@ class RunData:
 
 
 def totals_of(steps: Sequence[StepRow]) -> tuple[RankTotals, ...]:
-    """Per rank, what these step rows add up to (ascending by rank)."""
-    sums: dict[int, dict[str, float]] = {}
-    counts: dict[int, list[int]] = {}  # rows, last step, passes, CUDA rows
-    evals: dict[int, float] = {}
+    """Per rank, what these step rows add up to (ascending by rank), a column at a
+    time (a live view of thousands of ranks adds up hundreds of thousands of rows)."""
+    by_rank: dict[int, list[StepRow]] = {}
     for row in steps:
-        if row.rank not in sums:
-            sums[row.rank] = dict.fromkeys((p.name for p in TOTALED), 0.0)
-            counts[row.rank] = [0, row.step, 0, 0]
-            evals[row.rank] = 0.0
-        rank_sums, c = sums[row.rank], counts[row.rank]
-        for p in TOTALED:
-            rank_sums[p.name] += row.ms(p.name)
-        c[0] += 1
-        c[1] = max(c[1], row.step)
-        c[2] += row.num_eval
-        c[3] += row.peak_allocated_bytes is not None
-        if row.num_eval:
-            evals[row.rank] += row.eval_ms
-    return tuple(RankTotals(r, counts[r][0], counts[r][1], sums[r], evals[r], counts[r][2],
-                            counts[r][3] > 0) for r in sorted(sums))
+        by_rank.setdefault(row[_RANK], []).append(row)
+    out = []
+    for rank in sorted(by_rank):
+        rows = by_rank[rank]
+        num_eval = column(rows, "num_eval")
+        evals = sum((ms for ms, n in zip(column(rows, "eval_ms"), num_eval) if n), 0.0)
+        out.append(RankTotals(
+            rank, len(rows), max(column(rows, "step")),
+            {p.name: sum(map(float, ms_column(rows, p.name)), 0.0) for p in TOTALED},
+            evals, sum(num_eval), any(v is not None for v in column(rows, "peak_allocated_bytes"))))
+    return tuple(out)
 
 
 def rank_totals(run: RunData) -> dict[int, RankTotals]:

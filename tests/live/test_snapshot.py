@@ -117,6 +117,55 @@ def test_tail_reads_only_new_rows_and_keeps_a_bounded_history(tmp_path: Path) ->
     writer.close()
 
 
+def test_a_late_poll_keeps_the_newest_steps_of_a_rank_that_fell_behind(tmp_path: Path) -> None:
+    """A backlog is read per rank: a rank far behind the others (its newest steps stored
+    long before theirs) keeps its newest steps, as the others keep theirs."""
+    db = tmp_path / "telemetry.sqlite"
+    writer = StoreWriter(str(db))
+    writer.save_run(run_start("s", T0, summary_window_rows=50))
+    for rank in (0, 1):
+        writer.save_sender(SenderState(_sender(rank), T0, T0))
+    _steps(writer, 1, range(20))
+    writer.commit()
+    for at in range(0, 600, 10):  # rank 0 ran on, stored in many blocks
+        _steps(writer, 0, range(at, at + 10))
+        writer.commit()
+    run, _ = StoreTail(db, steps_kept=5).poll()
+    assert [(r.rank, r.step) for r in run.steps] == [
+        *((0, s) for s in range(595, 600)), *((1, s) for s in range(15, 20))]
+    writer.close()
+
+
+def test_a_poll_and_a_live_build_make_their_rows_without_collections(tmp_path: Path) -> None:
+    """The cycle collector waits while a poll reads and a live report is built (each
+    collection would walk every row made so far), and runs again after."""
+    import gc
+
+    db = tmp_path / "telemetry.sqlite"
+    writer = StoreWriter(str(db))
+    writer.save_run(run_start("s", T0, summary_window_rows=50))
+    for rank in range(8):
+        writer.save_sender(SenderState(_sender(rank), T0, T0))
+        _steps(writer, rank, range(300))
+    writer.commit()
+    writer.close()
+    collections: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        assert gc.isenabled()
+        run, window_rows = StoreTail(db).poll()
+        live_snapshot(run, window_rows, now=T0)
+        assert collections == [] and len(run.steps) == 2400
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(count)
+
+
 def test_at_thousands_of_ranks_the_live_window_and_the_tail_shrink() -> None:
     from tests.live.conftest import wide_run
     from traceml.live.tail import LIVE_ROWS_KEPT

@@ -18,6 +18,7 @@ from traceml.report.session import load_run
 from traceml.store import (
     SCHEMA_VERSION,
     JoinError,
+    NewRows,
     SenderState,
     StoreError,
     StoreReader,
@@ -178,6 +179,14 @@ def test_steps_are_stored_in_blocks_once_each(tmp_path: Path) -> None:
         newest = reader.steps_after(0, 3)
         assert [(r.rank, r.step) for r in newest.rows] == [(0, 3), (0, 4), (0, 5)]
         assert reader.steps_after(newest.last_row_id, 10).rows == ()
+        # each rank's newest 2 steps, in whole blocks, oldest block first
+        per_rank = reader.newest_steps_after(0, 2)
+        assert [(r.rank, r.step) for r in per_rank.rows] == [
+            (1, 0), (1, 1), (0, 4), (0, 5)]
+        assert per_rank.last_row_id == newest.last_row_id == 4
+        assert [(r.rank, r.step) for r in reader.newest_steps_after(1, 3).rows] == [
+            (1, 0), (1, 1), (0, 3), (0, 4), (0, 5)]
+        assert reader.newest_steps_after(4, 2) == NewRows((), 4)
 
 
 def test_a_step_or_sum_no_block_can_hold_refuses_that_ranks_run_only() -> None:
@@ -332,6 +341,7 @@ def test_a_store_written_before_step_blocks_reads_the_same(tmp_path: Path) -> No
         steps = was.run(was.records()).steps
         assert [r.step for r in steps] == [0, 2]
         assert steps[0].t_begin == 1733212345.123456789  # every digit, as SQLite holds it
+        assert [r.step for r in was.newest_steps_after(0, 2).rows] == [2]  # a block a step
     with pytest.raises(StoreError, match="older traceml"):
         StoreWriter(str(old / "telemetry.sqlite"))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,7 +27,7 @@ from traceml.records import (
 )
 from traceml.report.page.snapshot import live_window_steps
 from traceml.report.session import summary_window
-from traceml.store import RunRecords, StoreReader, run_data
+from traceml.store import RunRecords, StoreReader, paused_gc, run_data
 
 LIVE_STEPS_KEPT = 300
 """Steps per rank a live view keeps (its charts' x range)..."""
@@ -62,24 +63,29 @@ class StoreTail:
 
     def poll(self) -> tuple[RunData, int]:
         """The recent run (rows read so far, bounded) and the summary window it asked for."""
+        with paused_gc():  # the first poll of a wide job makes a row object per step read
+            return self._poll()
+
+    def _poll(self) -> tuple[RunData, int]:
         with StoreReader(self.db_path) as reader:
             records = reader.records()
             num_senders = max(1, len(records.senders))  # ranks and each node's sampler
             self._kept = self.kept_steps(len({s.sender.rank for s in records.senders
                                               if s.sender.rank is not None}))
-            # Newer rows than this cannot all be kept: a late first poll skips the backlog.
-            most = 2 * num_senders
-            steps = reader.steps_after(self._steps_after, most * self._kept)
-            process = reader.process_after(self._process_after, most * self.samples_kept)
-            system = reader.system_after(self._system_after, most * self.samples_kept)
+            # Each rank's newest steps that can be kept: a late first poll, or one after
+            # a long build, skips the rest of the backlog.  Newer samples than this
+            # cannot all be kept either.
+            steps = reader.newest_steps_after(self._steps_after, self._kept)
+            most = 2 * num_senders * self.samples_kept
+            process = reader.process_after(self._process_after, most)
+            system = reader.system_after(self._system_after, most)
             self._incidents = reader.incidents()  # few: stalls and crashes, read whole
             self._flop_counts = reader.flop_counts()  # a few rows per rank
             self._captures = reader.captures()  # a few per run
         self._steps_after = steps.last_row_id
         self._process_after = process.last_row_id
         self._system_after = system.last_row_id
-        for row in steps.rows:
-            self._add_step(row)
+        self._add_steps(steps.rows)
         for sample in process.rows:
             self._add_sample(self._process, sample, sample.rank)
         for system_sample in system.rows:
@@ -91,18 +97,23 @@ class StoreTail:
         floor = 2 * live_window_steps(num_ranks)
         return min(self.steps_kept, max(floor, LIVE_ROWS_KEPT // max(1, num_ranks)))
 
-    def _add_step(self, row: StepRow) -> None:
-        rank, restart = row.rank, row.restart
-        if restart < self._restart.get(rank, restart):
-            return  # a late row of an earlier attempt
-        if restart > self._restart.get(rank, restart):
-            self._steps.pop(rank, None)  # a restarted rank counts its steps from 0 again
-        self._restart[rank] = restart
-        rows = self._steps.setdefault(rank, {})
-        rows[row.step] = row
-        if len(rows) > self._kept:
-            for step in sorted(rows)[: len(rows) - self._kept]:
-                del rows[step]
+    def _add_steps(self, new: Sequence[StepRow]) -> None:
+        """Keep the newest steps of each rank's latest attempt, ``self._kept`` of them."""
+        touched = set()
+        for row in new:
+            rank, restart = row.rank, row.restart
+            if restart < self._restart.get(rank, restart):
+                continue  # a late row of an earlier attempt
+            if restart > self._restart.get(rank, restart):
+                self._steps.pop(rank, None)  # a restarted rank counts its steps from 0 again
+            self._restart[rank] = restart
+            self._steps.setdefault(rank, {})[row.step] = row
+            touched.add(rank)
+        for rank in touched:
+            rows = self._steps[rank]
+            if len(rows) > self._kept:
+                for step in sorted(rows)[: len(rows) - self._kept]:
+                    del rows[step]
 
     def _add_sample(self, kept: dict[int, deque[_Sample]], sample: _Sample, key: int) -> None:
         kept.setdefault(key, deque(maxlen=self.samples_kept)).append(sample)

@@ -9,7 +9,6 @@ it after, so that it can print it even when the disk is full.
 
 from __future__ import annotations
 
-import gc
 import os
 import stat
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from traceml.report.json_codec import report_to_json
 from traceml.report.model import Report
 from traceml.report.summary_files import save_pair
 from traceml.report.text import render_text
-from traceml.store import STORE_FILENAME, StoreError, StoreReader
+from traceml.store import STORE_FILENAME, StoreError, StoreReader, paused_gc
 from traceml.wire.records import RunEnd, RunStart
 
 JSON_NAME = "final_summary.json"
@@ -85,32 +84,11 @@ def build_summary(session_dir: Path, window_rows: int | None = None,
                   end: RunEnd | None = None, full: bool = False) -> SummaryFiles:
     """The report from the store (see :func:`load_run` for ``end`` and ``full``), not
     written yet."""
-    with _paused_gc():
+    with paused_gc():
         run, window = load_run(session_dir, end, window_rows, full)
         report = build_report(run, window)
         return SummaryFiles(report, report_to_json(report), render_text(report),
                             session_dir / JSON_NAME, session_dir / TEXT_NAME, run)
-
-
-@contextmanager
-def _paused_gc() -> Iterator[None]:
-    """Python's cycle collector off while a summary is built: a wide job's summary
-    makes a million step rows (none in a cycle), and every collection would walk
-    them all again (a third of its time at 8192 ranks).  After it, what it made goes
-    straight to the oldest generation (frozen, then thawed there): the first young
-    collection would otherwise walk them all once more, only for them to be freed
-    by their counts (the summary's rows are not kept).  Not when the process froze
-    objects of its own: thawing would thaw those too."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            if not gc.get_freeze_count():
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 def save_summary(files: SummaryFiles) -> None:

@@ -32,7 +32,7 @@ from traceml.store.records import (
     RunRecords,
     SenderState,
 )
-from traceml.store.rows import run_data
+from traceml.store.rows import paused_gc, run_data
 from traceml.store.schema import (
     JOIN_ERROR_PREFIX,
     SCHEMA_VERSION,
@@ -54,6 +54,7 @@ __all__ = [
     "StoreError",
     "StoreReader",
     "StoreWriter",
+    "paused_gc",
     "relayed_rows",
     "run_data",
     "step_block",

@@ -529,6 +529,31 @@ class StoreReader:
         return NewRows(steps[max(0, len(steps) - limit):],
                        int(newest[0][0]) if newest else row_id)
 
+    def newest_steps_after(self, row_id: int, per_rank: int) -> NewRows[StepRow]:
+        """Of the blocks stored after block ``row_id``, those that hold one of the
+        newest ``per_rank`` steps of their rank's attempt, oldest block first (whole:
+        a block may reach further back), and the last stored block's row id.  What a
+        live view keeps, read without the rest of a backlog (a wide job's first poll,
+        or one after a long build)."""
+        layout = self._layout()
+        with sqlite_errors():
+            cursor = self._db.cursor()
+            cursor.row_factory = None
+            cursor.execute("BEGIN")  # the blocks and the last row id of one moment
+            try:
+                (last,) = cursor.execute(f"SELECT MAX(row_id) FROM {layout.source} "
+                                         "WHERE row_id > ?", (row_id,)).fetchone()
+                blocks = cursor.execute(
+                    f"SELECT {layout.read} FROM {layout.source} WHERE row_id IN ("
+                    "SELECT row_id FROM (SELECT row_id, last_step, MAX(last_step) OVER "
+                    f"(PARTITION BY rank, restart) AS newest FROM {layout.source} "
+                    "WHERE row_id > ?) WHERE last_step > newest - ?) ORDER BY row_id",
+                    (row_id, per_rank)).fetchall()
+            finally:
+                self._db.rollback()
+        steps = self._block_steps(self._decoded(layout.block(b)) for b in blocks)
+        return NewRows(steps, row_id if last is None else int(last))
+
     def process_after(self, row_id: int, limit: int) -> NewRows[ProcessSample]:
         rows, last = self._after("process", row_id, limit)
         return NewRows(tuple(self._read(rows, process_sample, "process")), last)

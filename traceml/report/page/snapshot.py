@@ -41,6 +41,7 @@ from traceml.report.page.spread import (
     spread_to_json,
 )
 from traceml.report.text import THROUGHPUT_UNITS
+from traceml.store import paused_gc
 
 LIVE_WINDOW_STEPS = 100
 """Aligned steps per rank the live diagnosis and phase table look at..."""
@@ -104,13 +105,15 @@ class Snapshot:
 
 def live_snapshot(run: RunData, window_rows: int, now: float | None = None) -> Snapshot:
     """The snapshot of a running job from its recent rows."""
-    return build_snapshot(run, live_report(run, window_rows), ended=False, now=now)
+    with paused_gc():
+        return build_snapshot(run, live_report(run, window_rows), ended=False, now=now)
 
 
 def live_report(run: RunData, window_rows: int) -> Report:
     """The report of a running job over the live window of its recent rows."""
     num_ranks = len({row.rank for row in run.steps})
-    return build_report(run, min(window_rows, live_window_steps(num_ranks)))
+    with paused_gc():  # it makes as many objects as the rows (see `paused_gc`)
+        return build_report(run, min(window_rows, live_window_steps(num_ranks)))
 
 
 def build_snapshot(run: RunData, report: Report, *, ended: bool, now: float | None = None,
