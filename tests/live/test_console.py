@@ -49,3 +49,80 @@ def test_a_broken_view_stops_refreshing_and_says_so(tmp_path: Path,
     broken.stop()
     assert "the live view stopped: ZeroDivisionError('display bug'); the run went on" in (
         capsys.readouterr().err)
+
+
+class _Clock:
+    """A monotonic clock the test moves (each view build takes ``build_s`` of it)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_view_whose_build_takes_long_refreshes_less_often(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refresh waits its own build time over BUILD_SHARE (a snapshot of thousands of
+    ranks takes seconds, on node 0): the view takes that share of a core at most."""
+    from traceml.live import console
+
+    clock = _Clock()
+    monkeypatch.setattr(console, "time", clock)
+    waits: list[float] = []
+    builds = iter([0.05, 4.0, 4.0])
+
+    class Stop:
+        def wait(self, timeout: float) -> bool:
+            waits.append(timeout)
+            return len(waits) > 3
+
+    class Timed(console._Ticker):
+        def tick(self, ended: bool) -> None:
+            clock.now += next(builds)
+
+    view = Timed(console.REFRESH_S)
+    view._stop = Stop()  # type: ignore[assignment]
+    view._run()
+    assert waits == [1.0, 1.0, pytest.approx(4.0 / console.BUILD_SHARE),
+                     pytest.approx(4.0 / console.BUILD_SHARE)]
+    assert console.BUILD_SHARE <= 0.25
+
+
+def test_the_page_snapshot_is_rebuilt_at_most_its_build_share_of_the_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the collector process: a 2 s build is not asked again for 2 / BUILD_SHARE s,
+    however often the page polls; a quick one is, each MIN_REBUILD_S."""
+    from traceml.live import dashboard
+
+    make_store(tmp_path / "telemetry.sqlite")
+    clock = _Clock()
+    monkeypatch.setattr(dashboard, "time", clock)
+    built = dashboard.live_snapshot
+    build_s = [0.01]
+    num_builds = []
+
+    def timed(*args: object, **kwargs: object) -> object:
+        num_builds.append(1)
+        clock.now += build_s[0]
+        return built(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dashboard, "live_snapshot", timed)
+    board = dashboard.Dashboard(tmp_path / "telemetry.sqlite", "dash")
+    try:
+        first = board.snapshot()
+        clock.now += dashboard.MIN_REBUILD_S
+        board.snapshot()
+        assert len(num_builds) == 2
+        build_s[0] = 2.0
+        clock.now += dashboard.MIN_REBUILD_S
+        board.snapshot()
+        for _ in range(int(2.0 / dashboard.BUILD_SHARE) - 1):  # a page polling each second
+            clock.now += 1.0
+            assert board.snapshot()
+        assert len(num_builds) == 3
+        clock.now += 1.0
+        board.snapshot()
+        assert len(num_builds) == 4 and first
+    finally:
+        board.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TextIO
 
@@ -27,10 +28,15 @@ from traceml.store import StoreError
 
 REFRESH_S = 1.0
 PLAIN_INTERVAL_S = 10.0
+BUILD_SHARE = 0.2
+"""A refresh waits at least its own last build time over this share, so the view
+takes about this share of a core at most (a snapshot of 8192 ranks takes seconds,
+on node 0, beside its collector)."""
 
 
 class _Ticker:
-    """A daemon thread that calls ``tick`` every ``interval_s`` until stopped.
+    """A daemon thread that calls ``tick`` every ``interval_s`` (longer after a long
+    tick: see BUILD_SHARE) until stopped.
 
     A view that breaks stops refreshing and says why when it is stopped: it
     must never cost the run its training or its final summary.
@@ -39,12 +45,15 @@ class _Ticker:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self.error: BaseException | None = None
+        self.build_s = 0.0  # the last tick's
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-view", daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(max(self.interval_s, self.build_s / BUILD_SHARE)):
+            began = time.monotonic()
             self.safe_tick()
+            self.build_s = time.monotonic() - began
 
     def safe_tick(self, ended: bool = False) -> None:
         """``tick``, unless the view already broke; a failure is kept for ``stop``."""

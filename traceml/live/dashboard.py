@@ -7,10 +7,10 @@ token is made per run and is in the address traceml prints (as a notebook server
 is): another user of the machine, who can reach the port but not read the terminal,
 gets 403.  On a loopback address a request must also name a loopback host (Host:
 127.0.0.1, localhost or [::1]), so a web page that rebinds its own name to 127.0.0.1
-(DNS rebinding) gets 403 too. Work is done only
-when a browser asks, at most once per ``MIN_REBUILD_S`` whatever the number of
-browsers: the snapshot reads the store's new rows (a read-only connection,
-never the collector's writer) so training is not slowed. When the run is over
+(DNS rebinding) gets 403 too. Work is done only when a browser asks, at most
+once per ``MIN_REBUILD_S`` whatever the number of browsers, and at most about
+``BUILD_SHARE`` of a core at any size: the snapshot reads the store's new rows
+(a read-only connection, never the collector's writer) so training is not slowed. When the run is over
 the collector calls :meth:`Dashboard.finish`: the page gets the final report
 (the same one final_summary.json holds) and the server stops, waiting at most
 ``FINAL_LINGER_S`` for an open page to fetch it.
@@ -39,6 +39,9 @@ from traceml.report.page.snapshot import build_snapshot, live_snapshot, snapshot
 from traceml.store import StoreError
 
 MIN_REBUILD_S = 1.0
+BUILD_SHARE = 0.1
+"""...and a rebuild waits at least its own last build time over this share (the
+collector's message loop shares the core: a snapshot of 8192 ranks takes seconds)."""
 FINAL_LINGER_S = 3.0
 CLIENT_ACTIVE_S = 5.0
 """A browser that asked within this many seconds is waited for at the end."""
@@ -54,6 +57,7 @@ class Dashboard:
         self._lock = threading.Lock()
         self._doc = b""
         self._doc_at = float("-inf")
+        self.build_s = 0.0  # the last snapshot's build
         self._final: bytes | None = None
         self._final_served = threading.Event()
         self._last_request = float("-inf")
@@ -88,19 +92,22 @@ class Dashboard:
         return None
 
     def snapshot(self) -> bytes:
-        """The current document: rebuilt at most once per MIN_REBUILD_S; final once ended."""
+        """The current document: rebuilt at most once per MIN_REBUILD_S (and BUILD_SHARE);
+        final once ended."""
         self._last_request = time.monotonic()
         with self._lock:
             if self._final is not None:
                 self._final_served.set()
                 return self._final
-            if time.monotonic() - self._doc_at >= MIN_REBUILD_S:
+            began = time.monotonic()
+            if began - self._doc_at >= max(MIN_REBUILD_S, self.build_s / BUILD_SHARE):
                 try:
                     run, window_rows = self._tail.poll()
                 except StoreError:
                     return self._doc  # the store is busy for a moment: the last one again
                 doc = snapshot_to_json(live_snapshot(run, window_rows), live=True)
                 self._doc, self._doc_at = orjson.dumps(doc), time.monotonic()
+                self.build_s = self._doc_at - began
             return self._doc
 
     def finish(self) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from traceml.diagnosis.stats import Worst, quantile
-from traceml.records import Json, StepRow, ms_column
+from traceml.records import Json, StepRow, column, ms_column
 from traceml.report.page.series import SERIES_MEMORY, SERIES_PHASES
 
 WIDE_RANKS = 32
@@ -122,23 +122,26 @@ def build_grid(steps: Sequence[StepRow], max_rows: int = HEAT_MAX_ROWS,
                max_columns: int = MAX_BUCKETS) -> Grid:
     """The heatmap and the bands of every phase (and the charted memory) over ``steps``."""
     by_rank: dict[int, list[StepRow]] = {}
-    for row in steps:
-        by_rank.setdefault(row.rank, []).append(row)
+    for rank, row in zip(column(steps, "rank"), steps):
+        by_rank.setdefault(rank, []).append(row)
     if not by_rank:
         return Grid((), (), 1, {}, {})
-    first = min(row.step for row in steps)
-    size = max(1, math.ceil((max(row.step for row in steps) - first + 1) / max_columns))
-    num_columns = (max(row.step for row in steps) - first) // size + 1
+    step_indexes = column(steps, "step")
+    first, last = min(step_indexes), max(step_indexes)
+    size = max(1, math.ceil((last - first + 1) / max_columns))
+    num_columns = (last - first) // size + 1
     ranks = sorted(by_rank)
     per_row = max(1, math.ceil(len(ranks) / max_rows))
     row_ranks = tuple((ranks[i], ranks[min(i + per_row, len(ranks)) - 1])
                       for i in range(0, len(ranks), per_row))
     memory = memory_metric(steps)
     metrics = list(SERIES_PHASES) + ([memory] if memory is not None else [])
+    buckets = {rank: [(step - first) // size for step in column(rows, "step")]
+               for rank, rows in by_rank.items()}  # each row's column, once per rank
     heat, bands = {}, {}
     for name in metrics:
-        means = [_bucket_means(by_rank[rank], _values(by_rank[rank], name), first, size,
-                               num_columns) for rank in ranks]
+        means = [_bucket_means(buckets[rank], _values(by_rank[rank], name), num_columns)
+                 for rank in ranks]
         if name in SERIES_PHASES:  # memory has its band chart only
             heat[name] = _heat(means, per_row, num_columns)
         bands[name] = _bands(means, num_columns)
@@ -153,13 +156,13 @@ def _values(rows: Sequence[StepRow], name: str) -> Sequence[float | None]:
     return [getattr(row, name) for row in rows]
 
 
-def _bucket_means(rows: Sequence[StepRow], values: Sequence[float | None], first: int,
-                  size: int, num_columns: int) -> list[float | None]:
-    """One rank's mean per step bucket of its ``values`` (None: no measured step in it)."""
+def _bucket_means(buckets: Sequence[int], values: Sequence[float | None],
+                  num_columns: int) -> list[float | None]:
+    """One rank's mean per step bucket of its ``values`` (None: no measured step in
+    it), each value in its row's bucket (``buckets``)."""
     sums, counts = [0.0] * num_columns, [0] * num_columns
-    for row, v in zip(rows, values):
+    for i, v in zip(buckets, values):
         if v is not None:
-            i = (row.step - first) // size
             sums[i] += v
             counts[i] += 1
     return [s / n if n else None for s, n in zip(sums, counts)]
