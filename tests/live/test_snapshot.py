@@ -166,6 +166,23 @@ def test_a_poll_and_a_live_build_make_their_rows_without_collections(tmp_path: P
         gc.callbacks.remove(count)
 
 
+def test_step_time_alone_is_the_live_reports_step_time() -> None:
+    """The capture planner builds Step Time alone (every trigger is one of its
+    findings): the same section the live report holds, on a straggler, a
+    communication-bound and a wide run."""
+    from tests.live.conftest import wide_run
+    from traceml.report.page.snapshot import live_report, live_step_time
+
+    for run in (fixed_run(60), comm_run(), wide_run(512, 30, slow_rank=77)):
+        alone = live_step_time(run, 10000)
+        whole = live_report(run, 10000).step_time
+        assert alone.findings and [f.kind for f in alone.findings] == [
+            f.kind for f in whole.findings]
+        assert alone == dataclasses.replace(whole, findings=alone.findings)
+        assert [(f.kind, f.ranks, f.severity, f.why) for f in alone.findings] == [
+            (f.kind, f.ranks, f.severity, f.why) for f in whole.findings]
+
+
 def test_at_thousands_of_ranks_the_live_window_and_the_tail_shrink() -> None:
     from tests.live.conftest import wide_run
     from traceml.live.tail import LIVE_ROWS_KEPT

@@ -1,7 +1,8 @@
 """Profiler captures planned on node 0: from a live finding held for a few live windows,
 or from ``traceml capture`` (collector process, off the message loop).
 
-A thread reads the store (`StoreTail`) and builds the live report, at most every
+A thread reads the store (`StoreTail`) and builds the live report's Step Time
+section (every trigger is one of its findings), at most every
 `EVAL_S` and never more than `BUILD_SHARE` of its time (node 0's collector shares its
 core with the message loop).  A finding that names a rank with
 confidence (a straggler of one phase, COMMUNICATION-BOUND, outlier steps; warn or crit)
@@ -30,8 +31,7 @@ from traceml.diagnosis.finding import Finding
 from traceml.live.metrics import FINDING_PHASES
 from traceml.live.tail import StoreTail
 from traceml.records import Capture, RunData
-from traceml.report.model import SECTION_NAMES
-from traceml.report.page.snapshot import live_report
+from traceml.report.page.snapshot import live_step_time
 from traceml.store import StoreError
 from traceml.wire.captures import MAX_CAPTURE_STEPS, CaptureAsk
 
@@ -126,9 +126,8 @@ class CaptureTrigger:
                 for rank, steps in manual:
                     self._plan(run, rank, steps, "manual", "manual", None)
                 if self.auto and now >= next_build and run.steps:
-                    report = live_report(run, window_rows)
-                    self._watch(run, [f for name in SECTION_NAMES
-                                      for f in report.section(name).findings])
+                    # every trigger is a Step Time finding: its section alone is built
+                    self._watch(run, live_step_time(run, window_rows).findings)
             except StoreError:
                 pass  # busy for a moment: the next build
             except Exception as exc:  # never the collector's end: said once

@@ -24,9 +24,9 @@ from traceml.diagnosis.stats import stands_out
 from traceml.diagnosis.throughput import RankThroughput
 from traceml.diagnosis.window import StepWindow, capture_spans, select_window
 from traceml.records import Json, RunData, ms_column, rank_totals
-from traceml.report.build import build_report, rank_nodes
+from traceml.report.build import build_report, rank_nodes, step_time_alone
 from traceml.report.json_codec import report_to_json
-from traceml.report.model import SECTION_NAMES, Report
+from traceml.report.model import SECTION_NAMES, Report, Section
 from traceml.report.page.gauges import GaugeRow, gauges_to_json, node_gauges, process_gauges
 from traceml.report.page.lanes import StepLanes, build_lanes, lanes_to_json
 from traceml.report.page.series import MAX_POINTS, Series, build_series, series_to_json
@@ -114,6 +114,14 @@ def live_report(run: RunData, window_rows: int) -> Report:
     num_ranks = len({row.rank for row in run.steps})
     with paused_gc():  # it makes as many objects as the rows (see `paused_gc`)
         return build_report(run, min(window_rows, live_window_steps(num_ranks)))
+
+
+def live_step_time(run: RunData, window_rows: int) -> Section:
+    """Step Time of a running job over the live window (`live_report`'s, less the advice
+    fitted to the other sections)."""
+    num_ranks = len({row.rank for row in run.steps})
+    with paused_gc():
+        return step_time_alone(run, min(window_rows, live_window_steps(num_ranks)))
 
 
 def build_snapshot(run: RunData, report: Report, *, ended: bool, now: float | None = None,
