@@ -3,9 +3,12 @@
 Runs in the launcher (``--mode=cli``) and in the collector's dashboard thread
 (``--mode=dashboard``), about once a second. Each poll opens its own read-only
 connection (WAL lets it read while the collector writes), reads only rows added
-since the previous poll (by rowid; a stored step is never replaced) and keeps
-the last ``steps_kept`` steps per rank and the last ``samples_kept`` samples
-per rank and node, so memory and work stay bounded however long the run is.
+since the previous poll (by rowid; a stored step is never replaced), of those
+steps only each rank's newest that it can keep (a late first poll, or one after
+a long build, skips the rest of the backlog), and keeps the last ``steps_kept``
+steps per rank and the last ``samples_kept`` samples per rank and node, so
+memory and work stay bounded however long the run is.  A poll makes its rows
+with the cycle collector paused (`traceml.store.paused_gc`).
 """
 
 from __future__ import annotations

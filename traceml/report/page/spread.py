@@ -20,7 +20,9 @@ however many ranks and steps there are.
 from __future__ import annotations
 
 import base64
+import functools
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -99,6 +101,9 @@ def _round(value: float) -> float:
     return round(value, 3)
 
 
+_is_value = functools.partial(operator.is_not, None)  # not None, as a C-level test
+
+
 @dataclass(frozen=True)
 class Grid:
     """Ranks x steps, downsampled: rank buckets (rows) x step buckets (columns)."""
@@ -113,7 +118,7 @@ class Grid:
 def memory_metric(steps: Sequence[StepRow]) -> str | None:
     """The memory the page charts: device peak reserved, else allocated, else host RSS."""
     for name in SERIES_MEMORY:
-        if any(getattr(row, name) is not None for row in steps):
+        if any(map(_is_value, column(steps, name))):
             return name
     return None
 
@@ -153,13 +158,16 @@ def _values(rows: Sequence[StepRow], name: str) -> Sequence[float | None]:
     """The rows' values of a phase column (``*_ms``) or of a memory field."""
     if name in SERIES_PHASES:
         return ms_column(rows, name.removesuffix("_ms"))
-    return [getattr(row, name) for row in rows]
+    return column(rows, name)
 
 
 def _bucket_means(buckets: Sequence[int], values: Sequence[float | None],
                   num_columns: int) -> list[float | None]:
     """One rank's mean per step bucket of its ``values`` (None: no measured step in
     it), each value in its row's bucket (``buckets``)."""
+    if len(buckets) == num_columns and buckets == list(range(num_columns)):
+        # a step a bucket, every step there (the live window): the mean is the value
+        return [None if v is None else 0.0 + v for v in values]
     sums, counts = [0.0] * num_columns, [0] * num_columns
     for i, v in zip(buckets, values):
         if v is not None:
@@ -184,8 +192,8 @@ def _bands(means: Sequence[Sequence[float | None]],
            num_columns: int) -> tuple[tuple[float | None, ...], ...]:
     """Per step bucket: median, p90 and max across ranks."""
     median, p90, top = [], [], []
-    for col in range(num_columns):
-        ordered = sorted(v for m in means if (v := m[col]) is not None)
+    for values in (zip(*means) if means else [()] * num_columns):  # a bucket's, of each rank
+        ordered = sorted(filter(_is_value, values))
         median.append(quantile(ordered, 0.5) if ordered else None)
         p90.append(quantile(ordered, 0.9) if ordered else None)
         top.append(ordered[-1] if ordered else None)
