@@ -180,13 +180,17 @@ def test_steps_are_stored_in_blocks_once_each(tmp_path: Path) -> None:
         assert [(r.rank, r.step) for r in newest.rows] == [(0, 3), (0, 4), (0, 5)]
         assert reader.steps_after(newest.last_row_id, 10).rows == ()
         # each rank's newest 2 steps, in whole blocks, oldest block first
-        per_rank = reader.newest_steps_after(0, 2)
+        per_rank = reader.newest_steps_after(0, 2, 100)
         assert [(r.rank, r.step) for r in per_rank.rows] == [
             (1, 0), (1, 1), (0, 4), (0, 5)]
         assert per_rank.last_row_id == newest.last_row_id == 4
-        assert [(r.rank, r.step) for r in reader.newest_steps_after(1, 3).rows] == [
+        assert [(r.rank, r.step) for r in reader.newest_steps_after(1, 3, 100).rows] == [
             (1, 0), (1, 1), (0, 3), (0, 4), (0, 5)]
-        assert reader.newest_steps_after(4, 2) == NewRows((), 4)
+        assert reader.newest_steps_after(4, 2, 100) == NewRows((), 4)
+        # chosen among the newest 2 blocks only: rank 1's is older
+        bounded = reader.newest_steps_after(0, 3, 2)
+        assert [(r.rank, r.step) for r in bounded.rows] == [(0, 3), (0, 4), (0, 5)]
+        assert bounded.last_row_id == 4
 
 
 def test_a_step_or_sum_no_block_can_hold_refuses_that_ranks_run_only() -> None:
@@ -341,7 +345,7 @@ def test_a_store_written_before_step_blocks_reads_the_same(tmp_path: Path) -> No
         steps = was.run(was.records()).steps
         assert [r.step for r in steps] == [0, 2]
         assert steps[0].t_begin == 1733212345.123456789  # every digit, as SQLite holds it
-        assert [r.step for r in was.newest_steps_after(0, 2).rows] == [2]  # a block a step
+        assert [r.step for r in was.newest_steps_after(0, 2, 10).rows] == [2]  # a block a step
     with pytest.raises(StoreError, match="older traceml"):
         StoreWriter(str(old / "telemetry.sqlite"))
 

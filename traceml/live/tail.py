@@ -76,9 +76,13 @@ class StoreTail:
             self._kept = self.kept_steps(len({s.sender.rank for s in records.senders
                                               if s.sender.rank is not None}))
             # Each rank's newest steps that can be kept: a late first poll, or one after
-            # a long build, skips the rest of the backlog.  Newer samples than this
-            # cannot all be kept either.
-            steps = reader.newest_steps_after(self._steps_after, self._kept)
+            # a long build, skips the rest of the backlog.  Chosen among as many blocks
+            # as twice the steps every sender (node samplers and relays too) could keep,
+            # at one step a block: a rank whose newest steps are older than those (one
+            # that stopped long ago) is left out of a late first poll.  Newer samples
+            # than this cannot all be kept either.
+            steps = reader.newest_steps_after(self._steps_after, self._kept,
+                                              2 * num_senders * self._kept)
             most = 2 * num_senders * self.samples_kept
             process = reader.process_after(self._process_after, most)
             system = reader.system_after(self._system_after, most)

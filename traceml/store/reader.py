@@ -529,12 +529,15 @@ class StoreReader:
         return NewRows(steps[max(0, len(steps) - limit):],
                        int(newest[0][0]) if newest else row_id)
 
-    def newest_steps_after(self, row_id: int, per_rank: int) -> NewRows[StepRow]:
-        """Of the blocks stored after block ``row_id``, those that hold one of the
-        newest ``per_rank`` steps of their rank's attempt, oldest block first (whole:
-        a block may reach further back), and the last stored block's row id.  What a
-        live view keeps, read without the rest of a backlog (a wide job's first poll,
-        or one after a long build)."""
+    def newest_steps_after(self, row_id: int, per_rank: int,
+                           most_blocks: int) -> NewRows[StepRow]:
+        """Of the newest ``most_blocks`` blocks stored after block ``row_id``, those that
+        hold one of the newest ``per_rank`` steps of their rank's attempt there, oldest
+        block first (whole: a block may reach further back), and the last stored
+        block's row id.  What a live view keeps, read without the rest of a backlog (a
+        wide job's first poll, or one after a long build): only the blocks' headers
+        are read to choose them, and only as many as ``most_blocks`` (a poll late in a
+        long run)."""
         layout = self._layout()
         with sqlite_errors():
             cursor = self._db.cursor()
@@ -543,12 +546,16 @@ class StoreReader:
             try:
                 (last,) = cursor.execute(f"SELECT MAX(row_id) FROM {layout.source} "
                                          "WHERE row_id > ?", (row_id,)).fetchone()
+                older = cursor.execute(f"SELECT row_id FROM {layout.source} WHERE row_id > ? "
+                                       "ORDER BY row_id DESC LIMIT 1 OFFSET ?",
+                                       (row_id, most_blocks)).fetchone()
+                after = row_id if older is None else older[0]
                 blocks = cursor.execute(
                     f"SELECT {layout.read} FROM {layout.source} WHERE row_id IN ("
                     "SELECT row_id FROM (SELECT row_id, last_step, MAX(last_step) OVER "
                     f"(PARTITION BY rank, restart) AS newest FROM {layout.source} "
                     "WHERE row_id > ?) WHERE last_step > newest - ?) ORDER BY row_id",
-                    (row_id, per_rank)).fetchall()
+                    (after, per_rank)).fetchall()
             finally:
                 self._db.rollback()
         steps = self._block_steps(self._decoded(layout.block(b)) for b in blocks)
