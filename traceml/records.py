@@ -10,6 +10,7 @@ recorded test scenarios store one as JSON (`traceml.records_json`). "Not measure
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
@@ -420,12 +421,18 @@ def totals_of(steps: Sequence[StepRow]) -> tuple[RankTotals, ...]:
     for rank in sorted(by_rank):
         rows = by_rank[rank]
         num_eval = column(rows, "num_eval")
-        evals = sum((ms for ms, n in zip(column(rows, "eval_ms"), num_eval) if n), 0.0)
+        evals = _added((ms for ms, n in zip(column(rows, "eval_ms"), num_eval) if n))
         out.append(RankTotals(
             rank, len(rows), max(column(rows, "step")),
-            {p.name: sum(map(float, ms_column(rows, p.name)), 0.0) for p in TOTALED},
+            {p.name: _added(map(float, ms_column(rows, p.name))) for p in TOTALED},
             evals, sum(num_eval), any(v is not None for v in column(rows, "peak_allocated_bytes"))))
     return tuple(out)
+
+
+def _added(values: Iterable[float]) -> float:
+    """0.0 plus each value in turn, at C speed (``sum`` of floats compensates its
+    rounding from Python 3.12 on: the same rows would add up differently by version)."""
+    return functools.reduce(operator.add, values, 0.0)
 
 
 def rank_totals(run: RunData) -> dict[int, RankTotals]:

@@ -92,7 +92,9 @@ def test_a_view_whose_build_takes_long_refreshes_less_often(
 def test_the_page_snapshot_is_rebuilt_at_most_its_build_share_of_the_time(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In the collector process: a 2 s build is not asked again for 2 / BUILD_SHARE s,
-    however often the page polls; a quick one is, each MIN_REBUILD_S."""
+    however often the page polls; a quick one is, each MIN_REBUILD_S.  The first poll
+    of a page opened late (the backlog) does not count, and a build that fails waits
+    its turn too."""
     from traceml.live import dashboard
 
     make_store(tmp_path / "telemetry.sqlite")
@@ -101,28 +103,42 @@ def test_the_page_snapshot_is_rebuilt_at_most_its_build_share_of_the_time(
     built = dashboard.live_snapshot
     build_s = [0.01]
     num_builds = []
+    failing = []
 
     def timed(*args: object, **kwargs: object) -> object:
         num_builds.append(1)
         clock.now += build_s[0]
+        if failing:
+            raise RuntimeError("a bug in the page model")
         return built(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(dashboard, "live_snapshot", timed)
     board = dashboard.Dashboard(tmp_path / "telemetry.sqlite", "dash")
+    first_poll = board._tail.poll
+
+    def backlog() -> object:
+        clock.now += 60.0  # the first poll of a page opened an hour in
+        monkeypatch.setattr(board._tail, "poll", first_poll)
+        return first_poll()
+
+    monkeypatch.setattr(board._tail, "poll", backlog)
     try:
         first = board.snapshot()
         clock.now += dashboard.MIN_REBUILD_S
         board.snapshot()
-        assert len(num_builds) == 2
+        assert len(num_builds) == 2  # paced by the 0.01 s build, not the 60 s read
         build_s[0] = 2.0
         clock.now += dashboard.MIN_REBUILD_S
         board.snapshot()
         for _ in range(int(2.0 / dashboard.BUILD_SHARE) - 1):  # a page polling each second
             clock.now += 1.0
-            assert board.snapshot()
-        assert len(num_builds) == 3
+            last = board.snapshot()
+        assert len(num_builds) == 3 and first and last
         clock.now += 1.0
-        board.snapshot()
-        assert len(num_builds) == 4 and first
+        failing.append(True)
+        with pytest.raises(RuntimeError):
+            board.snapshot()
+        clock.now += 1.0
+        assert board.snapshot() == last and len(num_builds) == 4  # the last one, unbuilt
     finally:
         board.close()

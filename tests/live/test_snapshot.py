@@ -117,9 +117,11 @@ def test_tail_reads_only_new_rows_and_keeps_a_bounded_history(tmp_path: Path) ->
     writer.close()
 
 
-def test_a_late_poll_keeps_the_newest_steps_of_a_rank_that_fell_behind(tmp_path: Path) -> None:
+def test_a_late_poll_keeps_the_newest_steps_of_a_rank_behind_the_others(tmp_path: Path) -> None:
     """A backlog is read per rank: a rank behind the others (its newest steps stored
-    before many of theirs) keeps its newest steps, as the others keep theirs."""
+    before many of theirs) keeps its newest steps, as the others keep theirs.  (They
+    are chosen among the newest blocks, as many as twice the steps every sender could
+    keep: a rank that stopped long before a late first poll is not in it.)"""
     db = tmp_path / "telemetry.sqlite"
     writer = StoreWriter(str(db))
     writer.save_run(run_start("s", T0, summary_window_rows=50))

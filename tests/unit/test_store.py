@@ -191,6 +191,8 @@ def test_steps_are_stored_in_blocks_once_each(tmp_path: Path) -> None:
         bounded = reader.newest_steps_after(0, 3, 2)
         assert [(r.rank, r.step) for r in bounded.rows] == [(0, 3), (0, 4), (0, 5)]
         assert bounded.last_row_id == 4
+        with pytest.raises(ValueError, match="at least one block"):
+            reader.newest_steps_after(0, 3, 0)
 
 
 def test_a_step_or_sum_no_block_can_hold_refuses_that_ranks_run_only() -> None:
@@ -406,3 +408,44 @@ def test_report_on_a_store_with_garbage_pages_is_one_line(
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot read" in err[0] and "malformed" in err[0], err
+
+
+def test_a_pause_ages_what_was_made_only_on_the_main_thread() -> None:
+    """The summary (main thread) sends what it made to the oldest generation; a live
+    view's poll on another thread (in the collector) leaves every thread's young
+    objects young, so a young collection still frees the message loop's cycles."""
+    import gc
+    import threading
+    import weakref
+
+    from traceml.store import paused_gc
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self
+
+    def pause() -> None:
+        with paused_gc():
+            pass
+
+    def paused_on(thread: str) -> bool:
+        """Whether a cycle made before a pause on ``thread`` survives a young collection."""
+        gc.collect()
+        cycle = Node()
+        alive = weakref.ref(cycle)
+        if thread == "main":
+            pause()
+        else:
+            worker = threading.Thread(target=pause)
+            worker.start()
+            worker.join()
+        del cycle
+        gc.collect(1)
+        survived = alive() is not None
+        gc.collect()
+        assert alive() is None and gc.isenabled()
+        return survived
+
+    assert gc.isenabled()
+    assert paused_on("main")
+    assert not paused_on("another")

@@ -531,13 +531,16 @@ class StoreReader:
 
     def newest_steps_after(self, row_id: int, per_rank: int,
                            most_blocks: int) -> NewRows[StepRow]:
-        """Of the newest ``most_blocks`` blocks stored after block ``row_id``, those that
-        hold one of the newest ``per_rank`` steps of their rank's attempt there, oldest
-        block first (whole: a block may reach further back), and the last stored
-        block's row id.  What a live view keeps, read without the rest of a backlog (a
-        wide job's first poll, or one after a long build): only the blocks' headers
-        are read to choose them, and only as many as ``most_blocks`` (a poll late in a
-        long run)."""
+        """Of the newest ``most_blocks`` (at least 1) blocks stored after block
+        ``row_id``, those that hold one of the ``per_rank`` highest step indexes of
+        their rank's attempt there, oldest block first (whole: a block may reach further
+        back), and the last stored block's row id.  What a live view keeps, read
+        without the rest of a backlog (a wide job's first poll, or one after a long
+        build): only the blocks' headers are read to choose them (an edited header
+        that lies about its last step chooses wrongly, until newer blocks come), and
+        only as many as ``most_blocks`` (a poll late in a long run)."""
+        if most_blocks < 1:
+            raise ValueError("newest_steps_after reads at least one block")
         layout = self._layout()
         with sqlite_errors():
             cursor = self._db.cursor()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -220,19 +221,24 @@ def paused_gc() -> Iterator[None]:
     """Python's cycle collector off while many rows are made: a wide job's summary
     makes a million step rows, a live view's first poll hundreds of thousands (none
     in a cycle), and every collection would walk them all again (a third of a
-    summary's time at 8192 ranks, 40 % of that poll's).  After it, what was made
-    goes straight to the oldest generation (frozen, then thawed there): the first
-    young collection would otherwise walk it all once more, only for the rows to be
-    freed by their counts or kept for long.  Not when the process froze objects of
-    its own: thawing would thaw those too.  Another thread pausing at the same time
-    is harmless: the collector stays off until the first of them to pause ends."""
+    summary's time at 8192 ranks, 40 % of that poll's).  After it, on the main
+    thread, what was made goes straight to the oldest generation (frozen, then
+    thawed there): the first young collection would otherwise walk it all once
+    more, only for the rows to be freed by their counts or kept for long.  Not on
+    another thread (a live view's, in the collector): a freeze would age every
+    thread's new objects, the message loop's cyclic garbage with them, which would
+    then wait for a full collection.  Not when the process froze objects of its
+    own either: thawing would thaw those too.  Another thread pausing at the same
+    time is harmless: the collector stays off until the first of them to pause
+    ends."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
-            if not gc.get_freeze_count():
+            if (threading.current_thread() is threading.main_thread()
+                    and not gc.get_freeze_count()):
                 gc.freeze()
                 gc.unfreeze()
             gc.enable()
