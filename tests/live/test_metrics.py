@@ -292,3 +292,36 @@ def test_a_watched_run_without_steps_has_its_hosts_and_no_rank_series() -> None:
     assert all(labels["rank"] == "" for labels, _ in m.get("traceml_finding_info", []))
     assert [labels["node"] for labels, _ in m["traceml_node_cpu_ratio"]] == ["0"]
     assert {labels["mode"] for labels, _ in m["traceml_run_info"]} == {"watch"}
+
+
+def test_a_first_scrape_late_in_a_run_does_not_pace_the_next_by_its_backlog(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first read of a late first scrape takes the backlog; the next rebuild is
+    paced by what a build costs, not by that read."""
+    from traceml.live import metrics
+
+    class Clock:
+        now = 100.0
+
+        def monotonic(self) -> float:
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(metrics, "time", clock)
+    make_store(tmp_path / "telemetry.sqlite", num_steps=30)
+    source = LiveFamilies(tmp_path / "telemetry.sqlite")
+    first_poll = source._tail.poll
+    polls = []
+
+    def poll() -> object:
+        polls.append(1)
+        if len(polls) == 1:
+            clock.now += 60.0  # an hour of a wide job's backlog
+        return first_poll()
+
+    monkeypatch.setattr(source._tail, "poll", poll)
+    assert source.current() and len(polls) == 1
+    assert source.build_s is not None and source.build_s < 1.0
+    clock.now += metrics.MIN_REBUILD_S
+    source.current()
+    assert len(polls) == 2
