@@ -14,7 +14,7 @@ import pytest
 from tests.rows import run_start, sent_by, step_record
 from traceml.diagnosis import window
 from traceml.launcher.ending import phase_table
-from traceml.records import Incident, StepRow
+from traceml.records import Capture, Incident, RunData, StepRow
 from traceml.report.session import build_summary
 from traceml.store import STORE_FILENAME, SenderState, StoreWriter, reader
 from traceml.wire.identity import Sender
@@ -134,6 +134,45 @@ def test_the_bounded_summary_is_the_full_reads(tmp_path: Path, name: str) -> Non
     if shape.window * 3 < max(a.last for a in shape.attempts):
         assert len(bounded.run.steps) < stored / 2, "the bounded read loaded most of the run"
     assert len(bounded.run.process) <= len(full.run.process)
+
+
+def test_the_window_the_read_placed_is_the_reports(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bounded read places the window (to read the samples taken while it ran); the
+    report takes it, not placing it again (a pass over 400 000 rows at 8192 ranks),
+    unless a profiler capture's steps are to be left out of it."""
+    from traceml.report import build
+
+    folder = _write(tmp_path, SHAPES["8 ranks, 2 nodes"])
+    placed: list[window.StepWindow] = []
+    place = window.select_window
+
+    def counted(*args: object, **kwargs: object) -> window.StepWindow:
+        placed.append(place(*args, **kwargs))  # type: ignore[arg-type]
+        return placed[-1]
+
+    monkeypatch.setattr(window, "select_window", counted)
+    monkeypatch.setattr(build, "select_window", counted)
+    files = build_summary(folder)
+    assert len(placed) == 1 and placed[0].world_size == 0  # the read's, before the meta
+    assert files.summary["step_time"]["scope"]["num_steps"] == 50
+    assert files.summary["step_time"]["scope"]["missing_ranks"] == []
+    run = files.run
+    policy = window.PlacingWindow()
+    policy.time_span(run.steps, 50)
+    reused = policy.window_for(run, 50)
+    assert reused is not None and reused.world_size == 8
+    assert reused == place(run.steps, 50, 8) and reused.time_span() == placed[0].time_span()
+    assert policy.window_for(run, 60) is None  # another window
+    captured = dataclasses.replace(run, captures=(_capture(run),))
+    assert policy.window_for(captured, 50) is None  # the report leaves its steps out
+
+
+def _capture(run: RunData) -> Capture:
+    first = run.steps[-5]
+    assert first.t_begin is not None
+    return Capture("c1", first.rank, "suspect", "manual", "manual", None, T0,
+                          first.step, 2, began_at=first.t_begin, ended_at=first.t_begin + 0.1)
 
 
 def test_the_window_reads_each_rank_around_its_end_only(tmp_path: Path) -> None:

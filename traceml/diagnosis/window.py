@@ -14,6 +14,7 @@ else all its samples; so a rank with samples is never missing from them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -29,6 +30,7 @@ from traceml.records import (
     Capture,
     Incident,
     ProcessSample,
+    RunData,
     StepRow,
     SystemSample,
     column,
@@ -105,6 +107,14 @@ class StepWindow:
         when steps carry end times; None otherwise."""
         return self._time_span
 
+    def for_world(self, world_size: int) -> StepWindow:
+        """This window in a job of ``world_size`` ranks (its time span, once computed,
+        kept: a wide job's takes a pass over every window row)."""
+        out = dataclasses.replace(self, world_size=world_size)
+        if "_time_span" in self.__dict__:
+            out.__dict__["_time_span"] = self.__dict__["_time_span"]
+        return out
+
 
 WINDOW_MAX_ROWS = 400_000
 """The most rows a summary window holds over all ranks (8192 ranks: 50 steps each)."""
@@ -170,6 +180,31 @@ class AnalysisWindow:
 
 
 ANALYSIS_WINDOW = AnalysisWindow()
+
+
+class PlacingWindow(AnalysisWindow):
+    """:data:`ANALYSIS_WINDOW` for one read, keeping the window it placed there (to
+    find the samples taken while it ran), so that the report over the same rows takes
+    it instead of placing it again (`window_for`)."""
+
+    def __init__(self) -> None:
+        self._placed: tuple[Sequence[StepRow], int, StepWindow] | None = None
+
+    def time_span(self, steps: Sequence[StepRow], window_rows: int) -> tuple[float, float] | None:
+        window = select_window(steps, window_rows, 0)
+        self._placed = (steps, window_rows, window)
+        return window.time_span()
+
+    def window_for(self, run: RunData, window_rows: int) -> StepWindow | None:
+        """The window `select_window` would place over ``run`` (the read's rows) without
+        its profiler captures; None when the run is not the one read, or has captures
+        (their steps are left out there: the report places its own)."""
+        if self._placed is None or capture_spans(run.captures):
+            return None
+        steps, placed_rows, window = self._placed
+        if steps is not run.steps or placed_rows != window_rows:
+            return None
+        return window.for_world(run.meta.world_size)
 
 
 def select_window(steps: Iterable[StepRow], window_rows: int, world_size: int,

@@ -49,10 +49,13 @@ PRIMARY_ORDER = ("step_time", "step_memory", "system", "process", "throughput")
 """Section priority when two sections' diagnoses are equally severe."""
 
 
-def build_report(run: RunData, summary_window_rows: int) -> Report:
-    """The end-of-run report of ``run`` over its last ``summary_window_rows`` aligned steps."""
+def build_report(run: RunData, summary_window_rows: int,
+                 placed: StepWindow | None = None) -> Report:
+    """The end-of-run report of ``run`` over its last ``summary_window_rows`` aligned
+    steps; ``placed``: that window, as the read already placed it over ``run``
+    (`traceml.diagnosis.window.PlacingWindow`)."""
     node_of = rank_nodes(run)
-    window = _report_window(run, summary_window_rows)
+    window = placed if placed is not None else _report_window(run, summary_window_rows)
     sections = {
         "step_time": step_time_section(run, window, node_of),
         "step_memory": step_memory_section(run, window, node_of),

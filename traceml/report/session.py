@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from traceml.config import DEFAULT_WINDOW_ROWS
-from traceml.diagnosis.window import ANALYSIS_WINDOW
+from traceml.diagnosis.window import PlacingWindow, StepWindow
 from traceml.errors import UsageError
 from traceml.records import RunData
 from traceml.report.build import build_report
@@ -66,13 +66,24 @@ def load_run(session_dir: Path, end: RunEnd | None = None, window_rows: int | No
     that lacks it (its collector died or hung: then the telemetry stopped early).
     ``full``: every stored row (a summary of the same findings, at the cost of the
     whole run's rows in memory), not only the window's (`StoreReader.window_run`)."""
+    run, window, _ = _load(session_dir, end, window_rows, full)
+    return run, window
+
+
+def _load(session_dir: Path, end: RunEnd | None, window_rows: int | None,
+          full: bool) -> tuple[RunData, int, StepWindow | None]:
+    """`load_run`, and the window the bounded read placed over the run's steps (None
+    with ``full``, or when the report must place its own)."""
     with open_store(session_dir) as reader:
         records = reader.records()
         if end is not None and (records.end is None or not end.telemetry_complete):
             records = replace(records, end=end)
         window = window_rows or summary_window(records.start)
-        run = reader.run(records) if full else reader.window_run(records, window, ANALYSIS_WINDOW)
-    return run, window
+        if full:
+            return reader.run(records), window, None
+        policy = PlacingWindow()
+        run = reader.window_run(records, window, policy)
+    return run, window, policy.window_for(run, window)
 
 
 def summary_window(start: RunStart | None) -> int:
@@ -85,8 +96,8 @@ def build_summary(session_dir: Path, window_rows: int | None = None,
     """The report from the store (see :func:`load_run` for ``end`` and ``full``), not
     written yet."""
     with paused_gc():
-        run, window = load_run(session_dir, end, window_rows, full)
-        report = build_report(run, window)
+        run, window, placed = _load(session_dir, end, window_rows, full)
+        report = build_report(run, window, placed)
         return SummaryFiles(report, report_to_json(report), render_text(report),
                             session_dir / JSON_NAME, session_dir / TEXT_NAME, run)
 
