@@ -95,11 +95,12 @@ def test_the_page_snapshot_is_rebuilt_at_most_its_build_share_of_the_time(
     however often the page polls; a quick one is, each MIN_REBUILD_S.  The first poll
     of a page opened late (the backlog) does not count, and a build that fails waits
     its turn too."""
-    from traceml.live import dashboard
+    from traceml.live import dashboard, tail
 
     make_store(tmp_path / "telemetry.sqlite")
     clock = _Clock()
     monkeypatch.setattr(dashboard, "time", clock)
+    monkeypatch.setattr(tail, "time", clock)  # the tail times its own first read
     built = dashboard.live_snapshot
     build_s = [0.01]
     num_builds = []
@@ -114,14 +115,14 @@ def test_the_page_snapshot_is_rebuilt_at_most_its_build_share_of_the_time(
 
     monkeypatch.setattr(dashboard, "live_snapshot", timed)
     board = dashboard.Dashboard(tmp_path / "telemetry.sqlite", "dash")
-    first_poll = board._tail.poll
+    first_read = board._tail._poll
 
     def backlog() -> object:
         clock.now += 60.0  # the first poll of a page opened an hour in
-        monkeypatch.setattr(board._tail, "poll", first_poll)
-        return first_poll()
+        monkeypatch.setattr(board._tail, "_poll", first_read)
+        return first_read()
 
-    monkeypatch.setattr(board._tail, "poll", backlog)
+    monkeypatch.setattr(board._tail, "_poll", backlog)
     try:
         first = board.snapshot()
         clock.now += dashboard.MIN_REBUILD_S

@@ -298,7 +298,7 @@ def test_a_first_scrape_late_in_a_run_does_not_pace_the_next_by_its_backlog(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first read of a late first scrape takes the backlog; the next rebuild is
     paced by what a build costs, not by that read."""
-    from traceml.live import metrics
+    from traceml.live import metrics, tail
 
     class Clock:
         now = 100.0
@@ -308,18 +308,19 @@ def test_a_first_scrape_late_in_a_run_does_not_pace_the_next_by_its_backlog(
 
     clock = Clock()
     monkeypatch.setattr(metrics, "time", clock)
+    monkeypatch.setattr(tail, "time", clock)  # the tail times its own first read
     make_store(tmp_path / "telemetry.sqlite", num_steps=30)
     source = LiveFamilies(tmp_path / "telemetry.sqlite")
-    first_poll = source._tail.poll
+    first_read = source._tail._poll
     polls = []
 
     def poll() -> object:
         polls.append(1)
         if len(polls) == 1:
             clock.now += 60.0  # an hour of a wide job's backlog
-        return first_poll()
+        return first_read()
 
-    monkeypatch.setattr(source._tail, "poll", poll)
+    monkeypatch.setattr(source._tail, "_poll", poll)
     assert source.current() and len(polls) == 1
     assert source.build_s is not None and source.build_s < 1.0
     clock.now += metrics.MIN_REBUILD_S

@@ -57,8 +57,7 @@ class Dashboard:
         self._lock = threading.Lock()
         self._doc = b""
         self._doc_at = float("-inf")
-        self.build_s = 0.0  # the last snapshot's build
-        self._polled = False  # the store was read once
+        self.build_s = 0.0  # the last snapshot's build (a backlog's first read left out)
         self._final: bytes | None = None
         self._final_served = threading.Event()
         self._last_request = float("-inf")
@@ -106,16 +105,12 @@ class Dashboard:
                     run, window_rows = self._tail.poll()
                 except StoreError:
                     return self._doc  # the store is busy for a moment: the last one again
-                polled = time.monotonic()
                 try:
                     doc = snapshot_to_json(live_snapshot(run, window_rows), live=True)
                     self._doc = orjson.dumps(doc)
                 finally:  # a build that failed waits its turn too
                     self._doc_at = time.monotonic()
-                    # The first poll reads the backlog of a page opened late, once: the
-                    # builds after it are paced by their own cost, not by that read.
-                    self.build_s = self._doc_at - (began if self._polled else polled)
-                    self._polled = True
+                    self.build_s = self._doc_at - began - self._tail.backlog_s
             return self._doc
 
     def finish(self) -> None:

@@ -397,7 +397,6 @@ class LiveFamilies:
         self._failed = False  # a build failed (said once)
         self._built_at: float | None = None  # when the families were built
         self.build_s: float | None = None  # the last build's time
-        self._polled = False  # the store was read once
 
     def current(self) -> list[Family]:
         """The families now (the last ones until a rebuild is due), with their age."""
@@ -429,9 +428,7 @@ class LiveFamilies:
         began = time.monotonic()
         try:
             run, window_rows = self._tail.poll()
-            if not self._polled:  # the backlog of a first scrape late in a run, read once:
-                began = time.monotonic()  # the next builds are paced by their own cost
-                self._polled = True
+            began += self._tail.backlog_s  # a late first scrape's backlog paces nothing
             if run.steps or run.process or run.system:
                 self._families = families(live_values(run, window_rows), run)
                 self._built_at = time.monotonic()

@@ -14,6 +14,7 @@ with the cycle collector paused (`traceml.store.paused_gc`).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,11 +64,19 @@ class StoreTail:
         self._incidents: tuple[Incident, ...] = ()
         self._flop_counts: tuple[FlopCount, ...] = ()
         self._captures: tuple[Capture, ...] = ()
+        self._polled = False
+        self.backlog_s = 0.0  # the last poll's time when it was the first, else 0
 
     def poll(self) -> tuple[RunData, int]:
-        """The recent run (rows read so far, bounded) and the summary window it asked for."""
+        """The recent run (rows read so far, bounded) and the summary window it asked
+        for.  The first one's time is kept (`backlog_s`): it reads a backlog once (a
+        page opened late in a run), which is not what a view's next builds cost."""
+        began = time.monotonic()
         with paused_gc():  # the first poll of a wide job makes a row object per step read
-            return self._poll()
+            out = self._poll()
+        self.backlog_s = 0.0 if self._polled else time.monotonic() - began
+        self._polled = True
+        return out
 
     def _poll(self) -> tuple[RunData, int]:
         with StoreReader(self.db_path) as reader:

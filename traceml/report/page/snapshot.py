@@ -111,17 +111,20 @@ def live_snapshot(run: RunData, window_rows: int, now: float | None = None) -> S
 
 def live_report(run: RunData, window_rows: int) -> Report:
     """The report of a running job over the live window of its recent rows."""
-    num_ranks = len({row.rank for row in run.steps})
     with paused_gc():  # it makes as many objects as the rows (see `paused_gc`)
-        return build_report(run, min(window_rows, live_window_steps(num_ranks)))
+        return build_report(run, _live_rows(run, window_rows))
 
 
 def live_step_time(run: RunData, window_rows: int) -> Section:
     """Step Time of a running job over the live window (`live_report`'s, less the advice
     fitted to the other sections)."""
-    num_ranks = len({row.rank for row in run.steps})
     with paused_gc():
-        return step_time_alone(run, min(window_rows, live_window_steps(num_ranks)))
+        return step_time_alone(run, _live_rows(run, window_rows))
+
+
+def _live_rows(run: RunData, window_rows: int) -> int:
+    """The live window: the run's own, shortened for many ranks."""
+    return min(window_rows, live_window_steps(len({row.rank for row in run.steps})))
 
 
 def build_snapshot(run: RunData, report: Report, *, ended: bool, now: float | None = None,
