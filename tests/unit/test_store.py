@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import random
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -449,3 +452,36 @@ def test_a_pause_ages_what_was_made_only_on_the_main_thread() -> None:
     assert gc.isenabled()
     assert paused_on("main")
     assert not paused_on("another")
+
+
+_ODD_SAMPLE_VALUES: tuple[Any, ...] = (
+    None, 0, 1, -1, -2, 0.0, 2.5, -2.5, 2**62, 2**62 + 1, 10**30, float(2**62) * 2, math.inf,
+    -math.inf, 8191, 8192, "x", b"\x00")
+
+
+def test_process_samples_are_checked_by_column_as_row_by_row() -> None:
+    """A window's process samples are checked a column at a time (types, least and
+    greatest values): on every mix of odd values SQLite can hold, the samples read and
+    the rows skipped are those of the row-by-row conversion."""
+    from traceml.store.rows import process_sample, process_samples
+
+    names = ("row_id", "rank", "restart", "node_rank", "t", "cpu_pct", "rss_bytes",
+             "host_ram_total_bytes", "num_cpus", "device_allocated_bytes",
+             "device_reserved_bytes", "device_total_bytes")
+    good = (1, 3, 0, 0, 1.7e9, 50.0, 2**30, 2**34, 8, None, None, None)
+    rng = random.Random(7)
+    for _ in range(3000):
+        rows = []
+        for i in range(rng.randint(0, 4)):
+            row = list(good)
+            row[0] = i
+            for _ in range(rng.randint(0, 2)):
+                row[rng.randrange(1, len(names))] = rng.choice(_ODD_SAMPLE_VALUES)
+            rows.append(tuple(row))
+        one_by_one = []
+        for row in rows:
+            try:
+                one_by_one.append(process_sample(dict(zip(names, row))))
+            except (TypeError, ValueError):
+                pass
+        assert process_samples(names, rows) == (one_by_one, len(rows) - len(one_by_one)), rows

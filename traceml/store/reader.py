@@ -42,7 +42,7 @@ from traceml.store.rows import (
     group_totals,
     incident_from_row,
     merged_totals,
-    process_sample,
+    process_samples,
     run_data,
     sender_state,
     system_sample,
@@ -64,6 +64,13 @@ from traceml.wire.records import RunEnd, RunStart, record_from_json
 
 _T = TypeVar("_T")
 _Block = tuple[Any, Any, Any, "tuple[int, int] | None", "list[StepRow]"]
+_Table = tuple[tuple[str, ...], list[tuple[Any, ...]]]  # column names, rows
+
+
+def _dicts(table: _Table) -> list[dict[str, Any]]:
+    """A table's rows as dicts by column name."""
+    names, rows = table
+    return [dict(zip(names, r)) for r in rows]
 """A decoded step block: rank, restart, row count, its first and last step (None: its
 rows are bad) and its steps read (`StoreReader._decoded`)."""
 _Run = TypeVar("_Run", RunStart, RunEnd)
@@ -199,8 +206,7 @@ class StoreReader:
         """The whole run, every stored row, described by its ``records`` (see
         :meth:`records`)."""
         steps = self._steps_in("1", ())
-        process = tuple(self._read(self._rows(
-            "SELECT * FROM process ORDER BY t, rowid"), process_sample, "process"))
+        process = self._process(self._table("SELECT * FROM process ORDER BY t, rowid"))
         # A c10d launcher samples before it learns its node rank (-1): not a node yet.
         system = tuple(self._read(self._rows(
             f"SELECT * FROM system WHERE {_NODE_SAMPLE} ORDER BY t, rowid"), system_sample,
@@ -218,12 +224,11 @@ class StoreReader:
         steps = self._window_steps(spans, policy.steps_per_rank(window_rows, len(totals)), policy)
         span = policy.time_span(steps, window_rows)
         num_ranks = max(len(totals), len({s.sender.rank for s in records.senders}))
-        process = tuple(self._read(self._samples_near(
-            "process", "rank", "1", span, num_ranks), process_sample, "process"))
+        process = self._process(self._samples_near("process", "rank", "1", span, num_ranks))
         incidents = self.incidents()
         num_nodes = len({s.sender.node_rank for s in records.senders})
-        system = tuple(self._read(self._samples_near(
-            "system", "node_rank", _NODE_SAMPLE, span, num_nodes, policy.crash_spans(incidents)),
+        system = tuple(self._read(_dicts(self._samples_near(
+            "system", "node_rank", _NODE_SAMPLE, span, num_nodes, policy.crash_spans(incidents))),
             system_sample, "system"))
         return self._run_data(records, steps, process, system, totals, incidents)
 
@@ -246,9 +251,9 @@ class StoreReader:
         process: tuple[ProcessSample, ...] = ()
         system: tuple[SystemSample, ...] = ()
         if span is not None:
-            process = tuple(p for p in self._read(self._rows(
-                "SELECT * FROM process WHERE t >= ? AND t <= ? ORDER BY t, rowid", span),
-                process_sample, "process") if ranks is None or p.rank in ranks)
+            process = tuple(p for p in self._process(self._table(
+                "SELECT * FROM process WHERE t >= ? AND t <= ? ORDER BY t, rowid", span))
+                if ranks is None or p.rank in ranks)
             system = tuple(self._read(self._rows(
                 f"SELECT * FROM system WHERE {_NODE_SAMPLE} AND t >= ? AND t <= ? "
                 "ORDER BY t, rowid", span), system_sample, "system"))
@@ -423,7 +428,7 @@ class StoreReader:
 
     def _samples_near(self, table: str, source: str, where: str,
                       span: tuple[float, float] | None, num_sources: int,
-                      extra: Sequence[tuple[float, float]] = ()) -> list[dict[str, Any]]:
+                      extra: Sequence[tuple[float, float]] = ()) -> _Table:
         """The samples of ``table`` taken within ``span``; of a ``source`` with none in
         it (a window shorter than the sample interval), its samples nearest the span,
         and with no span (no step window: ``traceml watch``) its latest ones, at most
@@ -433,14 +438,14 @@ class StoreReader:
         cap = max(MIN_SAMPLES_PER_SOURCE, SAMPLES_PER_SOURCE // max(1, num_sources))
         columns = f"rowid AS row_id, *, {source} AS _source"
         if span is None:
-            rows = self._rows(
+            names, rows = self._table(
                 f"SELECT * FROM (SELECT {columns}, ROW_NUMBER() OVER (PARTITION BY {source} "
                 f"ORDER BY t DESC) AS nearness FROM {table} WHERE {where}) WHERE nearness <= ?",
                 (cap,))
         else:
             start, end = span
             inside = f"{where} AND t >= ? AND t <= ?"
-            rows = self._rows(
+            names, rows = self._table(
                 f"SELECT * FROM (SELECT {columns}, ROW_NUMBER() OVER (PARTITION BY {source} "
                 f"ORDER BY ABS(t - ?)) AS nearness FROM {table} WHERE {where} AND {source} "
                 f"NOT IN (SELECT {source} FROM {table} WHERE {inside})) WHERE nearness <= ? "
@@ -449,13 +454,13 @@ class StoreReader:
         spans = merged_spans(extra)
         for i in range(0, len(spans), SPANS_PER_QUERY):
             chunk = spans[i:i + SPANS_PER_QUERY]
-            rows += self._rows(
+            rows += self._table(
                 f"SELECT {columns}, 0 AS nearness FROM {table} WHERE {where} AND ("
                 + " OR ".join(["(t >= ? AND t <= ?)"] * len(chunk)) + ")",
-                [bound for low_high in chunk for bound in low_high])
-        rows.sort(key=lambda r: (r["t"] if isinstance(r["t"], (int, float)) else math.inf,
-                                 r["row_id"]))
-        return list({r["row_id"]: r for r in rows}.values())  # a sample in two spans once
+                [bound for low_high in chunk for bound in low_high])[1]
+        t_at = names.index("t")  # row_id is first
+        rows.sort(key=lambda r: (r[t_at] if isinstance(r[t_at], (int, float)) else math.inf, r[0]))
+        return names, list({r[0]: r for r in rows}.values())  # a sample in two spans once
 
     def incidents(self) -> tuple[Incident, ...]:
         """Every stall and crash, in the order they were reported (none in a store
@@ -565,8 +570,10 @@ class StoreReader:
         return NewRows(steps, row_id if last is None else int(last))
 
     def process_after(self, row_id: int, limit: int) -> NewRows[ProcessSample]:
-        rows, last = self._after("process", row_id, limit)
-        return NewRows(tuple(self._read(rows, process_sample, "process")), last)
+        names, rows = self._table(
+            "SELECT * FROM (SELECT rowid AS row_id, * FROM process WHERE rowid > ? "
+            "ORDER BY rowid DESC LIMIT ?) ORDER BY row_id", (row_id, limit))
+        return NewRows(self._process((names, rows)), int(rows[-1][0]) if rows else row_id)
 
     def system_after(self, row_id: int, limit: int) -> NewRows[SystemSample]:
         rows, last = self._after("system", row_id, limit)
@@ -594,6 +601,23 @@ class StoreReader:
     def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         with sqlite_errors():
             return [dict(r) for r in self._db.execute(sql, params)]
+
+    def _table(self, sql: str, params: Sequence[Any] = ()) -> _Table:
+        """The column names and the rows as tuples (a dict per row costs more than
+        its row on a wide job's samples)."""
+        with sqlite_errors():
+            cursor = self._db.cursor()
+            cursor.row_factory = None
+            rows: list[tuple[Any, ...]] = cursor.execute(sql, params).fetchall()
+            return tuple(d[0] for d in cursor.description or ()), rows
+
+    def _process(self, table: _Table) -> tuple[ProcessSample, ...]:
+        """Stored process rows as samples; a row that will not convert is skipped and
+        counted."""
+        samples, bad = process_samples(*table)
+        if bad:
+            self._skip("stored process row with bad values", bad)
+        return tuple(samples)
 
 
 # -- the bounded read's SQL and sums --------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import operator
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -110,6 +111,45 @@ def clock_exchange(r: Mapping[str, Any]) -> tuple[str, int, Exchange]:
     """A stored exchange: the launcher that made it and its four times (unix seconds)."""
     return (checked_text(r["host"]), checked_integer(r["pid"], 0),
             Exchange(*(checked_number(r[t], False, 0.0) for t in ("t1", "t2", "t3", "t4"))))
+
+
+def process_samples(names: Sequence[str], rows: Sequence[Sequence[Any]]
+                    ) -> tuple[list[ProcessSample], int]:
+    """Stored process rows (tuples of ``names``' columns) as samples, and how many
+    would not convert (skipped).  The values are checked a column at a time, a few
+    passes in C (a wide job's window reads tens of thousands of rows), and row by row
+    (:func:`process_sample`) only when a column fails.  SQLite keeps no NaN (it
+    stores NULL), so a column's least and greatest values bound all of them."""
+    at = {name: i for i, name in enumerate(names)}
+    columns = [list(map(operator.itemgetter(at[c]), rows))
+               for c in ("rank", "node_rank", "t", *_PROCESS_VALUES)]
+    if rows and _admits_process(columns):
+        return [ProcessSample(rank, node, t, cpu or 0.0, rss or 0, ram or 0, cpus or 1, *device)
+                for rank, node, t, cpu, rss, ram, cpus, *device in zip(*columns)], 0
+    out = []
+    for row in rows:
+        try:
+            out.append(process_sample(dict(zip(names, row))))
+        except (TypeError, ValueError):
+            pass
+    return out, len(rows) - len(out)
+
+
+def _admits_process(columns: Sequence[Sequence[Any]]) -> bool:
+    """Whether every value of these columns (`process_samples`' order) is one
+    `process_sample` takes."""
+    rank, node_rank, t, *values = columns
+    return (_all_within(rank, {int}, 0, MAX_WORLD_SIZE - 1)
+            and _all_within(node_rank, {int}, -1, LIMIT)
+            and _all_within(t, {int, float}, -LIMIT, LIMIT)
+            and all(_all_within([v for v in column if v is not None], {int, float}, -LIMIT, LIMIT)
+                    for column in values))
+
+
+def _all_within(column: Sequence[Any], kinds: set[type], low: float, high: float) -> bool:
+    """Whether every value is of one of ``kinds`` (no bool) and within ``low`` to ``high``."""
+    return not column or (set(map(type, column)) <= kinds
+                          and low <= min(column) and max(column) <= high)
 
 
 def process_sample(r: Mapping[str, Any]) -> ProcessSample:
