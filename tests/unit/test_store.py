@@ -28,7 +28,7 @@ from traceml.store import (
     StoreWriter,
     step_block,
 )
-from traceml.wire.identity import Sender
+from traceml.wire.identity import MAX_WORLD_SIZE, Sender
 from traceml.wire.records import RunEnd, RunStart
 from traceml.wire.rows import PROCESS_FIELDS, SYSTEM_FIELDS, ProcessRows, SystemRows
 
@@ -396,6 +396,23 @@ def test_bad_stored_records_leave_a_summary(tmp_path: Path) -> None:
         "stored process row with bad values": 1, "stored system row with bad values": 1}
 
 
+def test_a_process_table_an_edit_left_without_a_column_still_reads(tmp_path: Path) -> None:
+    """A store whose process table lost a column (an edited file) reads as before: a
+    device column is taken as not measured, and the summary and the live tail go on."""
+    from traceml.report.session import write_summary
+
+    _store(tmp_path / "telemetry.sqlite")
+    db = sqlite3.connect(tmp_path / "telemetry.sqlite")
+    db.execute("ALTER TABLE process DROP COLUMN device_total_bytes")
+    db.commit()
+    db.close()
+    files = write_summary(tmp_path)
+    assert [(p.rank, p.cpu_pct, p.device_total_bytes) for p in files.run.process] == [
+        (0, 50.0, None)]
+    with StoreReader(tmp_path / "telemetry.sqlite") as reader:
+        assert [p.rss_bytes for p in reader.process_after(0, 5).rows] == [1024]
+
+
 def test_report_on_a_store_with_garbage_pages_is_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import os
@@ -456,7 +473,7 @@ def test_a_pause_ages_what_was_made_only_on_the_main_thread() -> None:
 
 _ODD_SAMPLE_VALUES: tuple[Any, ...] = (
     None, 0, 1, -1, -2, 0.0, 2.5, -2.5, 2**62, 2**62 + 1, 10**30, float(2**62) * 2, math.inf,
-    -math.inf, 8191, 8192, "x", b"\x00")
+    -math.inf, MAX_WORLD_SIZE - 1, MAX_WORLD_SIZE, "x", b"\x00")
 
 
 def test_process_samples_are_checked_by_column_as_row_by_row() -> None:
@@ -485,3 +502,27 @@ def test_process_samples_are_checked_by_column_as_row_by_row() -> None:
             except (TypeError, ValueError):
                 pass
         assert process_samples(names, rows) == (one_by_one, len(rows) - len(one_by_one)), rows
+
+
+def test_good_process_samples_take_the_column_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows a collector writes are converted by the column check alone (the point of it:
+    no call per row), and a table an edit left without a column is read row by row: the
+    rows missing a value that has no default are skipped, none is lost otherwise."""
+    from traceml.store import rows
+
+    names = ("rank", "node_rank", "t", "cpu_pct", "rss_bytes", "host_ram_total_bytes",
+             "num_cpus", "device_allocated_bytes", "device_reserved_bytes", "device_total_bytes")
+    good = [(r, 0, 1.7e9 + r, 50.0, 2**30, 2**34, 8, None, None, 0) for r in range(3)]
+    expected = [rows.process_sample(dict(zip(names, r))) for r in good]
+
+    def per_row(r: object) -> None:
+        raise AssertionError("a row converted one at a time")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(rows, "process_sample", per_row)
+        assert rows.process_samples(names, good) == (expected, 0)
+    no_device_total = [r[:-1] for r in good]
+    assert rows.process_samples(names[:-1], no_device_total) == (
+        [dataclasses.replace(e, device_total_bytes=None) for e in expected], 0)
+    no_t = [r[:2] + r[3:] for r in good]
+    assert rows.process_samples(names[:2] + names[3:], no_t) == ([], 3)

@@ -121,16 +121,18 @@ def process_samples(names: Sequence[str], rows: Sequence[Sequence[Any]]
     (:func:`process_sample`) only when a column fails.  SQLite keeps no NaN (it
     stores NULL), so a column's least and greatest values bound all of them."""
     at = {name: i for i, name in enumerate(names)}
-    columns = [list(map(operator.itemgetter(at[c]), rows))
-               for c in ("rank", "node_rank", "t", *_PROCESS_VALUES)]
-    if rows and _admits_process(columns):
-        return [ProcessSample(rank, node, t, cpu or 0.0, rss or 0, ram or 0, cpus or 1, *device)
-                for rank, node, t, cpu, rss, ram, cpus, *device in zip(*columns)], 0
+    wanted = ("rank", "node_rank", "t", *_PROCESS_VALUES)
+    if rows and all(c in at for c in wanted):  # a table without one: an edited file
+        columns = [list(map(operator.itemgetter(at[c]), rows)) for c in wanted]
+        if _admits_process(columns):
+            return [ProcessSample(rank, node, t, cpu or 0.0, rss or 0, ram or 0, cpus or 1,
+                                  *device)
+                    for rank, node, t, cpu, rss, ram, cpus, *device in zip(*columns)], 0
     out = []
     for row in rows:
         try:
             out.append(process_sample(dict(zip(names, row))))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, KeyError):
             pass
     return out, len(rows) - len(out)
 
