@@ -64,6 +64,8 @@ from traceml.wire.records import RunEnd, RunStart, record_from_json
 
 _T = TypeVar("_T")
 _Block = tuple[Any, Any, Any, "tuple[int, int] | None", "list[StepRow]"]
+"""A decoded step block: rank, restart, row count, its first and last step (None: its
+rows are bad) and its steps read (`StoreReader._decoded`)."""
 _Table = tuple[tuple[str, ...], list[tuple[Any, ...]]]  # column names, rows
 
 
@@ -71,8 +73,8 @@ def _dicts(table: _Table) -> list[dict[str, Any]]:
     """A table's rows as dicts by column name."""
     names, rows = table
     return [dict(zip(names, r)) for r in rows]
-"""A decoded step block: rank, restart, row count, its first and last step (None: its
-rows are bad) and its steps read (`StoreReader._decoded`)."""
+
+
 _Run = TypeVar("_Run", RunStart, RunEnd)
 
 
@@ -570,20 +572,20 @@ class StoreReader:
         return NewRows(steps, row_id if last is None else int(last))
 
     def process_after(self, row_id: int, limit: int) -> NewRows[ProcessSample]:
-        names, rows = self._table(
-            "SELECT * FROM (SELECT rowid AS row_id, * FROM process WHERE rowid > ? "
-            "ORDER BY rowid DESC LIMIT ?) ORDER BY row_id", (row_id, limit))
-        return NewRows(self._process((names, rows)), int(rows[-1][0]) if rows else row_id)
+        table, last = self._after("process", row_id, limit)
+        return NewRows(self._process(table), last)
 
     def system_after(self, row_id: int, limit: int) -> NewRows[SystemSample]:
-        rows, last = self._after("system", row_id, limit)
-        return NewRows(tuple(self._read(rows, system_sample, "system")), last)
+        table, last = self._after("system", row_id, limit)
+        return NewRows(tuple(self._read(_dicts(table), system_sample, "system")), last)
 
-    def _after(self, table: str, row_id: int, limit: int) -> tuple[list[dict[str, Any]], int]:
-        rows = self._rows(
+    def _after(self, table: str, row_id: int, limit: int) -> tuple[_Table, int]:
+        """The newest ``limit`` rows of ``table`` after ``row_id`` (``row_id`` first),
+        oldest first, and the last one's row id."""
+        names, rows = self._table(
             f"SELECT * FROM (SELECT rowid AS row_id, * FROM {table} WHERE rowid > ? "
             "ORDER BY rowid DESC LIMIT ?) ORDER BY row_id", (row_id, limit))
-        return rows, (int(rows[-1]["row_id"]) if rows else row_id)
+        return (names, rows), (int(rows[-1][0]) if rows else row_id)
 
     def _meta_value(self, key: str) -> Any:
         """One meta value (None: absent or not JSON; not counted, `records` counts it)."""
