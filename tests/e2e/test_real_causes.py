@@ -90,6 +90,10 @@ def test_twice_the_rows_on_one_rank_is_that_ranks_forward_and_backward(tmp_path:
 def test_a_busy_process_on_one_ranks_core_names_that_rank(tmp_path: Any) -> None:
     summary = _run(tmp_path, "shared", 40).summary
     assert _named(summary) == [("COMPUTE_STRAGGLER", [1])], summary["step_time"]["findings"]
+    # Half a core is half the speed of everything r1 computes, step after step.
+    found = summary["step_time"]["diagnosis"]
+    assert found["why"].startswith("r1 forward and backward were "), found["why"]
+    assert found["evidence"]["slower_pct"] >= 90, found
 
 
 def test_a_large_batch_on_the_same_model_is_compute_bound(tmp_path: Any) -> None:

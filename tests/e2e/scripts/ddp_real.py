@@ -8,8 +8,10 @@
             feedback) before it launches ``all_reduce(..., async_op=True)``
   uneven    a 4 x (512 x 512) MLP, 256 rows per batch; ``--slow-rank`` gets
             twice the rows (an uneven shard): twice the forward and backward work
-  shared    the smaller MLP, even batches; each rank is pinned to its own core
-            and ``--slow-rank`` shares its core with a spinning process
+  shared    the smaller MLP, 256 rows per batch on every rank; each rank is pinned to
+            its own core and ``--slow-rank`` shares its core with a spinning process
+            (a step's compute spans several scheduler slices, so the share halves
+            that rank's speed at every step rather than at some)
   large     the heavy model with 1024 rows per batch: compute dominates the step
   conv      four 3 x 3 convolutions of 16 channels with BatchNorm on 96 x 96 images:
             DDP broadcasts the BatchNorm statistics as each forward begins, and
@@ -37,7 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 HEAVY_WIDTH = 2048
 SMALL_WIDTH = 512
-BATCH = {"heavy": 2, "hook": 2, "uneven": 256, "shared": 64, "large": 1024, "conv": 16}
+BATCH = {"heavy": 2, "hook": 2, "uneven": 256, "shared": 256, "large": 1024, "conv": 16}
 """Rows per batch of each case (``--slow-rank`` gets twice as many in ``uneven`` and
 ``conv``)."""
 
