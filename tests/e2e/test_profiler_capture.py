@@ -52,7 +52,9 @@ def test_a_compute_straggler_is_profiled_against_the_median_rank(tmp_path: Path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.summary is not None
     (c,) = [c for c in res.summary["captures"] if c["trigger"] == "COMPUTE_STRAGGLER"]
-    assert (c["suspect"], c["reference"], c["num_steps"], c["notes"]) == (1, 0, 2, [])
+    # 4 steps by default (--capture-steps): one step's stray milliseconds would set the
+    # operators 25 % off the phase below with 2 (README, "Profiler captures")
+    assert (c["suspect"], c["reference"], c["num_steps"], c["notes"]) == (1, 0, 4, [])
     # The compute operators (a slow fetch's iterator, part "input", may rank among them
     # under load: its time is real, but not what this straggler is about)
     compute = [o for o in c["operators"] if not o["communication"] and o["part"] != "input"]
@@ -69,7 +71,7 @@ def test_a_compute_straggler_is_profiled_against_the_median_rank(tmp_path: Path)
         names = {e.get("name") for e in trace_events(t["path"])}
         assert "aten::addmm" in names and t["bytes"] == os.path.getsize(t["path"])
     # The captured steps are out of the window; none is lost.
-    assert res.summary["step_time"]["scope"]["num_captured_steps"] >= 2
+    assert res.summary["step_time"]["scope"]["num_captured_steps"] >= 4
     assert_steps_unchanged(res)
     card = (res.session_dir / "final_summary.txt").read_text()
     flat = "".join(line.strip("|").strip() for line in card.splitlines())  # wrapped lines
@@ -86,7 +88,7 @@ def test_a_communication_bound_capture_puts_the_collective_on_top(tmp_path: Path
     (c,) = [c for c in res.summary["captures"] if c["trigger"] == "COMMUNICATION_BOUND"]
     top = c["operators"][0]
     assert top["communication"] and top["name"] == "gloo:all_reduce", c["operators"]
-    assert c["num_steps"] == 2
+    assert c["num_steps"] == 4
     assert_steps_unchanged(res)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import orjson
 
 from traceml.wire import envelope
+from traceml.wire.captures import DEFAULT_CAPTURE_STEPS
 
 RELAY_INTERVAL_S = 1.0
 """How often a node's relay sends node 0 its batch, in a job of up to
@@ -52,7 +53,7 @@ class CollectorConfig:
     # --capture: automatic captures ("auto"), their steps and each trace's byte cap.
     capture_secret: str | None = None
     capture: str = "auto"
-    capture_steps: int = 2
+    capture_steps: int = DEFAULT_CAPTURE_STEPS
     capture_max_bytes: int = 50 * 10**6
     # Several nodes: the join check.
     join_port: int | None = None

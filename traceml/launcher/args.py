@@ -35,7 +35,7 @@ from traceml.config import (
 from traceml.environment import parse_stall_timeout
 from traceml.errors import UsageError
 from traceml.launcher import slurm
-from traceml.wire.captures import MAX_CAPTURE_BYTES, MAX_CAPTURE_STEPS
+from traceml.wire.captures import DEFAULT_CAPTURE_STEPS, MAX_CAPTURE_BYTES, MAX_CAPTURE_STEPS
 from traceml.wire.identity import MAX_NODES, MAX_WORLD_SIZE
 
 # dest names of the options traceml adds; everything else belongs to torch.
@@ -163,8 +163,9 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
                             "median rank, once per finding kind; off: never on its own "
                             "(traceml capture still asks).")
     group.add_argument("--capture-steps", "--capture_steps", dest="capture_steps",
-                       type=capture_steps, default=2, metavar="K",
-                       help="Steps each capture profiles (default 2, at most 20).")
+                       type=capture_steps, default=DEFAULT_CAPTURE_STEPS, metavar="K",
+                       help=f"Steps each capture profiles (default {DEFAULT_CAPTURE_STEPS}, "
+                            f"at most {MAX_CAPTURE_STEPS}).")
     group.add_argument("--capture-max-mb", "--capture_max_mb", dest="capture_max_mb",
                        type=_megabytes, default=50.0, metavar="MB",
                        help="Each capture's trace stops at this many MB of JSON, and says so "

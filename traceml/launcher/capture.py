@@ -27,7 +27,7 @@ from traceml.launcher.collector_process import CAPTURE_KEY_FILENAME
 from traceml.records import Capture
 from traceml.security import client_keys_from, secure_client
 from traceml.store import STORE_FILENAME, StoreError, StoreReader
-from traceml.wire.captures import MAX_CAPTURE_STEPS
+from traceml.wire.captures import DEFAULT_CAPTURE_STEPS, MAX_CAPTURE_STEPS
 
 
 class CaptureFailed(UsageError):
@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         "shows them too)."))
     parser.add_argument("session_dir", help="The live run's session folder (logs/<session>).")
     parser.add_argument("--rank", type=int, required=True, help="The rank to profile.")
-    parser.add_argument("--steps", type=capture_steps, default=2,
-                        help=f"Steps to profile (default 2, at most {MAX_CAPTURE_STEPS}).")
+    parser.add_argument("--steps", type=capture_steps, default=DEFAULT_CAPTURE_STEPS,
+                        help=f"Steps to profile (default {DEFAULT_CAPTURE_STEPS}, at most "
+                             f"{MAX_CAPTURE_STEPS}).")
     parser.add_argument("--wait", type=number_in(1.0, 3600.0, "seconds"), default=120.0,
                         metavar="SEC",
                         help="Seconds to wait for the ranks' reports (default 120).")
