@@ -37,6 +37,7 @@ from typing import Any
 from accuracy_runs import run_summary
 from bench_options import parse
 
+from traceml.launcher.args import capture_steps
 from traceml.wire.captures import DEFAULT_CAPTURE_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,12 +88,14 @@ def check(case: str, summary: Summary, steps: int) -> tuple[str, float | None]:
     # an optimizer step's profiler range ([input], [optimizer]); a slow fetch's are real
     # time, but not this straggler's (its line names them)
     compute = [o for o in c["operators"] if not o["communication"] and o["part"] == "compute"]
+    if not compute:
+        return "no compute operator listed", None
     if compute[0]["name"] not in ("aten::mm", "aten::addmm") or compute[0]["diff_ms"] <= 0:
         return f"top {compute[0]['name']} {compute[0]['diff_ms']:+.1f} ms", None
     excess = c["phase_ms"]["suspect"] - c["phase_ms"]["reference"]
     share = c["compute_diff_ms"] / excess if excess > 0 else None
     window = finding_excess(summary, c)
-    fetch = sum(o["diff_ms"] or 0.0 for o in c["operators"] if o["part"] == "input")
+    fetch = sum(o["diff_ms"] or 0.0 for o in c["operators"] if o["part"] == "input")  # listed
     print(f"    {case}: operators {c['compute_diff_ms']:+.1f} ms, the phase in the same steps "
           f"{excess:+.1f} ms, the finding's excess over the window {window} ms (the fetch's "
           f"operators {fetch:+.1f} ms)", flush=True)
@@ -113,7 +116,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--cases", nargs="+", choices=tuple(KINDS), default=list(KINDS))
-    parser.add_argument("--capture-steps", type=int, default=DEFAULT_CAPTURE_STEPS,
+    parser.add_argument("--capture-steps", type=capture_steps, default=DEFAULT_CAPTURE_STEPS,
                         help=f"steps each capture profiles (traceml's default, "
                              f"{DEFAULT_CAPTURE_STEPS})")
     args = parse(parser, quick={"runs": 1, "cases": ["uneven"]}, limit_s=3600.0)

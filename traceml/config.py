@@ -93,7 +93,7 @@ class RunConfig:
     otlp_interval_s: float = 10.0
     # --capture: a profiler capture when a live finding names a rank ("auto") or never
     capture: str = "auto"
-    capture_steps: int = 2  # --capture-steps
+    capture_steps: int = 4  # --capture-steps (traceml.wire.captures.DEFAULT_CAPTURE_STEPS)
     capture_max_mb: float = 50.0  # --capture-max-mb: each trace's cap (uncompressed JSON)
 
     @property

@@ -92,6 +92,7 @@ def test_a_busy_process_on_one_ranks_core_names_that_rank(tmp_path: Any) -> None
     assert _named(summary) == [("COMPUTE_STRAGGLER", [1])], summary["step_time"]["findings"]
     # Half a core is half the speed of everything r1 computes, step after step.
     found = summary["step_time"]["diagnosis"]
+    assert found["kind"] == "COMPUTE_STRAGGLER", summary["step_time"]["findings"]
     assert found["why"].startswith("r1 forward and backward were "), found["why"]
     assert found["evidence"]["slower_pct"] >= 90, found
 
