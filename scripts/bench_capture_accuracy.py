@@ -37,8 +37,8 @@ from typing import Any
 from accuracy_runs import run_summary
 from bench_options import parse
 
+from traceml.config import DEFAULT_CAPTURE_STEPS
 from traceml.launcher.args import capture_steps
-from traceml.wire.captures import DEFAULT_CAPTURE_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "e2e" / "scripts" / "capture_job.py"
@@ -95,7 +95,8 @@ def check(case: str, summary: Summary, steps: int) -> tuple[str, float | None]:
     excess = c["phase_ms"]["suspect"] - c["phase_ms"]["reference"]
     share = c["compute_diff_ms"] / excess if excess > 0 else None
     window = finding_excess(summary, c)
-    fetch = sum(o["diff_ms"] or 0.0 for o in c["operators"] if o["part"] == "input")  # listed
+    # the fetch's operators among those listed (the top ones), not every one of them
+    fetch = sum(o["diff_ms"] or 0.0 for o in c["operators"] if o["part"] == "input")
     print(f"    {case}: operators {c['compute_diff_ms']:+.1f} ms, the phase in the same steps "
           f"{excess:+.1f} ms, the finding's excess over the window {window} ms (the fetch's "
           f"operators {fetch:+.1f} ms)", flush=True)

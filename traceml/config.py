@@ -21,6 +21,11 @@ SESSION_ID_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,128}$")
 DEFAULT_AGGREGATOR_PORT = 29765
 DEFAULT_WINDOW_ROWS = 10000  # steps per rank the final summary analyses
 MAX_WINDOW_ROWS = 10**9  # --summary-window-rows at most (more steps than any run has)
+DEFAULT_CAPTURE_STEPS = 4
+"""Steps a capture profiles unless asked otherwise: with 2, one step's stray
+milliseconds (the first profiled step's, a preemption) set the operators' excess
+25 % off the phase's in the same steps; with 4, 20 runs came to 0.93-1.14 of it
+(`scripts/bench_capture_accuracy.py`, README "Profiler captures")."""
 MODES = ("summary", "cli", "dashboard")
 
 
@@ -93,7 +98,7 @@ class RunConfig:
     otlp_interval_s: float = 10.0
     # --capture: a profiler capture when a live finding names a rank ("auto") or never
     capture: str = "auto"
-    capture_steps: int = 4  # --capture-steps (traceml.wire.captures.DEFAULT_CAPTURE_STEPS)
+    capture_steps: int = DEFAULT_CAPTURE_STEPS  # --capture-steps
     capture_max_mb: float = 50.0  # --capture-max-mb: each trace's cap (uncompressed JSON)
 
     @property

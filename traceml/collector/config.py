@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import orjson
 
+from traceml.config import DEFAULT_CAPTURE_STEPS
 from traceml.wire import envelope
-from traceml.wire.captures import DEFAULT_CAPTURE_STEPS
 
 RELAY_INTERVAL_S = 1.0
 """How often a node's relay sends node 0 its batch, in a job of up to

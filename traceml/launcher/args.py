@@ -24,6 +24,7 @@ from torch.distributed import run as torchrun
 
 from traceml.config import (
     DEFAULT_AGGREGATOR_PORT,
+    DEFAULT_CAPTURE_STEPS,
     DEFAULT_WINDOW_ROWS,
     MAX_WINDOW_ROWS,
     MODES,
@@ -35,7 +36,7 @@ from traceml.config import (
 from traceml.environment import parse_stall_timeout
 from traceml.errors import UsageError
 from traceml.launcher import slurm
-from traceml.wire.captures import DEFAULT_CAPTURE_STEPS, MAX_CAPTURE_BYTES, MAX_CAPTURE_STEPS
+from traceml.wire.captures import MAX_CAPTURE_BYTES, MAX_CAPTURE_STEPS
 from traceml.wire.identity import MAX_NODES, MAX_WORLD_SIZE
 
 # dest names of the options traceml adds; everything else belongs to torch.

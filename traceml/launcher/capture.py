@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 import zmq
 
-from traceml.config import UsageErrorParser
+from traceml.config import DEFAULT_CAPTURE_STEPS, UsageErrorParser
 from traceml.diagnosis.operators import CaptureResult, capture_results
 from traceml.errors import UsageError
 from traceml.launcher.args import capture_steps, number_in
@@ -27,7 +27,7 @@ from traceml.launcher.collector_process import CAPTURE_KEY_FILENAME
 from traceml.records import Capture
 from traceml.security import client_keys_from, secure_client
 from traceml.store import STORE_FILENAME, StoreError, StoreReader
-from traceml.wire.captures import DEFAULT_CAPTURE_STEPS, MAX_CAPTURE_STEPS
+from traceml.wire.captures import MAX_CAPTURE_STEPS
 
 
 class CaptureFailed(UsageError):

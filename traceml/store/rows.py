@@ -105,6 +105,7 @@ def checked_step(values: Sequence[Any]) -> StepRow:
 
 _PROCESS_VALUES = ("cpu_pct", "rss_bytes", "host_ram_total_bytes", "num_cpus",
                    "device_allocated_bytes", "device_reserved_bytes", "device_total_bytes")
+_PROCESS_COLUMNS = ("rank", "node_rank", "t", *_PROCESS_VALUES)  # a process row's, in order
 
 
 def clock_exchange(r: Mapping[str, Any]) -> tuple[str, int, Exchange]:
@@ -121,9 +122,8 @@ def process_samples(names: Sequence[str], rows: Sequence[Sequence[Any]]
     (:func:`process_sample`) only when a column fails.  SQLite keeps no NaN (it
     stores NULL), so a column's least and greatest values bound all of them."""
     at = {name: i for i, name in enumerate(names)}
-    wanted = ("rank", "node_rank", "t", *_PROCESS_VALUES)
-    if rows and all(c in at for c in wanted):  # a table without one: an edited file
-        columns = [list(map(operator.itemgetter(at[c]), rows)) for c in wanted]
+    if rows and all(c in at for c in _PROCESS_COLUMNS):  # a table without one: an edited file
+        columns = [list(map(operator.itemgetter(at[c]), rows)) for c in _PROCESS_COLUMNS]
         if _admits_process(columns):
             return [ProcessSample(rank, node, t, cpu or 0.0, rss or 0, ram or 0, cpus or 1,
                                   *device)

@@ -18,11 +18,6 @@ from traceml.wire.identity import MAX_WORLD_SIZE
 
 ASK_OP = "capture"
 MAX_CAPTURE_STEPS = 20
-DEFAULT_CAPTURE_STEPS = 4
-"""Steps a capture profiles unless asked otherwise: with 2, one step's stray
-milliseconds (the first profiled step's, a preemption) set the operators' excess
-25 % off the phase's in the same steps; with 4, 20 runs came to 0.93-1.14 of it
-(`scripts/bench_capture_accuracy.py`, README "Profiler captures")."""
 MAX_CAPTURE_BYTES = 2**34
 MAX_OPERATORS = 64  # rows of a report: the most expensive (operator, input shapes) pairs
 MAX_ID_CHARS = 64
