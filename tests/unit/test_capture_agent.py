@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.unit.test_runtime import Collector, install
+from traceml.agent.capture import _TraceFile
 from traceml.agent.runtime import AgentRuntime
 from traceml.environment import AgentEnv
 from traceml.wire.captures import CaptureAsk, CaptureReport
@@ -145,6 +146,23 @@ def test_the_byte_cap_cuts_the_trace_and_says_so(runtime: AgentRuntime) -> None:
     assert report.path is not None
     with gzip.open(report.path) as f:
         assert len(f.read()) < 20_000 + 10_000  # the events, then the header's keys
+
+
+def test_the_cap_bounds_the_events_array_to_the_byte(tmp_path: Path) -> None:
+    """The events as the trace's readers get them, one JSON array, hold at most the cap;
+    the event that would pass it is dropped, whole."""
+    events = [{"ph": "X", "name": f"aten::op{i}", "ts": 1.5 * i, "dur": 1.0}
+              for i in range(20)]
+    sizes = [len(json.dumps(e, separators=(",", ":")).encode()) for e in events]
+    fits = 10
+    cap = 2 + sum(sizes[:fits]) + fits - 1  # brackets, events, commas: exactly ten
+    trace = _TraceFile(str(tmp_path / "t.json.gz"), cap)
+    assert not trace.add({"traceEvents": events, "schemaVersion": 1})
+    trace.close({"steps": 1})
+    with gzip.open(tmp_path / "t.json.gz") as f:
+        kept = json.load(f)["traceEvents"]
+    assert kept == events[:fits]
+    assert len(json.dumps(kept, separators=(",", ":"))) == cap == trace.size
 
 
 def test_a_capture_open_when_the_sender_stops_is_closed_by_the_training_thread(

@@ -88,12 +88,13 @@ class _Capture:
 
 class _TraceFile:
     """One rank's Chrome trace of one capture, gzip, the events of each step appended
-    until the byte cap (uncompressed JSON)."""
+    until the byte cap: the events as one JSON array, brackets and commas counted, hold
+    at most ``max_bytes``."""
 
     def __init__(self, path: str, max_bytes: int) -> None:
         self.path = path
         self.max_bytes = max_bytes
-        self.size = 0  # uncompressed bytes of events written
+        self.size = 2  # the events' array so far, "[" and "]" included
         self.header: dict[str, Any] | None = None
         self._part = path + ".part"  # renamed once whole: a reader never sees half a trace
         self._file: Any = gzip.open(self._part, "wb", compresslevel=GZIP_LEVEL)
@@ -105,12 +106,12 @@ class _TraceFile:
         if self.header is None:
             self.header = {k: v for k, v in trace.items() if k != "traceEvents"}
         for event in trace.get("traceEvents", ()):
-            data = orjson.dumps(event)
-            if self.size + len(data) + 1 > self.max_bytes:
+            data = orjson.dumps(event) if self._first else b"," + orjson.dumps(event)
+            if self.size + len(data) > self.max_bytes:
                 return False
-            self._file.write(data if self._first else b"," + data)
+            self._file.write(data)
             self._first = False
-            self.size += len(data) + 1
+            self.size += len(data)
         return True
 
     def close(self, meta: dict[str, Any]) -> int:
