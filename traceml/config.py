@@ -26,6 +26,9 @@ DEFAULT_CAPTURE_STEPS = 4
 milliseconds (the first profiled step's, a preemption) set the operators' excess
 25 % off the phase's in the same steps; with 4, 20 runs came to 0.93-1.14 of it
 (`scripts/bench_capture_accuracy.py`, README "Profiler captures")."""
+DEFAULT_CAPTURE_MAX_MB = 50.0
+"""Each capture trace's cap unless asked otherwise: its events, as one JSON array,
+hold at most this many MB (10**6 bytes), uncompressed."""
 MODES = ("summary", "cli", "dashboard")
 
 
@@ -99,7 +102,11 @@ class RunConfig:
     # --capture: a profiler capture when a live finding names a rank ("auto") or never
     capture: str = "auto"
     capture_steps: int = DEFAULT_CAPTURE_STEPS  # --capture-steps
-    capture_max_mb: float = 50.0  # --capture-max-mb: each trace's cap (uncompressed JSON)
+    capture_max_mb: float = DEFAULT_CAPTURE_MAX_MB  # --capture-max-mb: each trace's cap
+
+    @property
+    def capture_max_bytes(self) -> int:
+        return int(self.capture_max_mb * 10**6)
 
     @property
     def multi_node(self) -> bool:

@@ -99,18 +99,16 @@ class _TraceFile:
         self._part = path + ".part"  # renamed once whole: a reader never sees half a trace
         self._file: Any = gzip.open(self._part, "wb", compresslevel=GZIP_LEVEL)
         self._file.write(b'{"traceEvents":[')
-        self._first = True
 
     def add(self, trace: dict[str, Any]) -> bool:
         """Append one session's events; False when the cap stopped it (the rest dropped)."""
         if self.header is None:
             self.header = {k: v for k, v in trace.items() if k != "traceEvents"}
         for event in trace.get("traceEvents", ()):
-            data = orjson.dumps(event) if self._first else b"," + orjson.dumps(event)
+            data = orjson.dumps(event) if self.size == 2 else b"," + orjson.dumps(event)
             if self.size + len(data) > self.max_bytes:
                 return False
             self._file.write(data)
-            self._first = False
             self.size += len(data)
         return True
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from traceml.config import DEFAULT_CAPTURE_STEPS
+from traceml.config import DEFAULT_CAPTURE_MAX_MB, DEFAULT_CAPTURE_STEPS
 from traceml.wire import envelope
 
 RELAY_INTERVAL_S = 1.0
@@ -54,7 +54,7 @@ class CollectorConfig:
     capture_secret: str | None = None
     capture: str = "auto"
     capture_steps: int = DEFAULT_CAPTURE_STEPS
-    capture_max_bytes: int = 50 * 10**6
+    capture_max_bytes: int = int(DEFAULT_CAPTURE_MAX_MB * 10**6)
     # Several nodes: the join check.
     join_port: int | None = None
     expected: dict[str, str] | None = None  # nnodes, nproc_per_node as node 0 has them

@@ -24,6 +24,7 @@ from torch.distributed import run as torchrun
 
 from traceml.config import (
     DEFAULT_AGGREGATOR_PORT,
+    DEFAULT_CAPTURE_MAX_MB,
     DEFAULT_CAPTURE_STEPS,
     DEFAULT_WINDOW_ROWS,
     MAX_WINDOW_ROWS,
@@ -168,9 +169,9 @@ def add_traceml_options(parser: argparse.ArgumentParser) -> None:
                        help=f"Steps each capture profiles (default {DEFAULT_CAPTURE_STEPS}, "
                             f"at most {MAX_CAPTURE_STEPS}).")
     group.add_argument("--capture-max-mb", "--capture_max_mb", dest="capture_max_mb",
-                       type=_megabytes, default=50.0, metavar="MB",
+                       type=_megabytes, default=DEFAULT_CAPTURE_MAX_MB, metavar="MB",
                        help="Each capture's trace stops at this many MB of JSON, and says so "
-                            "(default 50).")
+                            f"(default {DEFAULT_CAPTURE_MAX_MB:g}).")
     group.add_argument("--html", action="store_true",
                        help="Also write final_summary.html.")
     group.add_argument("--no-trace", "--no_trace", dest="no_trace", action="store_true",
